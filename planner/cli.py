@@ -1,0 +1,189 @@
+"""The `planner` command line: parses flags, calls the pure functions, prints with rich.
+
+This is the only module that prints. Errors the user can fix are PlannerError
+subclasses: they print as one paragraph and exit with their code (2 for bad
+input, 1 for a request with no answer), never as a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, List, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from planner import __version__
+from planner.errors import PlannerError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Plan pipeline-parallel training for a PyTorch model and write the configs to run it.",
+    pretty_exceptions_enable=False,
+)
+hardware_app = typer.Typer(no_args_is_help=True, help="List and show hardware profiles.")
+app.add_typer(hardware_app, name="hardware")
+
+out = Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True, highlight=False)
+
+
+def _fail(e: PlannerError) -> None:
+    err.print(f"[bold red]error:[/] {e.message}", markup=True, highlight=False)
+    if e.hint:
+        err.print(e.hint, markup=False)
+    raise typer.Exit(e.exit_code)
+
+
+@contextmanager
+def _errors() -> Iterator[None]:
+    try:
+        yield
+    except PlannerError as e:
+        _fail(e)
+
+
+@contextmanager
+def progress_reporter(enabled: bool) -> Iterator:
+    """A callback(phase, done, total) that shows a progress bar once work has lasted over a second."""
+    if not enabled or not err.is_terminal:
+        yield None
+        return
+    start = time.monotonic()
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=err, transient=True)
+    tasks: dict[str, int] = {}
+    shown = False
+
+    def report(phase: str, done: int, total: int) -> None:
+        nonlocal shown
+        if not shown and time.monotonic() - start > 1.0:
+            bar.start()
+            shown = True
+        if phase not in tasks:
+            tasks[phase] = bar.add_task(phase, total=max(total, 1))
+        bar.update(tasks[phase], completed=done, total=max(total, 1))
+
+    try:
+        yield report
+    finally:
+        if shown:
+            bar.stop()
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:,.1f}"
+
+
+def _gf(x: float) -> str:
+    return f"{x / 1e9:,.2f}"
+
+
+ModelArg = typer.Option(None, "--model-arg", help="KEY=VALUE passed to the model file's functions (repeatable).")
+Leaf = typer.Option(None, "--leaf", help="Class name to keep as one piece (repeatable).")
+
+
+@app.command()
+def inspect(
+    model: Path = typer.Argument(..., help="Model file defining build_model() and example_inputs()."),
+    micro_batch: int = typer.Option(1, "--micro-batch", "-b", help="Samples per micro-batch."),
+    model_arg: Optional[List[str]] = ModelArg,
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp16 | fp32"),
+    leaf: Optional[List[str]] = Leaf,
+    tracer: str = typer.Option("auto", "--tracer", help="auto | fx | export"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Show what every piece of the model costs: FLOPs, parameters, saved activations, cut bytes."""
+    from planner.model.analyze import analyze
+    from planner.model.load import parse_model_args
+
+    with _errors():
+        with progress_reporter(not as_json) as report:
+            a = analyze(model, parse_model_args(model_arg), micro_batch, dtype, leaf, tracer, progress=report)
+    c = a.costs
+    totals = {
+        "params": c.total_params,
+        "flops_fwd": sum(l.flops_fwd for l in c.layers),
+        "flops_bwd": sum(l.flops_bwd for l in c.layers),
+        "saved_bytes": sum(l.saved_bytes for l in c.layers),
+        "layers": c.n,
+        "tracer": a.layer_graph.tracer,
+        "micro_batch": c.micro_batch,
+        "dtype": c.dtype,
+        "seq_len": c.seq_len,
+    }
+    if as_json:
+        doc = {
+            "layers": [l.to_dict() for l in c.layers],
+            "cuts": [x.to_dict() for x in c.cuts[1:-1]],
+            "totals": totals,
+            "tied": [g.to_dict() for g in c.tied],
+            "notes": list(c.notes),
+        }
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        return
+    table = Table(title=f"{model.name}: {c.n} pieces, micro-batch {c.micro_batch}, {c.dtype}", show_lines=False)
+    for col, just in [("#", "right"), ("layer", "left"), ("kind", "left"), ("params", "right"), ("fwd GFLOP", "right"), ("bwd GFLOP", "right"), ("saved MiB", "right"), ("out MiB", "right"), ("cut MiB", "right")]:
+        table.add_column(col, justify=just)
+    for i, l in enumerate(c.layers):
+        cut = c.cuts[i + 1].bytes if i + 1 < c.n else 0
+        table.add_row(str(i), l.name, l.kind, f"{l.params:,}", _gf(l.flops_fwd), _gf(l.flops_bwd), _mib(l.saved_bytes), _mib(l.out_bytes), _mib(cut) if i + 1 < c.n else "")
+    table.add_section()
+    table.add_row("", "total", "", f"{c.total_params:,}", _gf(totals["flops_fwd"]), _gf(totals["flops_bwd"]), _mib(totals["saved_bytes"]), "", "")
+    out.print(table)
+    for g in c.tied:
+        out.print(f"tied: {g.name} ({g.params:,} params) is shared by pieces {', '.join(map(str, g.layers))}; counted once in the total")
+    for note in c.notes:
+        out.print(f"note: {note}")
+    out.print(f"traced with {a.layer_graph.tracer}; cut MiB = bytes crossing the cut after the piece (skip connections included)")
+
+
+@hardware_app.command("list")
+def hardware_list(hardware_profile: Optional[List[Path]] = typer.Option(None, "--hardware-profile", help="Extra profile file or folder.")) -> None:
+    """List the known devices."""
+    from planner import hardware
+
+    with _errors():
+        profiles = hardware.available_profiles(hardware_profile or ())
+        rows = hardware.profiles_table_rows(profiles)
+    table = Table(title="hardware profiles")
+    for col in rows[0].keys() if rows else []:
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*[str(v) for v in row.values()])
+    out.print(table)
+
+
+@hardware_app.command("show")
+def hardware_show(name: str, hardware_profile: Optional[List[Path]] = typer.Option(None, "--hardware-profile")) -> None:
+    """Show one device profile with the source of every number."""
+    from planner import hardware
+
+    with _errors():
+        profiles = hardware.available_profiles(hardware_profile or ())
+        prof, note = hardware.resolve_device(name, profiles)
+        rows = hardware.describe_profile(prof)
+    if note:
+        err.print(f"note: {note}")
+    table = Table(title=f"{prof.name} ({prof.key})")
+    for col in ("field", "value", "source"):
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    out.print(table)
+
+
+@app.command()
+def version() -> None:
+    """Print the planner version."""
+    out.print(__version__)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,81 @@
+"""load → trace → cost in one call: what `planner inspect` and `planner plan` start from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from planner.errors import UsageError
+from planner.model.cost import cost_layers
+from planner.model.load import ModelFile, load_model_file
+from planner.model.trace import LayerGraph, build_layer_graph
+from planner.records import ModelCosts
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class Analysis:
+    model_file: ModelFile
+    layer_graph: LayerGraph
+    costs: ModelCosts
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise UsageError(f"Unknown dtype {name!r}.", f"Use one of {', '.join(DTYPES)}.") from None
+
+
+def infer_seq_len(arch: dict[str, Any] | None, inputs: tuple[torch.Tensor, ...]) -> int | None:
+    """Sequence length from ``architecture()``, else from a (batch, seq) integer input."""
+    if arch and arch.get("seq_length"):
+        return int(arch["seq_length"])
+    first = inputs[0] if inputs else None
+    if first is not None and first.dim() == 2 and not first.is_floating_point():
+        return int(first.shape[1])
+    return None
+
+
+def analyze(
+    path: str | Path,
+    model_args: dict[str, Any] | None = None,
+    micro_batch: int = 1,
+    dtype: str = "bf16",
+    leaf: list[str] | None = None,
+    tracer: str = "auto",
+    sub_block_cuts: bool = True,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> Analysis:
+    """Load ``path``, build its model on meta, trace it and cost every piece for ``micro_batch`` samples."""
+    if micro_batch < 1:
+        raise UsageError(f"--micro-batch must be at least 1, got {micro_batch}.")
+    if tracer not in ("auto", "fx", "export"):
+        raise UsageError(f"Unknown tracer {tracer!r}.", "Use auto, fx or export.")
+    tdtype = torch_dtype(dtype)
+    mf = load_model_file(path, model_args)
+    if progress:
+        progress("build", 0, 1)
+    model = mf.build_meta(tdtype)
+    arch = mf.architecture()
+    inputs = mf.inputs_meta(micro_batch, tdtype)
+    inputs2 = mf.inputs_meta(2 * micro_batch, tdtype)
+    if progress:
+        progress("trace", 0, 1)
+    lg = build_layer_graph(model, inputs, inputs2, leaf_classes=leaf or (), tracer=tracer, sub_block_cuts=sub_block_cuts)
+    seq = infer_seq_len(arch, inputs)
+    costs = cost_layers(
+        lg,
+        inputs,
+        micro_batch,
+        tdtype,
+        seq_len=seq,
+        model_file=mf,
+        architecture=arch,
+        progress=(lambda i, n: progress("cost", i, n)) if progress else None,
+    )
+    return Analysis(mf, lg, costs)

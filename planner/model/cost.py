@@ -1,0 +1,357 @@
+"""Per-piece costs from one forward and backward on the meta device.
+
+For each piece of a LayerGraph this runs the piece alone on meta tensors and
+records its FLOPs (torch's FlopCounterMode), the bytes moved by operators
+that have no FLOP formula, the activation bytes autograd saves for backward
+(``saved_tensors_hooks``, de-duplicated by storage, parameters and buffers
+excluded), and the share of the backward that computes weight gradients.
+
+Accounting follows the target GPU's kernels, not the CPU's:
+* ``F.scaled_dot_product_attention`` runs as the flash kernel
+  (``aten._scaled_dot_product_flash_attention``): it saves q, k, v, the
+  output and a float32 log-sum-exp per row, never an s x s matrix; its
+  backward recomputes the scores (2.5x the forward FLOPs). With an explicit
+  ``attn_mask`` it runs as the memory-efficient kernel instead.
+* dropout saves a one-byte mask (``aten.native_dropout``), as CUDA does.
+* explicit attention written as matmuls (``softmax(q @ k^T) @ v``) is costed
+  as written: its s x s tensors are the attention core that selective
+  recomputation drops.
+
+Identical pieces (same code, parameter shapes, module settings and input
+shapes) are costed once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+from planner.model.trace import LayerGraph, dtype_name
+from planner.records import Cut, Layer, ModelCosts, TiedGroup
+
+_aten = torch.ops.aten
+
+
+class GpuKernels(TorchFunctionMode):
+    """Route attention and dropout to the kernels a GPU runs, so meta-device costing matches them."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return _sdpa(*args, **kwargs)
+        if func is F.dropout or func is torch.dropout:
+            return _dropout(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if enable_gqa and key.size(-3) != query.size(-3):
+        rep = query.size(-3) // key.size(-3)
+        key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
+    if attn_mask is not None:
+        bias = attn_mask
+        if bias.dtype == torch.bool:
+            bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device).masked_fill(~bias, float("-inf"))
+        out = _aten._scaled_dot_product_efficient_attention(query, key, value, bias.expand(query.size(0), query.size(1), query.size(2), key.size(2)), True, dropout_p, is_causal, scale=scale)
+        return out[0]
+    out = _aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False, scale=scale)
+    return out[0]
+
+
+def _dropout(input, p=0.5, training=True, inplace=False):
+    if not training or p == 0.0:
+        return input
+    return _aten.native_dropout(input, p, True)[0]
+
+
+def _is_scores(t: torch.Tensor, s: int, batch: int) -> bool:
+    """An attention-score tensor: (..., s, s) with more than ``batch`` s x s matrices (several heads).
+
+    The head count tells it from a (batch, s, hidden) activation when hidden == s.
+    """
+    return t.dim() >= 3 and t.shape[-1] == s and t.shape[-2] == s and t.numel() // (s * s) > batch
+
+
+def _tensor_bytes(t: Any) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _flat_tensors(x: Any) -> list[torch.Tensor]:
+    flat, _ = torch.utils._pytree.tree_flatten(x)
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+class _OpMeter(TorchDispatchMode):
+    """Counts, per operator call: bytes moved by operators without a FLOP formula, attention-core work, largest output."""
+
+    def __init__(self, seq_len: int | None, batch: int):
+        super().__init__()
+        self.seq_len = seq_len
+        self.batch = batch
+        self.mem_bytes = 0.0
+        self.core_flops = 0.0
+        self.core_bytes = 0.0
+        self.max_out = 0
+        self.flop_ops = 0
+
+    def _is_core(self, tensors: list[torch.Tensor]) -> bool:
+        s = self.seq_len
+        return bool(s and s > 1 and any(_is_scores(t, s, self.batch) for t in tensors))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        ins = _flat_tensors((args, kwargs))
+        outs = _flat_tensors(out)
+        core = self._is_core(ins + outs)
+        packet = func.overloadpacket
+        if packet in flop_registry:
+            self.flop_ops += 1
+            if core:
+                self.core_flops += flop_registry[packet](*args, **kwargs, out_val=out)
+        elif not func.is_view and func not in _NO_TRAFFIC:
+            moved = sum(_tensor_bytes(t) for t in ins) + sum(_tensor_bytes(t) for t in outs)
+            self.mem_bytes += moved
+            if core:
+                self.core_bytes += moved
+        self.max_out = max(self.max_out, sum(_tensor_bytes(t) for t in outs))
+        return out
+
+
+_NO_TRAFFIC = {
+    _aten.detach.default,
+    _aten.empty.memory_format,
+    _aten.empty_like.default,
+    _aten.zeros.default,
+    _aten.ones_like.default,
+    _aten.zeros_like.default,
+    _aten.lift_fresh.default,
+    _aten.sym_size.int,
+    _aten.sym_numel.default,
+}
+
+
+@dataclass
+class PieceCost:
+    flops_fwd: float
+    flops_bwd: float
+    flops_bwd_input: float
+    saved_bytes: int
+    mem_bytes_fwd: float
+    mem_bytes_bwd: float
+    core_flops_fwd: float
+    core_bytes_fwd: float
+    core_saved_bytes: int
+    max_op_bytes: int
+    matmul_ops_fwd: int
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def cost_piece(
+    module: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    seq_len: int | None,
+    batch: int,
+    loss: Callable[[Any], torch.Tensor] | None = None,
+) -> tuple[PieceCost, Any]:
+    """Run ``module`` forward and backward on meta ``inputs``; returns its costs and (detached) outputs.
+
+    ``loss`` maps the outputs to a scalar (the last piece's loss function); other pieces
+    back-propagate a gradient of ones into every output that requires grad.
+    """
+    excluded = {_storage_key(p) for p in module.parameters()} | {_storage_key(b) for b in module.buffers()}
+    leaf_inputs = tuple(t.detach().requires_grad_(t.requires_grad and t.is_floating_point()) for t in inputs)
+    saved: dict[int, int] = {}
+    core_saved: dict[int, int] = {}
+    refs: list[torch.Tensor] = []
+    s = seq_len
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in excluded and key not in saved:
+            saved[key] = t.untyped_storage().nbytes()
+            if s and s > 1 and _is_scores(t, s, batch):
+                core_saved[key] = saved[key]
+            refs.append(t)
+        return t
+
+    fwd_meter = _OpMeter(seq_len, batch)
+    with torch.device("meta"), GpuKernels(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with FlopCounterMode(display=False) as fc_fwd, fwd_meter:
+            out = module(*leaf_inputs)
+            target = loss(out) if loss is not None else None
+    flops_fwd = float(fc_fwd.get_total_flops())
+
+    outs = [t for t in _flat_tensors(out) if t.requires_grad]
+    if target is not None:
+        roots, grads = [target], [torch.ones_like(target)]
+    else:
+        roots, grads = outs, [torch.ones_like(t) for t in outs]
+    grad_inputs = [t for t in leaf_inputs if t.requires_grad]
+    flops_bwd_input = 0.0
+    flops_bwd = 0.0
+    bwd_meter = _OpMeter(seq_len, batch)
+    if roots:
+        with torch.device("meta"):
+            if grad_inputs:
+                with FlopCounterMode(display=False) as fc_in:
+                    torch.autograd.grad(roots, grad_inputs, grads, retain_graph=True, allow_unused=True)
+                flops_bwd_input = float(fc_in.get_total_flops())
+            with FlopCounterMode(display=False) as fc_bwd, bwd_meter:
+                torch.autograd.backward(roots, grads)
+            flops_bwd = float(fc_bwd.get_total_flops())
+    for p in module.parameters():
+        p.grad = None
+    cost = PieceCost(
+        flops_fwd=flops_fwd,
+        flops_bwd=flops_bwd,
+        flops_bwd_input=min(flops_bwd_input, flops_bwd),
+        saved_bytes=sum(saved.values()),
+        mem_bytes_fwd=fwd_meter.mem_bytes,
+        mem_bytes_bwd=bwd_meter.mem_bytes,
+        core_flops_fwd=fwd_meter.core_flops,
+        core_bytes_fwd=fwd_meter.core_bytes,
+        core_saved_bytes=sum(core_saved.values()),
+        max_op_bytes=max(fwd_meter.max_out, bwd_meter.max_out),
+        matmul_ops_fwd=fwd_meter.flop_ops,
+    )
+    detached = torch.utils._pytree.tree_map(lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, out)
+    return cost, detached
+
+
+def _signature(module: nn.Module, inputs: tuple[torch.Tensor, ...], prefix: str | None) -> tuple:
+    """Structure of a piece: graph ops, module classes and settings, parameter and input shapes."""
+
+    def norm(name: str) -> str:
+        return name.replace(prefix, "#", 1) if prefix and name.startswith(prefix) else name
+
+    gm = module.gm
+    ops = []
+    for node in gm.graph.nodes:
+        target = node.target if isinstance(node.target, str) else getattr(node.target, "__qualname__", repr(node.target))
+        ops.append((node.op, norm(str(target)), len(node.args)))
+    mods = []
+    for name, m in gm.named_modules():
+        settings = tuple(sorted((k, v) for k, v in vars(m).items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))))
+        mods.append((norm(name), type(m).__qualname__, settings))
+    params = tuple((norm(n), tuple(p.shape), p.dtype, p.requires_grad) for n, p in gm.named_parameters())
+    ins = tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in inputs)
+    return (tuple(ops), tuple(mods), params, ins)
+
+
+def _loss_closure(model_file, batch_size: int) -> Callable[[Any], torch.Tensor]:
+    target = None
+    if model_file is not None and model_file.has("example_target"):
+        with torch.device("meta"):
+            target = model_file.call("example_target", batch_size)
+        target = torch.utils._pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, target)
+    if model_file is not None and model_file.has("loss_fn") and target is not None:
+        fn = model_file.funcs["loss_fn"]
+        return lambda out: fn(out, target)
+    return lambda out: sum(t.float().mean() for t in _flat_tensors(out) if t.is_floating_point())
+
+
+def cost_layers(
+    lg: LayerGraph,
+    inputs: tuple[torch.Tensor, ...],
+    micro_batch: int,
+    dtype: torch.dtype,
+    seq_len: int | None = None,
+    model_file=None,
+    architecture: dict | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> ModelCosts:
+    """Cost every piece of ``lg`` for one micro-batch; identical pieces are costed once.
+
+    The loss (``loss_fn`` of the model file, else the mean of the output) is
+    costed with the last piece, which is where it runs in a pipeline.
+    """
+    layers: list[Layer] = []
+    cache: dict[tuple, tuple[PieceCost, Any]] = {}
+    values: dict[Any, torch.Tensor] = {node: t for node, t in zip(lg.boundaries[0], inputs)}
+    param_owner: dict[int, list[int]] = {}
+    param_info: dict[int, tuple[str, int]] = {}
+    loss = _loss_closure(model_file, micro_batch)
+    for i, piece in enumerate(lg.pieces):
+        mod = lg.stage_module(i, i + 1)
+        args = tuple(values[v] for v in lg.boundaries[i])
+        prefix = (piece.block + ".") if piece.block else None
+        sig = _signature(mod, args, prefix) + ((i == lg.n - 1),)
+        hit = cache.get(sig)
+        if hit is None:
+            cost, out = cost_piece(mod, args, seq_len, micro_batch, loss if i == lg.n - 1 else None)
+            cache[sig] = (cost, out)
+        else:
+            cost, out_cached = hit
+            out = out_cached
+        if i < lg.n - 1:
+            outs = out if isinstance(out, tuple) else (out,)
+            for node, t in zip(lg.boundaries[i + 1], outs):
+                values[node] = t
+        params = {id(p): (n, p) for n, p in mod.gm.named_parameters(remove_duplicate=True)}
+        for pid, (n, p) in params.items():
+            param_owner.setdefault(pid, []).append(i)
+            param_info[pid] = (n, p.numel())
+        n_params = sum(p.numel() for _, p in params.values())
+        shardable = sum(
+            p.numel()
+            for name, m in mod.gm.named_modules()
+            if isinstance(m, (nn.Linear, nn.Embedding))
+            for p in m.parameters(recurse=False)
+        )
+        if not any(True for _ in mod.gm.modules() if isinstance(_, (nn.Linear, nn.Embedding))):
+            shardable = 0
+        out_bytes = sum(t.bytes for t in lg.cut_tensors(i + 1) if t.name in {v.name for v in piece.nodes})
+        layers.append(
+            Layer(
+                name=piece.name,
+                kind=piece.kind,
+                params=n_params,
+                param_bytes=sum(p.numel() * p.element_size() for _, p in params.values()),
+                flops_fwd=cost.flops_fwd,
+                flops_bwd=cost.flops_bwd,
+                saved_bytes=cost.saved_bytes,
+                out_bytes=out_bytes if i < lg.n - 1 else sum(t.bytes for t in lg.cut_tensors(lg.n)),
+                block=piece.block,
+                modules=piece.modules,
+                flops_bwd_weight=max(cost.flops_bwd - cost.flops_bwd_input, 0.0),
+                mem_bytes_fwd=cost.mem_bytes_fwd,
+                mem_bytes_bwd=cost.mem_bytes_bwd,
+                core_flops_fwd=cost.core_flops_fwd,
+                core_bytes_fwd=cost.core_bytes_fwd,
+                core_saved_bytes=cost.core_saved_bytes,
+                shardable_params=min(shardable, n_params),
+                buffer_bytes=sum(b.numel() * b.element_size() for b in mod.buffers()),
+                max_op_bytes=cost.max_op_bytes,
+                matmul_ops_fwd=cost.matmul_ops_fwd,
+            )
+        )
+        if progress:
+            progress(i + 1, lg.n)
+    tied = tuple(
+        TiedGroup(param_info[pid][0], param_info[pid][1], tuple(owners))
+        for pid, owners in param_owner.items()
+        if len(owners) > 1
+    )
+    cuts = tuple(Cut(k, lg.cut_kinds[k], lg.cut_tensors(k)) for k in range(lg.n + 1))
+    return ModelCosts(
+        layers=tuple(layers),
+        cuts=cuts,
+        micro_batch=micro_batch,
+        dtype=dtype_name(dtype),
+        seq_len=seq_len,
+        tied=tied,
+        architecture=architecture,
+        notes=tuple(lg.notes),
+    )

@@ -1,0 +1,180 @@
+"""Load a user's model file and build its model on the meta device.
+
+The model-file contract (see README): ``build_model(**kwargs)``,
+``example_inputs(batch_size, **kwargs)``, and optionally ``loss_fn(output,
+target)``, ``example_target(batch_size, **kwargs)`` and
+``architecture(**kwargs)``. ``--model-arg KEY=VALUE`` values are passed to
+every function that accepts them.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.util
+import inspect
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+
+from planner.errors import UsageError
+
+CONTRACT = ("build_model", "example_inputs", "loss_fn", "example_target", "architecture")
+
+
+def parse_model_args(pairs: list[str] | None) -> dict[str, Any]:
+    """Parse ``KEY=VALUE`` strings; values are Python literals when they parse as one, else strings."""
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, raw = pair.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise UsageError(
+                f"--model-arg {pair!r} is not KEY=VALUE.",
+                "Write it as e.g. --model-arg preset=llama-70b --model-arg seq_len=4096.",
+            )
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = {"true": True, "false": False, "none": None}.get(raw.lower(), raw)
+        out[key] = value
+    return out
+
+
+@dataclass
+class ModelFile:
+    """A loaded model file: its contract functions and the arguments to call them with."""
+
+    path: Path
+    module: ModuleType
+    model_args: dict[str, Any]
+    sha256: str
+    funcs: dict[str, Callable[..., Any]] = field(default_factory=dict)
+
+    def _kwargs(self, name: str) -> dict[str, Any]:
+        fn = self.funcs[name]
+        sig = inspect.signature(fn)
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
+            return dict(self.model_args)
+        return {k: v for k, v in self.model_args.items() if k in sig.parameters}
+
+    def call(self, name: str, *args: Any) -> Any:
+        """Call contract function ``name``; errors raised by user code become a UsageError naming it."""
+        try:
+            return self.funcs[name](*args, **self._kwargs(name))
+        except UsageError:
+            raise
+        except Exception as e:  # user code: report where it failed
+            raise UsageError(
+                f"{self.path.name}: {name}() raised {type(e).__name__}: {e} ({_user_frame(e, self.path)}).",
+                f"Fix the model file or the --model-arg values; the model-file contract is in the README.",
+            ) from e
+
+    def has(self, name: str) -> bool:
+        return name in self.funcs
+
+    def build_meta(self, dtype: torch.dtype) -> torch.nn.Module:
+        """Build the model on the meta device in ``dtype``: no weights are allocated."""
+        with torch.device("meta"):
+            model = self.call("build_model")
+        if not isinstance(model, torch.nn.Module):
+            raise UsageError(
+                f"{self.path.name}: build_model() returned {type(model).__name__}, not a torch.nn.Module.",
+                "Return the model object from build_model().",
+            )
+        real = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.device.type != "meta"]
+        if real:
+            raise UsageError(
+                f"{self.path.name}: build_model() created tensors outside the meta device (e.g. {real[0]!r}).",
+                "Create parameters and buffers without an explicit device=... so that the planner's meta device applies.",
+            )
+        model = model.to(dtype=dtype) if dtype is not None else model
+        model.train()
+        return model
+
+    def inputs_meta(self, batch_size: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+        """One micro-batch of example inputs on the meta device (floating inputs cast to ``dtype``)."""
+        with torch.device("meta"):
+            inputs = self.call("example_inputs", batch_size)
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        if not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in inputs):
+            raise UsageError(
+                f"{self.path.name}: example_inputs() must return a tensor or a tuple of tensors.",
+                "Return e.g. (torch.randint(0, vocab, (batch_size, seq_len)),).",
+            )
+        inputs = tuple(t if t.device.type == "meta" else t.to("meta") for t in inputs)
+        if dtype is not None:
+            inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
+        return inputs
+
+    def architecture(self) -> dict[str, Any] | None:
+        return self.call("architecture") if self.has("architecture") else None
+
+
+def _user_frame(exc: BaseException, path: Path) -> str:
+    """'file.py line N' of the deepest traceback frame inside the user's file, if any."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).resolve() == path.resolve()]
+    if not frames:
+        return "outside the model file"
+    f = frames[-1]
+    return f"{path.name} line {f.lineno}: {f.line}"
+
+
+def load_model_file(path: str | Path, model_args: dict[str, Any] | None = None) -> ModelFile:
+    """Import ``path`` as a module and check that it follows the contract."""
+    path = Path(path)
+    if not path.is_file():
+        hint = "Pass the path of a Python file that defines build_model() and example_inputs()."
+        if path.with_suffix(".py").is_file():
+            hint = f"Did you mean {path.with_suffix('.py')}?"
+        raise UsageError(f"Model file {str(path)!r} does not exist.", hint)
+    source = path.read_bytes()
+    name = "_planner_model_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise UsageError(f"{path} cannot be imported as a Python module.", "Model files must be .py files.")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        sys.modules.pop(name, None)
+        raise UsageError(
+            f"Importing {path.name} raised {type(e).__name__}: {e} ({_user_frame(e, path)}).",
+            "The model file must import cleanly on a machine without a GPU.",
+        ) from e
+    funcs = {n: getattr(module, n) for n in CONTRACT if callable(getattr(module, n, None))}
+    missing = [n for n in ("build_model", "example_inputs") if n not in funcs]
+    if missing:
+        raise UsageError(
+            f"{path.name} does not define {' and '.join(f'{m}()' for m in missing)}.",
+            "A model file defines build_model(**kwargs) -> nn.Module and example_inputs(batch_size, **kwargs) -> tuple of "
+            "tensors (optionally loss_fn, example_target, architecture); see examples/gpt2.py.",
+        )
+    mf = ModelFile(path=path, module=module, model_args=dict(model_args or {}), sha256=hashlib.sha256(source).hexdigest(), funcs=funcs)
+    _check_model_args(mf)
+    return mf
+
+
+def _check_model_args(mf: ModelFile) -> None:
+    accepted: set[str] = set()
+    for fn in mf.funcs.values():
+        params = inspect.signature(fn).parameters.values()
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            return
+        accepted |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    accepted -= {"batch_size", "output", "target"}
+    unknown = sorted(set(mf.model_args) - accepted)
+    if unknown:
+        from planner.errors import did_you_mean
+
+        raise UsageError(
+            f"{mf.path.name} does not accept --model-arg {', '.join(unknown)}.{did_you_mean(unknown[0], accepted)}",
+            f"Accepted: {', '.join(sorted(accepted)) or '(none)'}.",
+        )

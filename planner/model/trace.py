@@ -1,0 +1,706 @@
+"""Trace a meta-device model into a LayerGraph: pieces in execution order and the cut points between them.
+
+A *piece* is the unit the partitioner places on a stage. Repeated blocks
+(children of ModuleList / ModuleDict / Sequential, and classes named with
+``--leaf``) are pieces; inside a block, a cut is offered wherever no more
+bytes cross than at the block's own input (for a transformer: after the
+attention residual add, before the MLP), so attention and MLP become pieces
+of their own. Modules before the first block merge into one piece; every
+module after the last block (final norm, output head) is a piece of its own.
+
+Every value produced before a cut and read after it crosses that cut, so a
+skip connection that jumps over a cut adds to its bytes. Values that depend on
+no input (parameters, buffers, constants derived from them) never cross: each
+piece that needs them recomputes them.
+
+The same LayerGraph builds the modules that run the pieces
+(:meth:`LayerGraph.stage_module`), so the costs, the plan and the rendered
+training scripts all use one split.
+"""
+
+from __future__ import annotations
+
+import operator
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import networkx as nx
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from planner.errors import UsageError
+from planner.records import TensorInfo
+
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+_DTYPE_NAMES = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float64: "fp64",
+    torch.int64: "int64",
+    torch.int32: "int32",
+    torch.bool: "bool",
+    torch.uint8: "uint8",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+def find_blocks(model: nn.Module, leaf_classes: Iterable[str] = ()) -> list[str]:
+    """Module paths of the repeated blocks: custom children of containers, and ``leaf_classes``."""
+    leaf_classes = set(leaf_classes)
+    blocks: list[str] = []
+
+    def builtin(m: nn.Module) -> bool:
+        return type(m).__module__.startswith("torch.nn") and not isinstance(m, CONTAINERS)
+
+    def visit(mod: nn.Module, path: str) -> None:
+        for name, child in mod.named_children():
+            p = f"{path}.{name}" if path else name
+            if type(child).__name__ in leaf_classes:
+                blocks.append(p)
+            elif isinstance(mod, CONTAINERS) and not isinstance(child, CONTAINERS) and not builtin(child):
+                blocks.append(p)
+            else:
+                visit(child, p)
+
+    visit(model, "")
+    return blocks
+
+
+class _Tracer(fx.Tracer):
+    """fx tracer that traces into blocks but keeps each block's children (and opaque blocks) as leaves."""
+
+    def __init__(self, blocks: set[str], opaque: set[str], leaf_classes: set[str]):
+        super().__init__()
+        self.blocks = blocks
+        self.opaque = opaque
+        self.leaf_classes = leaf_classes
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if qualname in self.opaque or type(m).__name__ in self.leaf_classes and qualname not in self.blocks:
+            return True
+        if qualname.rpartition(".")[0] in self.blocks:
+            return True
+        return super().is_leaf_module(m, qualname)
+
+    def call_module(self, m, forward, args, kwargs):
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception as e:
+            if not hasattr(e, "_planner_module"):
+                e._planner_module = (self.path_of_module(m), type(m).__name__)  # type: ignore[attr-defined]
+            raise
+
+
+class TraceFailure(Exception):
+    def __init__(self, module: tuple[str, str] | None, where: str, cause: BaseException):
+        super().__init__(str(cause))
+        self.module = module
+        self.where = where
+        self.cause = cause
+
+
+def _where(exc: BaseException) -> str:
+    """'file.py line N: code' of the deepest frame outside torch, the user's source line."""
+    torch_dir = str(Path(torch.__file__).parent)
+    here = str(Path(__file__).parent.parent)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith((torch_dir, here))]
+    if not frames:
+        return "an unknown line"
+    f = frames[-1]
+    return f"{Path(f.filename).name} line {f.lineno}: {(f.line or '').strip()}"
+
+
+def _fx_trace(model: nn.Module, blocks: list[str], leaf_classes: set[str]) -> tuple[fx.GraphModule, list[str]]:
+    """Trace with fx; blocks whose class cannot be traced into are kept whole (returned as notes)."""
+    opaque: set[str] = set()
+    notes: list[str] = []
+    block_set = set(blocks)
+    for _ in range(len(blocks) + 1):
+        tracer = _Tracer(block_set, opaque, leaf_classes)
+        try:
+            graph = tracer.trace(model)
+        except Exception as e:  # noqa: BLE001 - any tracing failure is reported or retried
+            path, cls = getattr(e, "_planner_module", (None, None))
+            inside = next((b for b in sorted(block_set - opaque, key=len) if path and (path == b or path.startswith(b + "."))), None)
+            if inside is None:
+                raise TraceFailure(getattr(e, "_planner_module", None), _where(e), e) from e
+            same = {b for b in block_set if type(model.get_submodule(b)).__name__ == type(model.get_submodule(inside)).__name__}
+            opaque |= same
+            notes.append(
+                f"blocks of class {type(model.get_submodule(inside)).__name__} could not be traced inside "
+                f"({_where(e)}: {type(e).__name__}); they are kept whole, so no cut is offered inside them"
+            )
+            continue
+        return fx.GraphModule(model, graph), notes
+    raise AssertionError("unreachable")
+
+
+_REWRITES = {
+    torch.ops.aten.scaled_dot_product_attention.default: F.scaled_dot_product_attention,
+    torch.ops.aten.dropout.default: F.dropout,
+}
+
+
+def _export_trace(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.GraphModule:
+    try:
+        ep = torch.export.export(model, inputs, strict=False)
+    except Exception as e:  # noqa: BLE001
+        raise TraceFailure(None, _where(e), e) from e
+    gm = ep.module()
+    # Route attention and dropout through their Python APIs so costing sees them as the GPU runs them.
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _REWRITES:
+            node.target = _REWRITES[node.target]
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            node.meta["nn_module_stack"] = {k: (v[0], v[1]) for k, v in stack.items() if v[0]}
+    gm.recompile()
+    return gm
+
+
+# --------------------------------------------------------------------------- value metadata
+
+
+@dataclass(frozen=True)
+class ValueMeta:
+    """What a graph value is at the traced micro-batch: its tensors (flattened), or a non-tensor."""
+
+    tensors: tuple[tuple[tuple[int, ...], torch.dtype, bool], ...]
+    is_tensor_like: bool
+
+    @property
+    def bytes(self) -> int:
+        return sum(_numel(s) * _itemsize(d) for s, d, _ in self.tensors)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for x in shape:
+        n *= int(x)
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def _meta_of(value: Any) -> ValueMeta:
+    flat, _ = torch.utils._pytree.tree_flatten(value)
+    tensors = tuple((tuple(t.shape), t.dtype, bool(t.requires_grad)) for t in flat if isinstance(t, torch.Tensor))
+    ok = all(isinstance(t, torch.Tensor) for t in flat) and bool(flat)
+    return ValueMeta(tensors, ok)
+
+
+def _propagate(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> dict[fx.Node, ValueMeta]:
+    metas: dict[fx.Node, ValueMeta] = {}
+
+    class Prop(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            metas[n] = _meta_of(out)
+            return out
+
+    with torch.device("meta"):
+        Prop(gm).run(*inputs)
+    return metas
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+@dataclass
+class Piece:
+    """A contiguous run of graph nodes placed on one stage."""
+
+    index: int
+    name: str
+    kind: str
+    block: str | None
+    nodes: list[fx.Node]
+    modules: tuple[str, ...]
+
+
+@dataclass
+class LayerGraph:
+    """A traced model split into pieces, with the values crossing each cut.
+
+    ``boundaries[k]`` lists the values live across cut k (0: the model inputs,
+    n: the model outputs); ``graph`` is a networkx DiGraph over piece indices
+    whose edges carry the values one piece passes to a later one.
+    """
+
+    model: nn.Module
+    gm: fx.GraphModule
+    pieces: list[Piece]
+    boundaries: list[list[fx.Node]]
+    cut_kinds: list[str]
+    metas: dict[fx.Node, ValueMeta]
+    graph: nx.DiGraph
+    tracer: str
+    blocks: list[str]
+    notes: list[str] = field(default_factory=list)
+    batch_dims: dict[fx.Node, int | None] = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return len(self.pieces)
+
+    def cut_tensors(self, k: int) -> tuple[TensorInfo, ...]:
+        """Tensors crossing cut k, flattened from the live values."""
+        out: list[TensorInfo] = []
+        for node in self.boundaries[k]:
+            for i, (shape, dtype, rg) in enumerate(self.metas[node].tensors):
+                name = node.name if len(self.metas[node].tensors) == 1 else f"{node.name}[{i}]"
+                rg = rg and dtype.is_floating_point
+                out.append(TensorInfo(name, shape, dtype_name(dtype), _numel(shape) * _itemsize(dtype), rg, self.batch_dims.get(node, 0)))
+        return tuple(out)
+
+    def stage_module(self, start: int, stop: int, root: nn.Module | None = None) -> "PiecesModule":
+        """An nn.Module running pieces [start, stop): takes the values of cut ``start``, returns those of cut ``stop``.
+
+        Parameters and buffers come from ``root`` (default: the traced model) by
+        their module paths and are shared, not copied: build the same structure
+        on meta for planning and on real weights for training. The last stage
+        returns the model's own output structure.
+        """
+        return PiecesModule(self, start, stop, root)
+
+
+class PiecesModule(nn.Module):
+    """Pieces [start, stop) of a LayerGraph as one module (parameters keep their model paths)."""
+
+    def __init__(self, lg: LayerGraph, start: int, stop: int, root: nn.Module | None = None):
+        super().__init__()
+        if not 0 <= start < stop <= lg.n:
+            raise ValueError(f"bad piece range [{start}, {stop}) for {lg.n} pieces")
+        self.start, self.stop = start, stop
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for node in lg.boundaries[start]:
+            env[node] = graph.placeholder(node.name)
+        free = _free_nodes(lg.gm.graph)
+
+        def copy(node: fx.Node) -> fx.Node:
+            if node in env:
+                return env[node]
+            if node not in free:
+                raise RuntimeError(f"value {node.name} is not available in pieces [{start}, {stop})")
+            for dep in node.all_input_nodes:
+                copy(dep)
+            env[node] = graph.node_copy(node, lambda x: env[x])
+            return env[node]
+
+        for piece in lg.pieces[start:stop]:
+            for node in piece.nodes:
+                for dep in node.all_input_nodes:
+                    copy(dep)
+                env[node] = graph.node_copy(node, lambda x: env[x])
+        if stop == lg.n:
+            out_node = next(n for n in lg.gm.graph.nodes if n.op == "output")
+            graph.output(fx.map_arg(out_node.args[0], lambda x: copy(x)))
+            self.returns_model_output = True
+        else:
+            graph.output(tuple(env[v] for v in lg.boundaries[stop]))
+            self.returns_model_output = False
+        graph.lint()
+        self.gm = fx.GraphModule(_attr_source(lg.gm, graph, root), graph)
+        self.num_inputs = len(lg.boundaries[start])
+
+    def forward(self, *args):
+        if len(args) == 1 and isinstance(args[0], (tuple, list)) and self.num_inputs != 1:
+            args = tuple(args[0])
+        out = self.gm(*args)
+        if not self.returns_model_output and len(out) == 1:
+            return out[0]
+        return out
+
+
+def _attr_source(traced: nn.Module, graph: fx.Graph, root: nn.Module | None) -> dict[str, Any] | nn.Module:
+    """What the stage graph's get_attr / call_module targets resolve to: ``root``'s objects, else the traced module's."""
+    if root is None:
+        return traced
+    found: dict[str, Any] = {}
+    for node in graph.nodes:
+        if node.op in ("get_attr", "call_module"):
+            target = str(node.target)
+            try:
+                found[target] = _get_path(root, target)
+            except AttributeError:
+                found[target] = _get_path(traced, target)  # constants lifted by torch.export
+    return found
+
+
+def _get_path(mod: nn.Module, path: str) -> Any:
+    obj: Any = mod
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _free_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes that depend on no placeholder: parameters, buffers and what is computed from them alone."""
+    free: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            free.add(node)
+        elif node.op in ("call_function", "call_method", "call_module") and all(d in free for d in node.all_input_nodes):
+            # a call with no inputs (torch.ones(4)) is free only if it is deterministic; random ones stay put
+            if node.all_input_nodes or _deterministic(node):
+                free.add(node)
+    return free
+
+
+def _deterministic(node: fx.Node) -> bool:
+    name = getattr(node.target, "__name__", str(node.target))
+    return not any(r in name for r in ("rand", "normal", "bernoulli", "dropout", "empty"))
+
+
+def _owner(node: fx.Node, blocks: set[str], model_children: set[str]) -> str | None:
+    """The block or top-level module a node belongs to (None: root-level code)."""
+    stack = [v[0] for v in node.meta.get("nn_module_stack", {}).values()]
+    if node.op == "call_module":
+        stack.append(str(node.target))
+    for path in stack:
+        if path in blocks:
+            return path
+    for path in stack:
+        top = path.split(".")[0]
+        if top in model_children:
+            # the outermost module path that is a direct child, or a block-free descendant of one
+            return path if path in model_children else _top_owner(path, model_children)
+    return None
+
+
+def _top_owner(path: str, model_children: set[str]) -> str:
+    return path.split(".")[0]
+
+
+def _child_of(node: fx.Node, block: str) -> str | None:
+    """The direct child of ``block`` that a node runs in, if any."""
+    stack = [v[0] for v in node.meta.get("nn_module_stack", {}).values()]
+    if node.op == "call_module":
+        stack.append(str(node.target))
+    prefix = block + "."
+    for path in stack:
+        if path.startswith(prefix):
+            return path[len(prefix):].split(".")[0]
+    return None
+
+
+def _label(children: list[str]) -> tuple[str, str]:
+    """Name suffix and kind of a block part from its children's names (largest last)."""
+    for c in reversed(children):
+        low = c.lower()
+        if "attn" in low or "attention" in low:
+            return c, "attention"
+        if any(k in low for k in ("mlp", "ffn", "feed_forward", "feedforward", "moe", "expert")):
+            return c, "mlp"
+    return (children[-1] if children else "part"), "block"
+
+
+def _param_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def build_layer_graph(
+    model: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    inputs_2x: tuple[torch.Tensor, ...] | None = None,
+    leaf_classes: Iterable[str] = (),
+    tracer: str = "auto",
+    sub_block_cuts: bool = True,
+) -> LayerGraph:
+    """Trace ``model`` (on meta) and split it into pieces with their cut points.
+
+    ``inputs_2x`` (the same inputs at twice the micro-batch) identifies which
+    dimension of each crossing tensor is the batch dimension.
+    """
+    leaf_classes = set(leaf_classes)
+    blocks = find_blocks(model, leaf_classes)
+    notes: list[str] = []
+    fx_error: TraceFailure | None = None
+    gm = None
+    used = tracer
+    if tracer in ("auto", "fx"):
+        try:
+            gm, notes = _fx_trace(model, blocks, leaf_classes)
+            used = "fx"
+        except TraceFailure as e:
+            fx_error = e
+            if tracer == "fx":
+                raise _trace_error(e, None, model) from e.cause
+    if gm is None:
+        try:
+            gm = _export_trace(model, inputs)
+            used = "export"
+            if fx_error is not None:
+                notes.append(f"torch.fx could not trace the model ({fx_error.where}); traced with torch.export instead")
+        except TraceFailure as e:
+            raise _trace_error(fx_error or e, e if fx_error else None, model) from e.cause
+
+    try:
+        metas = _propagate(gm, inputs)
+    except Exception as e:  # noqa: BLE001
+        raise UsageError(
+            f"Running the traced model on the meta device failed: {type(e).__name__}: {e} ({_where(e)}).",
+            "The model must run on torch.device('meta'): avoid .item(), .tolist(), numpy conversions and explicit "
+            "device='cpu'/'cuda' tensors in forward(); or name the module with --leaf.",
+        ) from e
+    batch_dims: dict[fx.Node, int | None] = {}
+    if inputs_2x is not None:
+        metas2 = _propagate(gm, inputs_2x)
+        for node, m in metas.items():
+            m2 = metas2.get(node)
+            dim = None
+            if m2 is not None and m.tensors and m2.tensors:
+                s1, s2 = m.tensors[0][0], m2.tensors[0][0]
+                diff = [i for i, (a, b) in enumerate(zip(s1, s2)) if a != b]
+                dim = diff[0] if diff else None
+            batch_dims[node] = dim
+
+    lg = _split(model, gm, metas, blocks, used, sub_block_cuts)
+    lg.notes = notes + lg.notes
+    lg.batch_dims = batch_dims
+    return lg
+
+
+def _trace_error(fx_err: TraceFailure, export_err: TraceFailure | None, model: nn.Module) -> UsageError:
+    where = fx_err.where
+    if fx_err.module:
+        path, cls = fx_err.module
+        mod = f"module {path or '(root)'} ({cls})"
+        leaf = f"--leaf {cls}" if path else "--tracer export"
+    else:
+        mod, leaf = f"the model ({type(model).__name__})", "--tracer export"
+    msg = f"Cannot trace {mod}: {type(fx_err.cause).__name__} at {where}."
+    if "control flow" in str(fx_err.cause) or "bool" in str(fx_err.cause).lower():
+        msg += " Its forward() branches on tensor values, which a static trace cannot follow."
+    if export_err is not None:
+        msg += f" torch.export also failed ({type(export_err.cause).__name__} at {export_err.where})."
+    hint = (
+        f"Make that module a single piece with {leaf}, or try --tracer export"
+        if leaf != "--tracer export"
+        else "Try --tracer export, or move the branch into a submodule and name its class with --leaf"
+    )
+    return UsageError(msg, hint + "; or rewrite the branch with torch.where so it does not depend on tensor values.")
+
+
+def _split(model: nn.Module, gm: fx.GraphModule, metas: dict[fx.Node, ValueMeta], blocks: list[str], tracer: str, sub_block_cuts: bool) -> LayerGraph:
+    graph = gm.graph
+    free = _free_nodes(graph)
+    block_set = set(blocks)
+    children = {name for name, _ in model.named_children()}
+    compute = [n for n in graph.nodes if n.op not in ("placeholder", "output") and n not in free]
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    out_node = next(n for n in graph.nodes if n.op == "output")
+
+    # 1. runs of nodes by owner (root-level code joins the previous run, or the next one at the start)
+    owners = [_owner(n, block_set, children) for n in compute]
+    runs: list[list[Any]] = []  # [owner, nodes]
+    pending: list[fx.Node] = []
+    for node, own in zip(compute, owners):
+        if own is None:
+            if runs:
+                runs[-1][1].append(node)
+            else:
+                pending.append(node)
+            continue
+        if runs and runs[-1][0] == own:
+            runs[-1][1].append(node)
+        else:
+            runs.append([own, pending + [node]])
+            pending = []
+    if pending:
+        runs.append(["(root)", pending])
+    if not runs:
+        raise UsageError("The traced model has no operations.", "Check that forward() uses its inputs.")
+
+    # value positions: producing node index and last consumer index (output = len(compute))
+    pos = {n: i for i, n in enumerate(compute)}
+    for p in placeholders:
+        pos[p] = -1
+    last_use: dict[fx.Node, int] = {}
+    for n in list(placeholders) + compute:
+        uses = [pos.get(u, len(compute)) if u is not out_node else len(compute) for u in n.users if u not in free]
+        # a free node using a value keeps it alive until the free node's own users
+        for u in n.users:
+            if u in free:
+                uses.extend(_free_last_use(u, pos, out_node, free, len(compute)))
+        last_use[n] = max(uses) if uses else pos[n]
+
+    # live values before each compute node, by one sweep (values in production order)
+    live_at: list[list[fx.Node]] = []
+    live: dict[fx.Node, None] = {p: None for p in placeholders if last_use[p] >= 0}
+    for j in range(len(compute) + 1):
+        if j > 0:
+            live[compute[j - 1]] = None
+        for v in [v for v in live if last_use[v] < j]:
+            del live[v]
+        live_at.append(list(live))
+
+    def crossing(j: int) -> list[fx.Node]:
+        """Values live across the point before compute[j], in production order."""
+        return live_at[j]
+
+    def crossing_bytes(j: int) -> int:
+        return sum(metas[v].bytes for v in live_at[j] if v in metas)
+
+    # 2. pieces
+    first_block = next((i for i, r in enumerate(runs) if r[0] in block_set), None)
+    pieces_spec: list[tuple[str, str, str | None, list[fx.Node]]] = []  # name, kind, block, nodes
+    start_run = 0
+    if first_block is not None and first_block > 0:
+        nodes = [n for r in runs[:first_block] for n in r[1]]
+        names = [r[0] for r in runs[:first_block] if r[0] != "(root)"]
+        kind = "embedding" if any(isinstance(model.get_submodule(r), nn.Embedding) for r in names if _has(model, r)) else "stem"
+        pieces_spec.append(("+".join(names) if len(names) <= 4 else f"{names[0]}+..+{names[-1]}", kind, None, nodes))
+        start_run = first_block
+    last_block = max((i for i, r in enumerate(runs) if r[0] in block_set), default=None)
+    for ri in range(start_run, len(runs)):
+        own, nodes = runs[ri]
+        if own in block_set:
+            parts = _block_parts(nodes, own, pos, crossing, crossing_bytes, metas) if sub_block_cuts else [nodes]
+            if len(parts) == 1:
+                pieces_spec.append((own, "block", own, nodes))
+            else:
+                used_labels: set[str] = set()
+                for part in parts:
+                    kids = [c for c in dict.fromkeys(_child_of(n, own) for n in part) if c]
+                    kids.sort(key=lambda c: _param_count(model.get_submodule(f"{own}.{c}")) if _has(model, f"{own}.{c}") else 0)
+                    label, kind = _label(kids)
+                    while label in used_labels:
+                        label += "'"
+                    used_labels.add(label)
+                    pieces_spec.append((f"{own}:{label}", kind, own, part))
+        else:
+            kind = "other"
+            if _has(model, own):
+                mod = model.get_submodule(own)
+                cls = type(mod).__name__.lower()
+                if "norm" in cls:
+                    kind = "norm"
+                elif isinstance(mod, nn.Embedding):
+                    kind = "embedding"
+                elif "pool" in cls:
+                    kind = "pool"
+            pieces_spec.append((own, kind, None, nodes))
+    # the last piece with parameters after the last block is the output head
+    if last_block is not None:
+        for i in range(len(pieces_spec) - 1, -1, -1):
+            name, kind, blk, nodes = pieces_spec[i]
+            if blk is None and _has(model, name) and _param_count(model.get_submodule(name)) > 0 and kind not in ("norm",):
+                pieces_spec[i] = (name, "head", blk, nodes)
+                break
+
+    # 3. merge pieces across cuts that a non-tensor value would have to cross
+    merged: list[tuple[str, str, str | None, list[fx.Node]]] = []
+    for spec in pieces_spec:
+        if merged:
+            j = pos[spec[3][0]]
+            if any(not metas[v].is_tensor_like for v in crossing(j) if v in metas):
+                name, kind, blk, nodes = merged[-1]
+                merged[-1] = (name, kind, blk if blk == spec[2] else None, nodes + spec[3])
+                continue
+        merged.append(spec)
+
+    names_seen: dict[str, int] = {}
+    pieces: list[Piece] = []
+    for i, (name, kind, blk, nodes) in enumerate(merged):
+        if name in names_seen:
+            names_seen[name] += 1
+            name = f"{name}#{names_seen[name]}"
+        else:
+            names_seen[name] = 1
+        mods = tuple(dict.fromkeys(str(n.target) for n in nodes if n.op == "call_module")) or tuple(
+            dict.fromkeys(v[0] for n in nodes for v in list(n.meta.get("nn_module_stack", {}).values())[-1:] if v[0])
+        )
+        pieces.append(Piece(i, name, kind, blk, nodes, mods))
+
+    # 4. boundaries and the piece graph
+    starts = [pos[p.nodes[0]] for p in pieces] + [len(compute)]
+    boundaries = [crossing(j) for j in starts[:-1]]
+    out_values = [v for v in out_node.all_input_nodes if v not in free]
+    boundaries.append(out_values)
+    kinds = ["input"] + ["sub" if pieces[k].block is not None and pieces[k].block == pieces[k - 1].block else "block" for k in range(1, len(pieces))] + ["output"]
+
+    piece_of = {n: p.index for p in pieces for n in p.nodes}
+    for ph in placeholders:
+        piece_of[ph] = -1
+    g = nx.DiGraph()
+    g.add_node(-1, name="(input)")
+    for p in pieces:
+        g.add_node(p.index, name=p.name, kind=p.kind)
+    g.add_node(len(pieces), name="(output)")
+    for v in list(placeholders) + compute:
+        src = piece_of[v]
+        consumers = {piece_of[u] for u in v.users if u in piece_of and piece_of[u] != src}
+        consumers |= {len(pieces)} if (v in out_values) else set()
+        for u in _free_users(v, free):
+            consumers |= {piece_of[w] for w in u.users if w in piece_of and piece_of[w] != src}
+        for dst in consumers:
+            if g.has_edge(src, dst):
+                g[src][dst]["values"].append(v.name)
+                g[src][dst]["bytes"] += metas[v].bytes if v in metas else 0
+            else:
+                g.add_edge(src, dst, values=[v.name], bytes=metas[v].bytes if v in metas else 0)
+    return LayerGraph(model, gm, pieces, boundaries, kinds, metas, g, tracer, blocks, [])
+
+
+def _has(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
+def _free_users(v: fx.Node, free: set[fx.Node]) -> list[fx.Node]:
+    return [u for u in v.users if u in free]
+
+
+def _free_last_use(u: fx.Node, pos: dict, out_node: fx.Node, free: set, end: int) -> list[int]:
+    uses = []
+    for w in u.users:
+        if w is out_node:
+            uses.append(end)
+        elif w in free:
+            uses.extend(_free_last_use(w, pos, out_node, free, end))
+        else:
+            uses.append(pos[w])
+    return uses
+
+
+def _block_parts(nodes, block, pos, crossing, crossing_bytes, metas) -> list[list[fx.Node]]:
+    """Split a block's nodes where no more bytes cross than at the block's input.
+
+    A cut is placed before a node when the part before it already runs one of
+    the block's child modules, a child module still follows, and the values
+    crossing there are tensors no larger in total than the block's input.
+    """
+    limit = crossing_bytes(pos[nodes[0]])
+    kids = [_child_of(n, block) for n in nodes]
+    child_after = [False] * (len(nodes) + 1)
+    for i in range(len(nodes) - 1, -1, -1):
+        child_after[i] = child_after[i + 1] or kids[i] is not None
+    parts: list[list[fx.Node]] = [[]]
+    child_in_part = False
+    for i, node in enumerate(nodes):
+        if i > 0 and child_in_part and child_after[i]:
+            j = pos[node]
+            if crossing_bytes(j) <= limit and all(metas[v].is_tensor_like for v in crossing(j) if v in metas):
+                parts.append([])
+                child_in_part = False
+        parts[-1].append(node)
+        child_in_part = child_in_part or kids[i] is not None
+    return [p for p in parts if p]

@@ -1,0 +1,249 @@
+"""Torch-free records that carry a model's costs from the tracer to the solver.
+
+Everything here is plain data: the solver, renderers and checks import this
+module and never torch. All costs are for one micro-batch of ``micro_batch``
+samples; FLOPs are floating-point operations (a multiply-add is 2), bytes are
+bytes. Costs scale linearly with the micro-batch size (checked in the tests),
+so the solver rescales them with :meth:`ModelCosts.scaled`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One piece of the model between two valid cut points, in execution order.
+
+    Attributes:
+        name: module path of the piece (``h.3:attn`` for the attention half of block ``h.3``).
+        kind: embedding | attention | mlp | block | norm | head | other.
+        block: module path of the repeated block this piece belongs to, or None.
+        modules: module paths of the leaf modules the piece calls.
+        params: parameters the piece uses (tied parameters counted in every piece that uses them).
+        param_bytes: bytes of those parameters in the model's dtype.
+        flops_fwd / flops_bwd: FLOPs of one micro-batch forward / backward (both input and weight gradients).
+        flops_bwd_weight: the part of ``flops_bwd`` that computes weight gradients (the W pass of zero-bubble schedules).
+        saved_bytes: activation bytes saved for backward for one micro-batch (parameters excluded,
+            de-duplicated by storage), as the target GPU's kernels keep them (flash attention, byte masks).
+        out_bytes: bytes of the tensors this piece produces that later pieces or the loss read.
+        mem_bytes_fwd / mem_bytes_bwd: bytes read and written by operators without a FLOP formula
+            (element-wise, normalisation, softmax): the memory-bound part of the time model.
+        core_flops_fwd / core_bytes_fwd / core_saved_bytes: the attention core (operators touching an
+            s x s tensor): what selective recomputation recomputes and no longer stores.
+        shardable_params: parameters of matmul weights and embeddings that tensor parallelism splits.
+        buffer_bytes: non-parameter buffers the piece reads (rotary tables, masks).
+        max_op_bytes: largest single operator output (bytes): the transient working set while it runs.
+        matmul_ops_fwd: operators with a FLOP formula in the forward (matmuls, convolutions, attention):
+            ``flops_fwd / matmul_ops_fwd`` is the mean operator size the efficiency model uses.
+    """
+
+    name: str
+    kind: str
+    params: int
+    param_bytes: int
+    flops_fwd: float
+    flops_bwd: float
+    saved_bytes: int
+    out_bytes: int
+    block: str | None = None
+    modules: tuple[str, ...] = ()
+    flops_bwd_weight: float = 0.0
+    mem_bytes_fwd: float = 0.0
+    mem_bytes_bwd: float = 0.0
+    core_flops_fwd: float = 0.0
+    core_bytes_fwd: float = 0.0
+    core_saved_bytes: int = 0
+    shardable_params: int = 0
+    buffer_bytes: int = 0
+    max_op_bytes: int = 0
+    matmul_ops_fwd: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["modules"] = list(self.modules)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Layer":
+        d = dict(d)
+        d["modules"] = tuple(d.get("modules", ()))
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor crossing a cut: its producer's name, shape, dtype and size in bytes.
+
+    ``batch_dim`` is the dimension that grows with the micro-batch (None for a
+    tensor whose size does not depend on it, such as position ids).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    requires_grad: bool = True
+    batch_dim: int | None = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TensorInfo":
+        d = dict(d)
+        d["shape"] = tuple(d["shape"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A valid cut point before layer ``index`` (1 .. n-1).
+
+    ``tensors`` are all values produced before the cut and read after it: the
+    residual stream, and every skip connection that jumps over the cut.
+    ``bytes`` is what a pipeline stage boundary here sends forward per
+    micro-batch; ``grad_bytes`` what comes back (gradients of the float tensors
+    that require grad). ``kind`` is ``block`` (between top-level pieces) or
+    ``sub`` (inside a repeated block, where only the residual stream crosses).
+    """
+
+    index: int
+    kind: str
+    tensors: tuple[TensorInfo, ...]
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.bytes for t in self.tensors)
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(t.bytes for t in self.tensors if t.requires_grad)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "kind": self.kind,
+            "bytes": self.bytes,
+            "grad_bytes": self.grad_bytes,
+            "tensors": [t.to_dict() for t in self.tensors],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Cut":
+        return cls(index=d["index"], kind=d["kind"], tensors=tuple(TensorInfo.from_dict(t) for t in d["tensors"]))
+
+
+@dataclass(frozen=True)
+class TiedGroup:
+    """A parameter shared by several pieces (a tied embedding and output head)."""
+
+    name: str
+    params: int
+    layers: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "params": self.params, "layers": list(self.layers)}
+
+
+_SCALED = (
+    "flops_fwd",
+    "flops_bwd",
+    "flops_bwd_weight",
+    "saved_bytes",
+    "out_bytes",
+    "mem_bytes_fwd",
+    "mem_bytes_bwd",
+    "core_flops_fwd",
+    "core_bytes_fwd",
+    "core_saved_bytes",
+    "max_op_bytes",
+)
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """Per-layer costs of a model for one micro-batch, plus its cut points.
+
+    ``cuts[k]`` describes the boundary before ``layers[k]`` for k in 1..n-1;
+    ``cuts[0]`` is the model input and ``cuts[n]`` its output (kept so that
+    stage-boundary bytes can be indexed uniformly).
+    """
+
+    layers: tuple[Layer, ...]
+    cuts: tuple[Cut, ...]
+    micro_batch: int
+    dtype: str
+    seq_len: int | None = None
+    tied: tuple[TiedGroup, ...] = ()
+    architecture: dict[str, Any] | None = None
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.cuts) != len(self.layers) + 1:
+            raise ValueError(f"need {len(self.layers) + 1} cuts for {len(self.layers)} layers, got {len(self.cuts)}")
+
+    @property
+    def n(self) -> int:
+        return len(self.layers)
+
+    @property
+    def total_params(self) -> int:
+        """Distinct parameters (a tied weight counted once)."""
+        dup = sum(g.params * (len(g.layers) - 1) for g in self.tied)
+        return sum(layer.params for layer in self.layers) - dup
+
+    @property
+    def tokens_per_sample(self) -> int:
+        return self.seq_len or 1
+
+    def scaled(self, micro_batch: int) -> "ModelCosts":
+        """The same model's costs for another micro-batch size (linear in the batch)."""
+        if micro_batch == self.micro_batch:
+            return self
+        f = micro_batch / self.micro_batch
+        layers = tuple(
+            replace(layer, **{k: type(getattr(layer, k))(getattr(layer, k) * f) for k in _SCALED}) for layer in self.layers
+        )
+        cuts = tuple(replace(c, tensors=tuple(_scale_tensor(t, f) for t in c.tensors)) for c in self.cuts)
+        return replace(self, layers=layers, cuts=cuts, micro_batch=micro_batch)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "micro_batch": self.micro_batch,
+            "dtype": self.dtype,
+            "seq_len": self.seq_len,
+            "layers": [layer.to_dict() for layer in self.layers],
+            "cuts": [c.to_dict() for c in self.cuts],
+            "tied": [g.to_dict() for g in self.tied],
+            "architecture": self.architecture,
+            "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelCosts":
+        return cls(
+            layers=tuple(Layer.from_dict(x) for x in d["layers"]),
+            cuts=tuple(Cut.from_dict(x) for x in d["cuts"]),
+            micro_batch=d["micro_batch"],
+            dtype=d["dtype"],
+            seq_len=d.get("seq_len"),
+            tied=tuple(TiedGroup(g["name"], g["params"], tuple(g["layers"])) for g in d.get("tied", [])),
+            architecture=d.get("architecture"),
+            notes=tuple(d.get("notes", ())),
+        )
+
+
+def _scale_tensor(t: TensorInfo, f: float) -> TensorInfo:
+    if t.batch_dim is None:
+        return t
+    shape = list(t.shape)
+    shape[t.batch_dim] = int(round(shape[t.batch_dim] * f))
+    return replace(t, shape=tuple(shape), bytes=int(round(t.bytes * f)))
+
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
