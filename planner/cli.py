@@ -144,6 +144,109 @@ def inspect(
     out.print(f"traced with {a.layer_graph.tracer}; cut MiB = bytes crossing the cut after the piece (skip connections included)")
 
 
+def _plan_request(model, gpus, engine, model_arg, dtype, leaf, tracer, gpus_per_node, inter_node_gbps, hardware_profile, global_batch, pp, tp, dp, vp, micro_batch, schedule, recompute, zero, mem_target, profile):
+    from planner.model.load import parse_model_args
+    from planner.planning import PlanRequest
+
+    return PlanRequest(
+        model_file=str(model),
+        model_args=parse_model_args(model_arg),
+        gpus=gpus,
+        engine=engine,
+        dtype=dtype,
+        leaf=tuple(leaf or ()),
+        tracer=tracer,
+        gpus_per_node=gpus_per_node,
+        inter_node_gbps=inter_node_gbps,
+        hardware_profiles=tuple(str(p) for p in hardware_profile or ()),
+        global_batch=global_batch,
+        pp=pp,
+        tp=tp,
+        dp=dp,
+        vp=vp,
+        micro_batch=micro_batch,
+        schedule=schedule,
+        recompute=recompute,
+        zero=zero,
+        mem_target=mem_target,
+        profile=str(profile) if profile else None,
+    )
+
+
+@app.command()
+def plan(
+    model: Path = typer.Argument(..., help="Model file defining build_model() and example_inputs()."),
+    gpus: str = typer.Option(..., "--gpus", help="Cluster, e.g. 8xA100, 64xH100, 4x8xA100-80GB, 8xA100+8xV100."),
+    engine: str = typer.Option("deepspeed", "--engine", help="deepspeed | megatron | torch"),
+    out_dir: Optional[Path] = typer.Option(None, "--out", help="Write plan.json, the engine's configs and launch scripts, and the report here."),
+    as_json: bool = typer.Option(False, "--json", help="Print plan.json to stdout."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the one-line layout."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing directory that is not a planner output."),
+    model_arg: Optional[List[str]] = ModelArg,
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp16 | fp32"),
+    leaf: Optional[List[str]] = Leaf,
+    tracer: str = typer.Option("auto", "--tracer", help="auto | fx | export"),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="Override the profile's GPUs per node."),
+    inter_node_gbps: Optional[float] = typer.Option(None, "--inter-node-gbps", help="Inter-node bandwidth per GPU, Gb/s (as NICs are quoted)."),
+    hardware_profile: Optional[List[Path]] = typer.Option(None, "--hardware-profile", help="Extra hardware profile YAML (file or folder)."),
+    global_batch: Optional[int] = typer.Option(None, "--global-batch", help="Samples per optimizer step (default: 8 per GPU)."),
+    pp: Optional[int] = typer.Option(None, "--pp", help="Pin the pipeline-parallel degree."),
+    tp: Optional[int] = typer.Option(None, "--tp", help="Pin the tensor-parallel degree (Megatron)."),
+    dp: Optional[int] = typer.Option(None, "--dp", help="Pin the data-parallel degree."),
+    vp: Optional[int] = typer.Option(None, "--vp", help="Pin virtual stages per rank (interleaved)."),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Pin the micro-batch size."),
+    schedule: Optional[str] = typer.Option(None, "--schedule", help="Pin the schedule: gpipe | 1f1b | interleaved | zb-h1 | zbv."),
+    recompute: Optional[str] = typer.Option(None, "--recompute", help="Pin recomputation: none | selective | full."),
+    zero: Optional[int] = typer.Option(None, "--zero", help="Pin the ZeRO stage (0 or 1 with a pipeline)."),
+    mem_target: float = typer.Option(0.85, "--mem-target", help="Fraction of usable GPU memory a plan may use."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="Measured per-layer times from `planner profile`."),
+) -> None:
+    """Choose the layout and stage split, predict step time and memory, and write the configs."""
+    from planner.planning import plan_model
+
+    with _errors():
+        req = _plan_request(model, gpus, engine, model_arg, dtype, leaf, tracer, gpus_per_node, inter_node_gbps, hardware_profile, global_batch, pp, tp, dp, vp, micro_batch, schedule, recompute, zero, mem_target, profile)
+        _check_choice("--recompute", recompute, ("none", "selective", "full"))
+        if out_dir is not None:
+            from planner.render import check_output_dir
+
+            check_output_dir(out_dir, force)
+        with progress_reporter(not (as_json or quiet)) as report:
+            the_plan, analysis, result = plan_model(req, progress=report)
+        if out_dir is not None:
+            from planner.render import write_plan_dir
+
+            write_plan_dir(out_dir, the_plan, command=_command_line())
+    doc = the_plan.to_dict()
+    if as_json:
+        from planner.fileio import dumps_json
+
+        sys.stdout.write(dumps_json(doc))
+        return
+    if quiet:
+        out.print(the_plan.layout.short())
+        return
+    from planner.report import print_summary
+
+    print_summary(out, the_plan, result)
+    if out_dir is not None:
+        out.print(f"wrote {out_dir}/ (plan.json and the {engine} files)")
+
+
+def _check_choice(flag: str, value, choices) -> None:
+    from planner.errors import UsageError, did_you_mean
+
+    if value is not None and value not in choices:
+        raise UsageError(f"{flag} {value!r} is not one of {', '.join(choices)}.{did_you_mean(str(value), choices)}")
+
+
+def _command_line() -> str:
+    """The command as typed, for the headers of generated files (shell-quoted)."""
+    import shlex
+
+    return " ".join(["planner"] + [shlex.quote(a) for a in sys.argv[1:]])
+
+
 @hardware_app.command("list")
 def hardware_list(hardware_profile: Optional[List[Path]] = typer.Option(None, "--hardware-profile", help="Extra profile file or folder.")) -> None:
     """List the known devices."""

@@ -1,0 +1,247 @@
+"""From a model file and a cluster to a Plan: load → trace → cost → search → Plan record.
+
+``plan_model`` is what `planner plan` and `planner validate --model` call;
+``build_plan`` turns a search result into the schema-versioned Plan and is
+torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from planner import __version__
+from planner.errors import InfeasibleError, UsageError
+from planner.records import ModelCosts
+from planner.solve.memory import GiB
+from planner.solve.plan import Alternative, Layout, Plan, Predicted, RankMemory, StagePlan
+from planner.solve.search import Evaluation, Rejection, SearchOptions, SearchResult, search
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything `planner plan` was asked, as recorded in plan.json's ``inputs``."""
+
+    model_file: str
+    model_args: dict[str, Any]
+    gpus: str
+    engine: str = "deepspeed"
+    dtype: str = "bf16"
+    cost_micro_batch: int = 1
+    leaf: tuple[str, ...] = ()
+    tracer: str = "auto"
+    gpus_per_node: int | None = None
+    inter_node_gbps: float | None = None
+    hardware_profiles: tuple[str, ...] = ()
+    global_batch: int | None = None
+    pp: int | None = None
+    tp: int | None = None
+    dp: int | None = None
+    vp: int | None = None
+    micro_batch: int | None = None
+    schedule: str | None = None
+    recompute: str | None = None
+    zero: int | None = None
+    mem_target: float = 0.85
+    optimizer: str = "adam"
+    profile: str | None = None
+
+    def options(self, measured: dict | None = None) -> SearchOptions:
+        return SearchOptions(
+            engine=self.engine,
+            global_batch=self.global_batch,
+            pp=self.pp,
+            tp=self.tp,
+            dp=self.dp,
+            vp=self.vp,
+            micro_batch=self.micro_batch,
+            schedule=self.schedule,
+            recompute=self.recompute,
+            zero=self.zero,
+            mem_target=self.mem_target,
+            optimizer=self.optimizer,
+            measured=measured or {},
+        )
+
+    def to_inputs(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["leaf"] = list(self.leaf)
+        d["hardware_profiles"] = list(self.hardware_profiles)
+        return d
+
+
+def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | None = None):
+    """Plan ``req``: returns (Plan, Analysis, SearchResult). Raises InfeasibleError (exit 1) when nothing fits."""
+    from planner import hardware
+    from planner.engines import engine_rules
+    from planner.model.analyze import analyze
+
+    engine_rules(req.engine)  # unknown engine: a clear error before any work
+    cluster = hardware.parse_gpus(
+        req.gpus,
+        gpus_per_node=req.gpus_per_node,
+        inter_node_gbps=req.inter_node_gbps,
+        profiles=hardware.available_profiles(req.hardware_profiles),
+    )
+    analysis = analyze(
+        req.model_file,
+        req.model_args,
+        req.cost_micro_batch,
+        req.dtype,
+        list(req.leaf),
+        req.tracer,
+        sub_block_cuts=True,
+        progress=progress,
+    )
+    measured, profile_notes = {}, []
+    if req.profile:
+        from planner.model.profile import match_profile
+
+        measured, profile_notes = match_profile(req.profile, analysis, cluster)
+    result = search(analysis.costs, cluster, req.options(measured), progress=progress)
+    if result.best is None:
+        raise InfeasibleError(*_nothing_fits(analysis.costs, cluster, req, result))
+    extra = {
+        "model_file_sha256": analysis.model_file.sha256,
+        "tracer_used": analysis.layer_graph.tracer,
+    }
+    plan = build_plan(analysis.costs, cluster, req, result, extra, notes=list(analysis.costs.notes) + profile_notes)
+    return plan, analysis, result
+
+
+def _stage_plans(costs: ModelCosts, ev: Evaluation) -> list[StagePlan]:
+    t = ev.stage_times
+    out = []
+    for j, (a, b) in enumerate(zip(ev.bounds, ev.bounds[1:])):
+        mem = {k: int(round(v)) for k, v in ev.stage_memory[j].items()}
+        out.append(
+            StagePlan(
+                index=j,
+                rank=ev.stage_rank[j],
+                pieces=(a, b),
+                layers=(costs.layers[a].name, costs.layers[b - 1].name),
+                time_fwd_s=t.fwd[j],
+                time_bwd_s=t.bwd_input[j] + t.bwd_weight[j],
+                time_bwd_weight_s=t.bwd_weight[j],
+                time_recompute_s=ev.stage_recompute[j],
+                send_fwd_s=t.send_fwd[j] if j < len(t.send_fwd) else 0.0,
+                send_bwd_s=t.send_bwd[j] if j < len(t.send_bwd) else 0.0,
+                params=int(round(ev.stage_params[j])),
+                memory_bytes=mem,
+                capacity_bytes=int(ev.capacity[ev.stage_rank[j]]),
+                device=ev.devices[ev.stage_rank[j]],
+            )
+        )
+    return out
+
+
+def build_plan(costs: ModelCosts, cluster, req: PlanRequest, result: SearchResult, extra_inputs: dict[str, Any], notes: list[str]) -> Plan:
+    """The Plan record for the best layout of ``result`` (torch-free)."""
+    best = result.best
+    assert best is not None
+    alts: list[Alternative] = [Alternative(e.layout, e.predicted) for e in result.ranked[1:6]]
+    rejected = sorted(result.rejected, key=lambda r: r.lower_bound)[:5]
+    alts += [Alternative(r.layout, None, r.reason) for r in rejected]
+    devices = sorted({d for d in best.devices})
+    from planner import hardware
+
+    dev_info = {}
+    for key in devices:
+        dev = next(cluster.device_of(r) for r in range(cluster.world_size) if cluster.device_of(r).key == key)
+        dev_info[key] = {
+            "name": dev.name,
+            "memory_bytes": dev.memory_bytes,
+            "peak_flops": dict(dev.peak_flops),
+            "memory_bandwidth": dev.memory_bandwidth,
+            "matmul_efficiency": dev.matmul_efficiency,
+            "memory_efficiency": dev.memory_efficiency,
+            "intra_bandwidth": dev.intra_bandwidth,
+            "inter_bandwidth": dev.inter_bandwidth,
+            "sources": dict(dev.sources),
+        }
+    opts = req.options()
+    model = {
+        "pieces": [l.name for l in costs.layers],
+        "kinds": [l.kind for l in costs.layers],
+        "blocks": [l.block for l in costs.layers],
+        "params": costs.total_params,
+        "seq_len": costs.seq_len,
+        "cost_micro_batch": costs.micro_batch,
+        "dtype": costs.dtype,
+        "flops_fwd_per_sample": sum(l.flops_fwd for l in costs.layers) / costs.micro_batch,
+        "architecture": costs.architecture,
+        "tied": [g.to_dict() for g in costs.tied],
+    }
+    inputs = req.to_inputs()
+    inputs.update(extra_inputs)
+    inputs["global_batch"] = result.global_batch
+    assumptions = {
+        "devices": dev_info,
+        "runtime_overhead_bytes": {"context": opts.overhead.context, "communicator": opts.overhead.communicator},
+        "fragmentation_reserve": opts.overhead.fragmentation,
+        "mem_target": req.mem_target,
+        "optimizer": req.optimizer,
+        "time_sources": sorted(set(best.time_source)),
+        "layouts_considered": result.considered,
+        "layouts_priced": result.priced,
+    }
+    ranks = [
+        RankMemory(r, {k: int(round(v)) for k, v in best.rank_memory[r].items()}, int(best.capacity[r])) for r in range(len(best.rank_memory))
+    ]
+    return Plan(
+        layout=best.layout,
+        stages=_stage_plans(costs, best),
+        ranks=ranks,
+        predicted=best.predicted,
+        alternatives=alts,
+        inputs=inputs,
+        model=model,
+        cluster=cluster.to_dict(),
+        assumptions=assumptions,
+        notes=notes,
+    )
+
+
+def _nothing_fits(costs: ModelCosts, cluster, req: PlanRequest, result: SearchResult) -> tuple[str, str]:
+    """The message and the smallest change that would fit, for an InfeasibleError."""
+    from planner import hardware
+
+    mem_rejects = [r for r in result.rejected if "GiB" in r.reason]
+    closest = ""
+    if mem_rejects:
+        r = mem_rejects[0]
+        closest = f" The closest layout, {r.layout.short()}: {r.reason}."
+    elif result.rejected:
+        closest = f" For example {result.rejected[0].layout.short()}: {result.rejected[0].reason}."
+    msg = f"No layout of {costs.total_params / 1e9:.2f}B parameters fits on {cluster.spec} ({cluster.world_size} GPUs) with engine {req.engine}.{closest}"
+    hints = []
+    if req.recompute not in (None, "full"):
+        if _fits(costs, cluster, replace(req, recompute="full")):
+            hints.append("--recompute full would fit")
+    if req.micro_batch not in (None, 1):
+        if _fits(costs, cluster, replace(req, micro_batch=1)):
+            hints.append("--micro-batch 1 would fit")
+    if req.mem_target < 1.0 and _fits(costs, cluster, replace(req, mem_target=1.0)):
+        hints.append(f"--mem-target 1.0 would fit (no headroom: risky)")
+    if cluster.homogeneous and len(cluster.groups) == 1:
+        g = cluster.groups[0]
+        for k in (2, 4, 8, 16, 32):
+            bigger = hardware.parse_gpus(f"{g.nodes * k}x{g.gpus_per_node}x{g.device.key}", inter_node_gbps=None)
+            loose = replace(req, pp=None, dp=None, global_batch=None if req.global_batch is None else req.global_batch)
+            if _fits(costs, bigger, loose):
+                hints.append(f"{bigger.world_size} GPUs ({g.nodes * k}x{g.gpus_per_node}x{g.device.key}) would fit")
+                break
+    hint = ("Smallest change that fits: " + "; ".join(hints) + ".") if hints else "Try more GPUs, --recompute full, --micro-batch 1, or a device with more memory."
+    if req.engine != "megatron" and costs.architecture:
+        hint += " Megatron (--engine megatron) adds tensor parallelism, which divides weights and activations."
+    return msg, hint
+
+
+def _fits(costs: ModelCosts, cluster, req: PlanRequest) -> bool:
+    try:
+        opts = replace(req.options(), top_k=1)
+        return search(costs, cluster, opts).best is not None
+    except UsageError:
+        return False

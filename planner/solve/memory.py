@@ -1,0 +1,201 @@
+"""Per-rank memory: model state, activations, buffers and runtime overhead (all in bytes).
+
+Model state per parameter follows the engine's optimizer recipe (``StateRecipe``):
+mixed-precision Adam keeps half-precision weights, gradients (half, or fp32
+where the engine accumulates in fp32), an fp32 master copy and the two fp32
+Adam moments: 2 + 2 + 12 = 16 bytes (Rajbhandari et al. 2019, arXiv
+1910.02054), 18 with Megatron's fp32 main gradients, 6 + 12/d with its
+distributed optimizer. ZeRO stage z partitions, over the data-parallel group,
+the optimizer state (z >= 1), the gradients (z >= 2) and the weights (z = 3).
+
+Activations per micro-batch come from the traced costs (bytes autograd
+saves), reduced by recomputation:
+* ``none``: every piece's saved bytes;
+* ``selective``: the attention core's s x s tensors are recomputed, not kept
+  (Korthikanti et al. 2022, arXiv 2205.05198);
+* ``full``: each checkpointed unit (a transformer block, or a piece outside
+  blocks) keeps only its input, as Megatron's ``--recompute-method uniform
+  --recompute-num-layers 1`` and DeepSpeed's ``activation_checkpoint_interval=1``
+  do; during backward one unit's activations are rebuilt at a time (the
+  working set).
+The schedule decides how many micro-batches' activations a rank holds at once
+(the simulator's peak), so activation memory = bytes per micro-batch x held.
+
+Runtime overhead (``RuntimeOverhead``): CUDA context and library workspaces,
+communicator buffers, and a fragmentation reserve of the caching allocator,
+with the sources of their defaults in their docstrings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from planner.records import Layer, ModelCosts
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class StateRecipe:
+    """Bytes per parameter of each model-state tensor, and what ZeRO-style sharding applies.
+
+    ``shard_optimizer``: master weights and optimizer moments are split over the
+    data-parallel group (ZeRO-1, Megatron's distributed optimizer, DeepSpeed's
+    BF16_Optimizer). ``shard_grads`` / ``shard_weights``: ZeRO-2 / ZeRO-3.
+    """
+
+    weight_bytes: float
+    grad_bytes: float
+    master_bytes: float
+    optimizer_bytes: float
+    shard_optimizer: bool = False
+    shard_grads: bool = False
+    shard_weights: bool = False
+
+    def per_param(self, dp: int) -> tuple[float, float, float]:
+        """(weights, grads, optimizer) bytes per parameter for a data-parallel group of ``dp``."""
+        w = self.weight_bytes / (dp if self.shard_weights else 1)
+        g = self.grad_bytes / (dp if self.shard_grads else 1)
+        o = (self.master_bytes + self.optimizer_bytes) / (dp if self.shard_optimizer else 1)
+        return w, g, o
+
+
+OPTIMIZER_STATE_BYTES = {"adam": 8.0, "adamw": 8.0, "sgd": 4.0}  # fp32 moments per parameter (Adam: m and v; SGD: momentum)
+
+
+def state_recipe(precision: str, optimizer: str = "adam", grad_bytes: float | None = None, zero: int = 0) -> StateRecipe:
+    """The model-state recipe for a precision, optimizer and ZeRO stage.
+
+    ``grad_bytes`` overrides the gradient element size (4 where the engine keeps
+    fp32 gradients: Megatron's main grads, DeepSpeed's fp32 accumulation).
+    """
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"unknown optimizer {optimizer!r}")
+    moments = OPTIMIZER_STATE_BYTES[optimizer]
+    if precision == "fp32":
+        w, g, master = 4.0, 4.0, 0.0
+    elif precision in ("bf16", "fp16"):
+        w, g, master = 2.0, 2.0, 4.0
+    else:
+        raise ValueError(f"unknown precision {precision!r}")
+    if grad_bytes is not None:
+        g = float(grad_bytes)
+    return StateRecipe(w, g, master, moments, shard_optimizer=zero >= 1, shard_grads=zero >= 2, shard_weights=zero >= 3)
+
+
+@dataclass(frozen=True)
+class RuntimeOverhead:
+    """Memory a training process uses besides tensors it allocates (bytes).
+
+    Defaults:
+    * ``context``: 1.0 GiB for the CUDA context, cuBLAS/cuDNN workspaces and the
+      kernels PyTorch loads (PyTorch's CUDA semantics notes: the context alone
+      takes several hundred MiB depending on the CUDA version; cuBLAS keeps a
+      workspace per stream, CUBLAS_WORKSPACE_CONFIG).
+    * ``communicator``: 0.5 GiB for NCCL communicators (NCCL keeps
+      NCCL_BUFFSIZE = 4 MiB per channel per peer; data-, tensor- and
+      pipeline-parallel groups each have one).
+    * ``fragmentation``: 5% of the bytes the caching allocator holds is lost to
+      fragmentation in long training runs (PyTorch's memory notes describe the
+      effect; `expandable_segments` reduces it). Applied to tensors, not to the context.
+    """
+
+    context: float = 1.0 * GiB
+    communicator: float = 0.5 * GiB
+    fragmentation: float = 0.05
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One stage's memory on one rank, by component (bytes)."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.buffers + self.overhead
+
+    def to_dict(self) -> dict[str, int]:
+        d = {k: int(round(getattr(self, k))) for k in ("weights", "grads", "optimizer", "activations", "buffers", "overhead")}
+        d["total"] = sum(d.values())
+        return d
+
+
+def activation_bytes_per_microbatch(costs: ModelCosts, start: int, stop: int, recompute: str) -> float:
+    """Bytes one micro-batch leaves saved in pieces [start, stop) until its backward (per recompute mode)."""
+    layers = costs.layers[start:stop]
+    if recompute == "none":
+        return float(sum(l.saved_bytes for l in layers))
+    if recompute == "selective":
+        return float(sum(l.saved_bytes - l.core_saved_bytes for l in layers))
+    if recompute == "full":
+        return float(sum(costs.cuts[k].bytes for k in checkpoint_starts(costs, start, stop)))
+    raise ValueError(f"unknown recompute mode {recompute!r}")
+
+
+def checkpoint_starts(costs: ModelCosts, start: int, stop: int) -> list[int]:
+    """Cut indices where a checkpointed unit begins in [start, stop): the stage input, then every new block or non-block piece."""
+    starts = [start]
+    for k in range(start + 1, stop):
+        blk = costs.layers[k].block
+        if blk is None or blk != costs.layers[k - 1].block:
+            starts.append(k)
+    return starts
+
+
+def working_set_bytes(costs: ModelCosts, start: int, stop: int, recompute: str) -> float:
+    """Transient bytes during one piece's backward: under full recompute one unit's rebuilt activations, else the largest operator output."""
+    layers = costs.layers[start:stop]
+    if not layers:
+        return 0.0
+    transient = float(max(l.max_op_bytes for l in layers))
+    if recompute != "full":
+        return transient
+    units = checkpoint_starts(costs, start, stop) + [stop]
+    rebuilt = max(sum(l.saved_bytes for l in costs.layers[a:b]) for a, b in zip(units, units[1:]))
+    return float(rebuilt) + transient
+
+
+def stage_params(costs: ModelCosts, start: int, stop: int, tp: int = 1) -> float:
+    """Parameters one rank of a stage holds: shardable weights split over ``tp``, the rest replicated."""
+    total = 0.0
+    for l in costs.layers[start:stop]:
+        total += l.shardable_params / tp + (l.params - l.shardable_params)
+    # a weight shared by several pieces of the same stage is held once
+    for g in costs.tied:
+        inside = [i for i in g.layers if start <= i < stop]
+        if len(inside) > 1:
+            total -= g.params * (len(inside) - 1) / tp
+    return total
+
+
+def stage_memory(
+    costs: ModelCosts,
+    start: int,
+    stop: int,
+    held_activation_bytes: float,
+    recipe: StateRecipe,
+    dp: int = 1,
+    tp: int = 1,
+    recompute: str = "none",
+    overhead: RuntimeOverhead = RuntimeOverhead(),
+) -> StageMemory:
+    """Memory of the rank running pieces [start, stop) (costs already sharded for ``tp`` activations).
+
+    ``held_activation_bytes`` is the peak of activations this rank holds (the
+    simulator's per-rank peak, or bytes-per-micro-batch x held count).
+    """
+    params = stage_params(costs, start, stop, tp)
+    w, g, o = recipe.per_param(dp)
+    buffers = 2.0 * (costs.cuts[start].bytes + costs.cuts[stop].bytes)  # receive + send buffers, forward and backward
+    buffers += working_set_bytes(costs, start, stop, recompute)
+    buffers += sum(l.buffer_bytes for l in costs.layers[start:stop])
+    tensors = params * (w + g + o) + held_activation_bytes + buffers
+    over = overhead.context + overhead.communicator + overhead.fragmentation * tensors
+    return StageMemory(params * w, params * g, params * o, held_activation_bytes, buffers, over)

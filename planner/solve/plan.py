@@ -1,0 +1,215 @@
+"""The Plan record and its JSON form (plan.json, schema-versioned, deterministic).
+
+plan.json is what every later step reads: the renderers, `validate`, `smoke`,
+`explain` and the report. Floats are rounded to 6 significant digits so the
+file is stable and readable; nothing time- or host-dependent is written.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from planner.errors import UsageError
+
+SCHEMA_VERSION = 1
+
+
+def _round(x: Any) -> Any:
+    if isinstance(x, float):
+        if x == 0 or not math.isfinite(x):
+            return x
+        return float(f"{x:.6g}")
+    if isinstance(x, dict):
+        return {k: _round(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_round(v) for v in x]
+    return x
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the model and the cluster are split: every knob the search turns."""
+
+    engine: str
+    pp: int
+    tp: int
+    dp: int
+    vp: int
+    micro_batch: int
+    num_microbatches: int
+    global_batch: int
+    schedule: str
+    recompute: str
+    zero: int
+    sequence_parallel: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Layout":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+    def short(self) -> str:
+        v = f" v{self.vp}" if self.vp > 1 else ""
+        sp = " +sp" if self.sequence_parallel else ""
+        return (
+            f"pp{self.pp} tp{self.tp} dp{self.dp}{v} {self.schedule} mb{self.micro_batch}x{self.num_microbatches} "
+            f"recompute={self.recompute} zero={self.zero}{sp}"
+        )
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage (a virtual chunk when vp > 1) and what it costs on one of its GPUs."""
+
+    index: int
+    rank: int  # pipeline rank that runs it
+    pieces: tuple[int, int]  # [start, stop) piece indices
+    layers: tuple[str, str]  # first and last piece names
+    time_fwd_s: float
+    time_bwd_s: float
+    time_bwd_weight_s: float
+    time_recompute_s: float
+    send_fwd_s: float  # boundary transfer to the next stage
+    send_bwd_s: float
+    params: int
+    memory_bytes: dict[str, int]  # this stage's share: weights, grads, optimizer, activations, buffers, overhead, total
+    capacity_bytes: int
+    device: str
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["pieces"] = list(self.pieces)
+        d["layers"] = list(self.layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "StagePlan":
+        d = dict(d)
+        d["pieces"] = tuple(d["pieces"])
+        d["layers"] = tuple(d["layers"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Peak memory of one pipeline rank (all its virtual stages), by component, bytes."""
+
+    rank: int
+    memory_bytes: dict[str, int]
+    capacity_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Predicted:
+    step_time_s: float
+    tokens_per_s: float
+    samples_per_s: float
+    tflops_per_gpu: float  # model FLOPs (3 x forward, recompute excluded) per GPU per second / 1e12
+    mfu: float
+    bubble_fraction: float
+    pipeline_time_s: float  # the schedule's makespan
+    dp_comm_exposed_s: float  # data-parallel gradient traffic not hidden behind backward
+    optimizer_s: float
+    peak_memory_bytes: int  # the most loaded GPU
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Alternative:
+    layout: Layout
+    predicted: Predicted | None = None
+    rejected: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layout": self.layout.to_dict(),
+            "predicted": self.predicted.to_dict() if self.predicted else None,
+            "rejected": self.rejected,
+        }
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    stages: list[StagePlan]
+    ranks: list[RankMemory]
+    predicted: Predicted
+    alternatives: list[Alternative]
+    inputs: dict[str, Any]
+    model: dict[str, Any]
+    cluster: dict[str, Any]
+    assumptions: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        from planner import __version__
+
+        return _round(
+            {
+                "schema_version": SCHEMA_VERSION,
+                "planner_version": __version__,
+                "layout": self.layout.to_dict(),
+                "stages": [s.to_dict() for s in self.stages],
+                "ranks": [r.to_dict() for r in self.ranks],
+                "predicted": self.predicted.to_dict(),
+                "alternatives": [a.to_dict() for a in self.alternatives],
+                "inputs": self.inputs,
+                "model": self.model,
+                "cluster": self.cluster,
+                "assumptions": self.assumptions,
+                "notes": list(self.notes),
+            }
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise UsageError(
+                f"plan.json has schema_version {version!r}; this planner reads version {SCHEMA_VERSION}.",
+                "Re-run `planner plan` with this planner version to regenerate it.",
+            )
+        return cls(
+            layout=Layout.from_dict(d["layout"]),
+            stages=[StagePlan.from_dict(s) for s in d["stages"]],
+            ranks=[RankMemory(**r) for r in d.get("ranks", [])],
+            predicted=Predicted(**d["predicted"]),
+            alternatives=[
+                Alternative(Layout.from_dict(a["layout"]), Predicted(**a["predicted"]) if a.get("predicted") else None, a.get("rejected"))
+                for a in d.get("alternatives", [])
+            ],
+            inputs=d.get("inputs", {}),
+            model=d.get("model", {}),
+            cluster=d.get("cluster", {}),
+            assumptions=d.get("assumptions", {}),
+            notes=list(d.get("notes", [])),
+        )
+
+
+def load_plan(path) -> Plan:
+    """Read plan.json (a file or a plan directory) with a clear error when it is missing or malformed."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "plan.json"
+    if not p.is_file():
+        raise UsageError(f"No plan at {str(p)!r}.", "Run `planner plan MODEL.py --gpus SPEC --out DIR` first.")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{p} is not valid JSON: {e}.") from e
+    try:
+        return Plan.from_dict(data)
+    except (KeyError, TypeError) as e:
+        raise UsageError(f"{p} is not a planner plan (missing or unexpected field {e}).") from e

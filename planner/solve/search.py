@@ -1,0 +1,701 @@
+"""Layout search: every (pp, tp, dp, micro-batch, schedule, v, recompute, ZeRO) an engine can run, partitioned and simulated.
+
+For a fixed global batch, each candidate layout is priced in four steps:
+
+1. costs for its micro-batch, sharded for its tensor-parallel degree (timing.shard_costs);
+2. the exact DP partition (partition.solve) over the pieces the engine can cut between,
+   with each stage's memory budget depending on how many micro-batches its
+   position in the schedule keeps alive (from the schedule's action order);
+3. the event simulation of the schedule with those stages' times and point-to-point
+   transfer times (simulate.simulate), which gives the pipeline's makespan, bubble and
+   each rank's activation peak;
+4. the data-parallel gradient exchange that the backward cannot hide, and the optimizer step.
+
+Candidates are visited in order of a lower bound on their step time (perfect
+balance, no bubble), and the search stops once that bound exceeds the k-th best
+step time found: the result is the same as pricing every candidate, in a
+fraction of the time. Rejected candidates keep their reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from planner.engines import ENGINES, SEARCHED_SCHEDULES, schedule_rules, state_recipe_for, zero_rules
+from planner.errors import InfeasibleError, UsageError
+from planner.records import ModelCosts
+from planner.solve import partition as part
+from planner.solve.memory import GiB, RuntimeOverhead, StateRecipe, activation_bytes_per_microbatch, checkpoint_starts, stage_params
+from planner.solve.plan import Layout, Predicted
+from planner.solve.schedules import SCHEDULE_INFO, build_schedule
+from planner.solve.simulate import SimResult, StageMemory, StageTimes, simulate
+from planner.solve.timing import PieceTimes, analytical_times, shard_costs, with_measured
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+DEFAULT_MEM_TARGET = 0.85
+#: default global batch: 8 samples per GPU keeps a 1F1B bubble under 1 - 8/(8+1) ~ 11% even at pp = world size
+SAMPLES_PER_GPU = 8
+#: Adam's optimizer step reads and writes per parameter: fp32 master, grad, m, v (4 x 4 read, 3 x 4 written) + the half weights (2 written)
+OPTIMIZER_STEP_BYTES = 30.0
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """What the user fixed, and the search's knobs."""
+
+    engine: str = "deepspeed"
+    global_batch: int | None = None
+    pp: int | None = None
+    tp: int | None = None
+    dp: int | None = None
+    vp: int | None = None
+    micro_batch: int | None = None
+    schedule: str | None = None
+    recompute: str | None = None
+    zero: int | None = None
+    mem_target: float = DEFAULT_MEM_TARGET
+    optimizer: str = "adam"
+    overhead: RuntimeOverhead = RuntimeOverhead()
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    virtual_stages: tuple[int, ...] = (2, 3, 4, 6, 8)
+    top_k: int = 5
+    measured: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)  # device key -> piece -> (fwd, bwd) s at the costed micro-batch
+    exhaustive: bool = False  # price every candidate (no bound pruning): for tests and benchmarks
+
+
+@dataclass
+class Evaluation:
+    """A priced layout: its partition, per-stage times and memory, per-rank memory, and predictions."""
+
+    layout: Layout
+    bounds: tuple[int, ...]
+    stage_rank: tuple[int, ...]
+    stage_times: StageTimes
+    stage_recompute: tuple[float, ...]
+    stage_params: tuple[float, ...]
+    stage_memory: list[dict[str, float]]
+    rank_memory: list[dict[str, float]]
+    capacity: list[float]
+    devices: list[str]
+    sim: SimResult
+    predicted: Predicted
+    act_per_mb: tuple[float, ...]
+    wgrad_per_mb: tuple[float, ...]
+    time_source: tuple[str, ...]
+
+
+@dataclass
+class Rejection:
+    layout: Layout
+    reason: str
+    lower_bound: float = math.inf
+
+
+@dataclass
+class SearchResult:
+    best: Evaluation | None
+    ranked: list[Evaluation]
+    rejected: list[Rejection]
+    considered: int
+    priced: int
+    global_batch: int
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def default_global_batch(world: int) -> int:
+    return SAMPLES_PER_GPU * world
+
+
+def allowed_cuts(costs: ModelCosts, engine: str) -> np.ndarray:
+    """Cut points the engine can express: all of ours, or (Megatron) only between whole transformer layers.
+
+    Megatron keeps the embedding with the first transformer layer and the final norm,
+    output layer and loss with the last one, so its first and last stages always hold a layer.
+    """
+    n = costs.n
+    allowed = np.ones(n + 1, dtype=bool)
+    if ENGINES[engine].sub_block_cuts:
+        return allowed
+    blocks = [i for i, l in enumerate(costs.layers) if l.block is not None]
+    if not blocks:
+        return allowed
+    first, last = blocks[0], blocks[-1]
+    for k in range(1, n):
+        prev, cur = costs.layers[k - 1], costs.layers[k]
+        whole = cur.block is None or cur.block != prev.block
+        allowed[k] = whole and first < k <= last
+    return allowed
+
+
+def _tp_rules(costs: ModelCosts, tp: int, engine: str, gpus_per_node: int) -> list[str]:
+    if tp == 1:
+        return []
+    out = []
+    if not ENGINES[engine].tensor_parallel:
+        out.append(f"{engine} runs no tensor parallelism of its own (tp must be 1; use --engine megatron for tp > 1)")
+    arch = costs.architecture or {}
+    if not arch:
+        out.append("tensor parallelism needs the model file's architecture() (heads, query groups)")
+    else:
+        heads, groups = arch.get("num_attention_heads", 0), arch.get("num_query_groups") or arch.get("num_attention_heads", 0)
+        if heads % tp:
+            out.append(f"{heads} attention heads do not divide over tp = {tp}")
+        if groups % tp:
+            out.append(f"{groups} query groups do not divide over tp = {tp}")
+    if gpus_per_node % tp:
+        out.append(f"tp = {tp} does not fit in a node of {gpus_per_node} GPUs (tensor parallelism stays inside a node)")
+    return out
+
+
+@lru_cache(maxsize=4096)
+def _order_peaks(name: str, p: int, m: int, v: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per-stage peak of micro-batches held, and of pending W passes, from the schedule's action order alone."""
+    sched = build_schedule(name, p, m, v)
+    sim = simulate(sched, StageTimes.uniform(sched.num_stages, 1.0, 1.0, 1.0 if SCHEDULE_INFO[name].split_backward else 0.0), timeline=False)
+    pend = tuple(sim.peak_pending_w) if sim.peak_pending_w else (0,) * p
+    return tuple(sim.peak_inflight_by_stage), pend
+
+
+# --------------------------------------------------------------------------- context
+
+
+class Context:
+    """Caches shared by the candidates of one search: scaled and sharded costs, piece times, memory prefix sums."""
+
+    def __init__(self, costs: ModelCosts, cluster, opts: SearchOptions):
+        self.costs = costs
+        self.cluster = cluster
+        self.opts = opts
+        self.allowed = allowed_cuts(costs, opts.engine)
+        self.min_gpus_per_node = min(g.gpus_per_node for g in cluster.groups)
+        self._sharded: dict[tuple[int, int], ModelCosts] = {}
+        self._times: dict[tuple, PieceTimes] = {}
+        self._memory: dict[tuple, tuple] = {}
+        self._cuts: dict[tuple, tuple] = {}
+        self._prefix: dict[int, tuple] = {}
+        self._p2p: dict[tuple, np.ndarray] = {}
+
+    def sharded(self, b: int, tp: int) -> ModelCosts:
+        key = (b, tp)
+        if key not in self._sharded:
+            self._sharded[key] = shard_costs(self.costs.scaled(b), tp, sequence_parallel=tp > 1)
+        return self._sharded[key]
+
+    def memory(self, b: int, tp: int, recompute: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(parameters, other static bytes, activation bytes per micro-batch, pending-W bytes) per piece range."""
+        key = (b, tp, recompute)
+        if key not in self._memory:
+            self._memory[key] = _memory_matrices(self.sharded(b, tp), tp, recompute)
+        return self._memory[key]
+
+    def cut_bytes(self, b: int, tp: int) -> tuple[np.ndarray, np.ndarray]:
+        """Bytes sent forward and backward across each cut, per micro-batch, per GPU."""
+        key = (b, tp)
+        if key not in self._cuts:
+            c = self.sharded(b, tp).cuts
+            self._cuts[key] = (np.array([x.bytes for x in c], dtype=float), np.array([x.grad_bytes for x in c], dtype=float))
+        return self._cuts[key]
+
+    def p2p(self, b: int, tp: int, src: int, dst: int, forward: bool) -> np.ndarray:
+        """Seconds to send each cut's forward (or gradient) bytes from global rank src to dst."""
+        key = (b, tp, src, dst, forward)
+        if key not in self._p2p:
+            fwd, bwd = self.cut_bytes(b, tp)
+            self._p2p[key] = _p2p(self.cluster, fwd if forward else bwd, src, dst)
+        return self._p2p[key]
+
+    def prefix(self, t: PieceTimes) -> np.ndarray:
+        key = id(t)
+        if key not in self._prefix:
+            self._prefix[key] = (t, np.concatenate([[0.0], np.cumsum(t.total)]))
+        return self._prefix[key][1]
+
+    def times(self, b: int, tp: int, recompute: str, first_rank: int, dtype: str) -> PieceTimes:
+        dev = self.cluster.device_of(first_rank)
+        key = (b, tp, recompute, dev.key)
+        if key not in self._times:
+            sharded = self.sharded(b, tp)
+            coll = 0.0
+            if tp > 1:
+                ranks = list(range(first_rank, first_rank + tp))
+                coll = [self.cluster.allreduce_time(c.bytes, ranks) for c in self.costs.scaled(b).cuts[:-1]]
+            t = analytical_times(sharded, dev, dtype, recompute, tp, coll)
+            measured = self.opts.measured.get(dev.key)
+            if measured and tp == 1:
+                f = b / self.costs.micro_batch
+                t = with_measured(t, {k: (fw * f, bw * f) for k, (fw, bw) in measured.items()}, recompute)
+            self._times[key] = t
+        return self._times[key]
+
+
+# --------------------------------------------------------------------------- candidates
+
+
+def enumerate_layouts(costs: ModelCosts, cluster, opts: SearchOptions, global_batch: int) -> tuple[list[Layout], list[Rejection]]:
+    """All layouts the engine could run for this cluster and global batch (pins applied), and the pinned ones it cannot."""
+    world = cluster.world_size
+    engine = opts.engine
+    rules = ENGINES[engine]
+    gpn = min(g.gpus_per_node for g in cluster.groups)
+    tps = [opts.tp] if opts.tp else [t for t in divisors(gpn) if t == 1 or rules.tensor_parallel]
+    has_core = any(l.core_saved_bytes > 0 for l in costs.layers)
+    recomputes = [opts.recompute] if opts.recompute else [r for r in RECOMPUTE_MODES if r != "selective" or has_core]
+    zeros = [opts.zero] if opts.zero is not None else list(rules.zero_levels)
+    schedules = [opts.schedule] if opts.schedule else list(SEARCHED_SCHEDULES[engine])
+    out: list[Layout] = []
+    rejected: list[Rejection] = []
+    n = costs.n
+    for tp in tps:
+        for pp in ([opts.pp] if opts.pp else divisors(world // tp) if world % tp == 0 else []):
+            if world % (tp * pp):
+                continue
+            dp = world // (tp * pp)
+            if opts.dp and dp != opts.dp:
+                continue
+            for b in ([opts.micro_batch] if opts.micro_batch else opts.micro_batches):
+                if global_batch % (dp * b):
+                    continue
+                m = global_batch // (dp * b)
+                for sched in (schedules if pp > 1 else [opts.schedule or "1f1b"]):
+                    if sched in ("interleaved", "interleaved-zb", "looped-bfs"):
+                        vs = [opts.vp] if opts.vp else [v for v in opts.virtual_stages if pp * v <= n]
+                    elif sched in ("zbv", "dualpipev"):
+                        vs = [2]
+                    else:
+                        vs = [1]
+                    if opts.vp and opts.vp not in vs:
+                        continue
+                    for v in vs:
+                        if pp * v > n or (pp == 1 and v > 1) or (pp == 1 and sched not in ("1f1b", "gpipe")):
+                            continue
+                        for rc in recomputes:
+                            for z in zeros:
+                                if z > 0 and dp == 1 and opts.zero is None:
+                                    continue  # nothing to partition over
+                                if engine == "deepspeed" and costs.dtype == "bf16" and z == 0 and opts.zero is None:
+                                    continue  # bf16 runs BF16_Optimizer either way; stage 1 adds fp32 gradient accumulation
+                                out.append(Layout(engine, pp, tp, dp, v, b, m, global_batch, sched, rc, z, tp > 1))
+    if not out:
+        raise UsageError(_no_layout_message(world, opts, global_batch, costs), "Relax a pin, or change --global-batch or --gpus.")
+    return out, rejected
+
+
+def _no_layout_message(world: int, opts: SearchOptions, gb: int, costs: ModelCosts) -> str:
+    pins = {k: getattr(opts, k) for k in ("pp", "tp", "dp", "vp", "micro_batch", "schedule") if getattr(opts, k)}
+    bits = [f"{world} GPUs", f"global batch {gb}"] + [f"{k}={v}" for k, v in pins.items()]
+    why = []
+    if opts.pp and opts.tp and world % (opts.pp * opts.tp):
+        why.append(f"{world} is not divisible by pp x tp = {opts.pp * opts.tp}")
+    if opts.pp and opts.pp > costs.n:
+        why.append(f"the model has only {costs.n} pieces to place on {opts.pp} stages")
+    if opts.micro_batch and opts.dp and gb % (opts.dp * opts.micro_batch):
+        why.append(f"global batch {gb} is not divisible by dp x micro-batch = {opts.dp * opts.micro_batch}")
+    return f"No layout matches {', '.join(bits)}" + (f": {'; '.join(why)}." if why else " (no pp x tp x dp split divides the batch into whole micro-batches).")
+
+
+def lower_bound(ctx: Context, lay: Layout, dtype: str) -> float:
+    """A step time no partition or schedule of ``lay`` can beat: m x max(total / pp, largest piece) on its fastest device."""
+    best = math.inf
+    firsts = [0] if ctx.cluster.homogeneous else [r * lay.dp * lay.tp for r in range(lay.pp)]
+    seen = set()
+    for first in firsts:
+        key = ctx.cluster.device_of(first).key
+        if key in seen:
+            continue
+        seen.add(key)
+        t = ctx.times(lay.micro_batch, lay.tp, lay.recompute, first, dtype).total
+        best = min(best, lay.num_microbatches * max(sum(t) / lay.pp, max(t)))
+    return best
+
+
+# --------------------------------------------------------------------------- pricing one layout
+
+
+def evaluate_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | None = None, explain: bool = True) -> Evaluation | Rejection:
+    """Price ``lay``: partition (or use ``bounds``), simulate, and check every rank's memory.
+
+    ``explain=False`` skips the second partition that names the overflowing stage of a rejected layout.
+    """
+    costs, cluster, opts = ctx.costs, ctx.cluster, ctx.opts
+    problems = schedule_rules(lay.engine, lay.schedule, lay.pp, lay.num_microbatches, lay.vp) if lay.pp > 1 else []
+    problems += zero_rules(lay.engine, lay.zero, lay.pp)
+    problems += _tp_rules(costs, lay.tp, lay.engine, ctx.min_gpus_per_node)
+    if problems:
+        return Rejection(lay, "; ".join(problems))
+    p, v, tp, dp, b, m = lay.pp, lay.vp, lay.tp, lay.dp, lay.micro_batch, lay.num_microbatches
+    S = p * v
+    block = dp * tp
+    devices = []
+    for r in range(p):
+        first, last = r * block, (r + 1) * block - 1
+        d0, d1 = cluster.device_of(first), cluster.device_of(last)
+        if d0.key != d1.key:
+            return Rejection(lay, f"pipeline rank {r} would span {d0.key} and {d1.key} GPUs (a stage must run on one kind of device)")
+        devices.append(d0)
+    m_order = min(m, _peak_m(lay.schedule, p, m)) if p > 1 else 1
+    sched = build_schedule(lay.schedule, p, m_order, v) if p > 1 else build_schedule("1f1b", 1, 1, 1)
+    stage_rank = tuple(sched.stage_to_rank)
+    sharded = ctx.sharded(b, tp)
+    n = costs.n
+    split = SCHEDULE_INFO[sched.name].split_backward
+
+    # memory: static bytes (state, buffers, working set) and activation bytes per micro-batch, as (n+1)^2 matrices
+    recipe = state_recipe_for(lay.engine, costs.dtype, lay.zero, distributed_optimizer=lay.engine == "megatron" and lay.zero >= 1, optimizer=opts.optimizer)
+    w, g, o = recipe.per_param(dp)
+    per_param = w + g + o
+    params_m, other_m, act, wgrad = ctx.memory(b, tp, lay.recompute)
+    static = params_m * per_param + other_m
+    held, pending = _order_peaks(sched.name, p, m_order, v) if p > 1 else ((1,), (0,))
+    if sched.name == "gpipe":
+        held = (m,) * S
+    frag = 1.0 + opts.overhead.fragmentation
+    fixed = opts.overhead.context + opts.overhead.communicator
+    caps = [devices[stage_rank[j]].memory_bytes for j in range(S)]
+    budget = [(c * opts.mem_target - fixed) / v for c in caps]
+    # pending W passes are counted per rank: charge each stage of the rank with them (an upper bound)
+    held_eff = [held[j] + (pending[stage_rank[j]] * 0.5 if split and pending else 0.0) for j in range(S)]
+    # necessary condition, cheap: the stages' memory summed over all stages must fit in their budgets summed
+    total = (static[0, n] + min(held_eff) * act[0, n]) * frag
+    if bounds is None and total > sum(budget):
+        need = total / S + fixed / v
+        cap = max(caps)
+        return Rejection(
+            lay,
+            f"needs at least {need * v / GiB:.1f} GiB per GPU even with perfectly balanced stages, of {cap / GiB:.1f} GiB "
+            f"({opts.mem_target:.0%} target: {cap * opts.mem_target / GiB:.1f} GiB)",
+        )
+
+    # piece times per device class, and their prefix sums (seconds per micro-batch)
+    classes: dict[str, int] = {}
+    times_by_class: list[PieceTimes] = []
+    for r in range(p):
+        key = devices[r].key
+        if key not in classes:
+            classes[key] = len(classes)
+            times_by_class.append(ctx.times(b, tp, lay.recompute, r * block, dtype))
+    compute = [ctx.prefix(t) for t in times_by_class]
+    stage_device = [classes[devices[stage_rank[j]].key] for j in range(S)]
+
+    # boundary transfers: forward activations and backward gradients over the link between neighbouring stages
+    fwd_bytes, bwd_bytes = ctx.cut_bytes(b, tp)
+    send_f: list[np.ndarray] = []
+    send_b: list[np.ndarray] = []
+    for j in range(S - 1):
+        a, c = stage_rank[j] * block, stage_rank[j + 1] * block
+        send_f.append(ctx.p2p(b, tp, a, c, forward=True))
+        send_b.append(ctx.p2p(b, tp, c, a, forward=False))
+    zero = np.zeros(n + 1)
+    comm_in = [zero] + [send_f[j - 1] + send_b[j - 1] for j in range(1, S)]
+    comm_out = [send_f[j] + send_b[j] for j in range(S - 1)] + [zero]
+
+    pb = part.PartitionProblem(
+        compute=compute,
+        stage_device=stage_device,
+        comm_in=comm_in,
+        comm_out=comm_out,
+        static_mem=static * frag,
+        act_mem=act * frag,
+        held=held_eff,
+        capacity=budget,
+        allowed=ctx.allowed,
+    )
+    if bounds is None:
+        sol = part.solve(pb)
+        if sol is None:
+            if not explain:
+                return Rejection(lay, "no split of the pieces fits every stage's memory budget")
+            return Rejection(lay, _memory_reason(pb, devices, stage_rank, opts, v, S, n))
+        bounds = sol.bounds
+    else:
+        bounds = tuple(bounds)
+        if len(bounds) != S + 1 or bounds[0] != 0 or bounds[-1] != n or any(a >= c for a, c in zip(bounds, bounds[1:])):
+            return Rejection(lay, f"stage boundaries {list(bounds)} do not split {n} pieces into {S} stages")
+
+    # simulate the schedule with these stages
+    rng = list(zip(bounds, bounds[1:]))
+    tclass = [times_by_class[stage_device[j]] for j in range(S)]
+    F = [sum(tclass[j].fwd[a:c]) for j, (a, c) in enumerate(rng)]
+    I = [sum(tclass[j].bwd_input[a:c]) + sum(tclass[j].recompute[a:c]) for j, (a, c) in enumerate(rng)]
+    W = [sum(tclass[j].bwd_weight[a:c]) for j, (a, c) in enumerate(rng)]
+    R = tuple(sum(tclass[j].recompute[a:c]) for j, (a, c) in enumerate(rng))
+    sf = [float(send_f[j][bounds[j + 1]]) for j in range(S - 1)]
+    sb = [float(send_b[j][bounds[j + 1]]) for j in range(S - 1)]
+    times = StageTimes(F, I, W, sf, sb)
+    act_mb = tuple(float(act[a, c]) for a, c in rng)
+    wg_mb = tuple(float(wgrad[a, c]) for a, c in rng)
+    sim = _simulate_extrapolated(sched.name, p, m, v, times, StageMemory(act_mb, wg_mb))
+
+    # per-stage and per-rank memory
+    stage_mem = []
+    params = []
+    for j, (a, c) in enumerate(rng):
+        prm = stage_params(sharded, a, c, tp)
+        params.append(prm)
+        st = float(static[a, c])
+        stage_mem.append({"weights": prm * w, "grads": prm * g, "optimizer": prm * o, "buffers": st - prm * per_param, "activations": held[j] * act_mb[j]})
+    rank_mem = []
+    for r in range(p):
+        js = [j for j in range(S) if stage_rank[j] == r]
+        comp = {k: sum(stage_mem[j][k] for j in js) for k in ("weights", "grads", "optimizer", "buffers")}
+        if sim.peak_bytes and sched.name != "gpipe":  # the simulator's peak of live activations and pending-W inputs
+            comp["activations"] = float(sim.peak_bytes[r])
+        else:  # GPipe holds every micro-batch (the simulator may have run a shortened step)
+            comp["activations"] = sum(stage_mem[j]["activations"] for j in js)
+        tensors = sum(comp.values())
+        comp["overhead"] = fixed + opts.overhead.fragmentation * tensors
+        comp["total"] = tensors + comp["overhead"]
+        rank_mem.append(comp)
+    for j in range(S):
+        tensors = sum(stage_mem[j].values())
+        stage_mem[j]["overhead"] = fixed / v + opts.overhead.fragmentation * tensors
+        stage_mem[j]["total"] = tensors + stage_mem[j]["overhead"]
+    over = [(r, rank_mem[r]["total"], devices[r].memory_bytes) for r in range(p) if rank_mem[r]["total"] > devices[r].memory_bytes * opts.mem_target]
+    if over:
+        r, need, cap = max(over, key=lambda x: x[1] / x[2])
+        return Rejection(lay, f"pipeline rank {r} needs {need / GiB:.1f} GiB of {cap / GiB:.1f} GiB ({opts.mem_target:.0%} target: {cap * opts.mem_target / GiB:.1f} GiB)")
+
+    # data-parallel gradient exchange and optimizer step
+    dp_exposed, opt_time = 0.0, 0.0
+    for r in range(p):
+        prm = sum(params[j] for j in range(S) if stage_rank[j] == r)
+        dev = devices[r]
+        ranks = [r * block + d * tp for d in range(dp)]
+        if dp > 1:
+            if recipe.shard_optimizer:
+                comm = cluster.reduce_scatter_time(prm * recipe.grad_bytes, ranks) + cluster.all_gather_time(prm * recipe.weight_bytes, ranks)
+            else:
+                comm = cluster.allreduce_time(prm * recipe.grad_bytes, ranks)
+            hidden = 0.0
+            if lay.engine == "megatron":  # --overlap-grad-reduce: buckets reduce during the last micro-batch's backward
+                hidden = sum(I[j] + W[j] for j in range(S) if stage_rank[j] == r)
+            dp_exposed = max(dp_exposed, max(0.0, comm - hidden))
+        from planner import hardware
+
+        local = prm / (dp if recipe.shard_optimizer else 1)
+        opt_time = max(opt_time, hardware.memory_time(local * OPTIMIZER_STEP_BYTES, dev))
+    step = sim.step_time + dp_exposed + opt_time
+    predicted = _predicted(ctx, lay, step, sim, dp_exposed, opt_time, max(rm["total"] for rm in rank_mem), devices)
+    return Evaluation(
+        layout=lay,
+        bounds=tuple(bounds),
+        stage_rank=stage_rank,
+        stage_times=times,
+        stage_recompute=R,
+        stage_params=tuple(params),
+        stage_memory=stage_mem,
+        rank_memory=rank_mem,
+        capacity=[d.memory_bytes for d in devices],
+        devices=[d.key for d in devices],
+        sim=sim,
+        predicted=predicted,
+        act_per_mb=act_mb,
+        wgrad_per_mb=wg_mb,
+        time_source=tuple(times_by_class[0].source),
+    )
+
+
+def _p2p(cluster, nbytes: np.ndarray, a: int, b: int) -> np.ndarray:
+    """Seconds to send each of ``nbytes`` from rank a to rank b: latency + bytes / bandwidth; 0 on the same rank or for no bytes."""
+    if a == b:
+        return np.zeros_like(nbytes)
+    lat, bw = cluster.p2p_latency(a, b), cluster.p2p_bandwidth(a, b)
+    return np.where(nbytes > 0, lat + nbytes / bw, 0.0)
+
+
+def _peak_m(name: str, p: int, m: int) -> int:
+    """Micro-batches enough for the held-count peaks to saturate (they depend on the order only: 1F1B's by m = p,
+    interleaved's by one group of p per chunk, ZB-V's by 2p - 1), so 2p stands for any larger m."""
+    return m if m <= 2 * p else _valid_m(name, p, 2 * p)
+
+
+def _valid_m(name: str, p: int, target: int) -> int:
+    return max(p, (target // p) * p)
+
+
+def _simulate_extrapolated(name: str, p: int, m: int, v: int, times: StageTimes, mem: StageMemory) -> SimResult:
+    """Simulate; for many micro-batches, simulate 2p and 4p and extend the steady state linearly (exact once the pipeline is full)."""
+    if p == 1 or m * p * v <= 20000 or name == "gpipe" and m <= 4096:
+        sched = build_schedule(name, p, m, v)
+        return simulate(sched, times, mem, timeline=False)
+    m1, m2 = _valid_m(name, p, 2 * p), _valid_m(name, p, 4 * p)
+    r1 = simulate(build_schedule(name, p, m1, v), times, mem, timeline=False)
+    r2 = simulate(build_schedule(name, p, m2, v), times, mem, timeline=False)
+    period = (r2.step_time - r1.step_time) / (m2 - m1)
+    step = r2.step_time + (m - m2) * period
+    busy = [b2 + (b2 - b1) / (m2 - m1) * (m - m2) for b1, b2 in zip(r1.busy, r2.busy)]
+    bubble = 1.0 - sum(busy) / (p * step) if step > 0 else 0.0
+    return replace(r2, step_time=step, busy=busy, bubble_fraction=bubble)
+
+
+def _memory_matrices(costs: ModelCosts, tp: int, recompute: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(parameters, other static bytes, activation bytes, pending-W bytes) of every piece range [a, b) as (n+1)^2 matrices.
+
+    Other static bytes: point-to-point buffers, buffers the pieces read, and the working set. Only the upper triangle is meaningful.
+    """
+    n = costs.n
+    L = costs.layers
+    prm = np.array([l.shardable_params / tp + (l.params - l.shardable_params) for l in L], dtype=float)
+    P = np.concatenate([[0.0], np.cumsum(prm)])
+    params = P[None, :] - P[:, None]
+    for grp in costs.tied:  # a shared weight inside one stage is held once
+        us = sorted(grp.layers)
+        for x, y in zip(us, us[1:]):
+            mask = np.zeros((n + 1, n + 1), dtype=bool)
+            mask[: x + 1, y + 1 :] = True
+            params -= mask * (grp.params / tp)
+    cut = np.array([c.bytes for c in costs.cuts], dtype=float)
+    buffers = 2.0 * (cut[:, None] + cut[None, :])
+    buf = np.array([l.buffer_bytes for l in L], dtype=float)
+    B = np.concatenate([[0.0], np.cumsum(buf)])
+    buffers += B[None, :] - B[:, None]
+    # working set: largest operator output in the range (+ one rebuilt unit under full recompute)
+    ws_piece = np.array([l.max_op_bytes for l in L], dtype=float)
+    if recompute == "full":
+        unit = np.zeros(n)
+        starts = checkpoint_starts(costs, 0, n) + [n]
+        for a, c in zip(starts, starts[1:]):
+            unit[a:c] = sum(l.saved_bytes for l in L[a:c])
+        ws_piece = ws_piece + unit
+    ws = np.zeros((n + 1, n + 1))
+    for a in range(n):
+        ws[a, a + 1 :] = np.maximum.accumulate(ws_piece[a:])
+    other = buffers + ws
+    # activations per micro-batch
+    if recompute == "full":
+        is_start = np.zeros(n + 1)
+        for k in checkpoint_starts(costs, 0, n):
+            is_start[k] = cut[k]
+        U = np.concatenate([[0.0], np.cumsum(is_start[:n])])  # U[k] = sum of unit-start bytes before k
+        act = cut[:, None] + (U[None, :] - U[np.minimum(np.arange(n + 1) + 1, n)][:, None])
+        act = np.maximum(act, 0.0)
+    else:
+        saved = np.array([l.saved_bytes - (l.core_saved_bytes if recompute == "selective" else 0) for l in L], dtype=float)
+        A = np.concatenate([[0.0], np.cumsum(saved)])
+        act = A[None, :] - A[:, None]
+    wfrac = np.array([l.flops_bwd_weight / l.flops_bwd if l.flops_bwd > 0 else 0.0 for l in L])
+    wsaved = np.array([l.saved_bytes for l in L], dtype=float) * wfrac
+    Wc = np.concatenate([[0.0], np.cumsum(wsaved)])
+    wgrad = Wc[None, :] - Wc[:, None]
+    return params, other, act, wgrad
+
+
+def _memory_reason(pb: part.PartitionProblem, devices, stage_rank, opts: SearchOptions, v: int, S: int, n: int) -> str:
+    """Why no partition fits: the stage that overflows most in the best partition that ignores memory."""
+    free = replace(pb, capacity=[math.inf] * S)
+    sol = part.solve(free)
+    if sol is None:
+        return f"{n} pieces cannot be cut into {S} stages at the cut points this engine can use"
+    worst = max(range(S), key=lambda j: sol.memory[j] / pb.capacity[j] if pb.capacity[j] > 0 else math.inf)
+    need = sol.memory[worst] + (opts.overhead.context + opts.overhead.communicator) / v
+    cap = devices[stage_rank[worst]].memory_bytes
+    return (
+        f"stage {worst} needs {need / GiB:.1f} GiB of {cap / GiB:.1f} GiB "
+        f"({opts.mem_target:.0%} target: {cap * opts.mem_target / GiB:.1f} GiB) in the fastest split, and no other split fits"
+    )
+
+
+def model_flops_per_step(costs: ModelCosts, global_batch: int) -> float:
+    """Model FLOPs of one step: 3 x forward FLOPs of every sample (backward = 2 x forward; recompute excluded), Megatron's convention."""
+    fwd = sum(l.flops_fwd for l in costs.layers)
+    return 3.0 * fwd * global_batch / costs.micro_batch
+
+
+def _predicted(ctx: Context, lay: Layout, step: float, sim: SimResult, dp_exposed: float, opt_time: float, peak: float, devices) -> Predicted:
+    costs, cluster = ctx.costs, ctx.cluster
+    world = lay.pp * lay.tp * lay.dp
+    flops = model_flops_per_step(costs, lay.global_batch)
+    per_gpu = flops / step / world
+    peak_flops = sum(d.flops(costs.dtype) for d in devices) / len(devices)
+    return Predicted(
+        step_time_s=step,
+        tokens_per_s=lay.global_batch * costs.tokens_per_sample / step,
+        samples_per_s=lay.global_batch / step,
+        tflops_per_gpu=per_gpu / 1e12,
+        mfu=per_gpu / peak_flops,
+        bubble_fraction=sim.bubble_fraction,
+        pipeline_time_s=sim.step_time,
+        dp_comm_exposed_s=dp_exposed,
+        optimizer_s=opt_time,
+        peak_memory_bytes=int(peak),
+    )
+
+
+# --------------------------------------------------------------------------- the search
+
+
+def search(costs: ModelCosts, cluster, opts: SearchOptions, progress: Callable[[str, int, int], None] | None = None) -> SearchResult:
+    """Find the fastest layouts for ``costs`` on ``cluster`` (see the module docstring)."""
+    if opts.engine not in ENGINES:
+        raise UsageError(f"unknown engine {opts.engine!r}")
+    if not 0 < opts.mem_target <= 1:
+        raise UsageError(f"--mem-target must be in (0, 1], got {opts.mem_target}.")
+    world = cluster.world_size
+    gb = opts.global_batch or default_global_batch(world)
+    ctx = Context(costs, cluster, opts)
+    layouts, rejected = enumerate_layouts(costs, cluster, opts, gb)
+    dtype = costs.dtype
+    bounded = sorted(((lower_bound(ctx, lay, dtype), i, lay) for i, lay in enumerate(layouts)), key=lambda x: (x[0], x[1]))
+    ranked: list[Evaluation] = []
+    priced = 0
+    no_fit: list[Layout] = []
+    for i, (lb, _, lay) in enumerate(bounded):
+        if progress:
+            progress("search", i + 1, len(bounded))
+        if not opts.exhaustive and len(ranked) >= opts.top_k and lb > ranked[opts.top_k - 1].predicted.step_time_s:
+            break
+        lighter = next((x for x in no_fit if _needs_no_less_memory(lay, x)), None) if not opts.exhaustive else None
+        if lighter is not None:
+            rejected.append(Rejection(lay, f"needs at least the memory of {lighter.short()}, which does not fit", lb))
+            continue
+        res = evaluate_layout(ctx, lay, dtype, explain=len(rejected) < 4 * opts.top_k)
+        priced += 1
+        if isinstance(res, Rejection):
+            res.lower_bound = lb
+            rejected.append(res)
+            if "GiB" in res.reason or "memory" in res.reason:
+                no_fit.append(lay)
+            continue
+        ranked.append(res)
+        ranked.sort(key=lambda e: (e.predicted.step_time_s, _layout_key(e.layout)))
+    if progress:
+        progress("search", len(bounded), len(bounded))
+    return SearchResult(ranked[0] if ranked else None, ranked, rejected, len(layouts), priced, gb)
+
+
+_RECOMPUTE_MEMORY = {"full": 0, "selective": 1, "none": 2}
+
+
+def _needs_no_less_memory(lay: Layout, other: Layout) -> bool:
+    """Whether ``lay`` needs at least ``other``'s memory on every rank: the same split of the cluster and schedule,
+    a micro-batch at least as large, recompute keeping at least as much, and no more optimizer sharding.
+
+    Holds because activations grow with the micro-batch while held counts depend on the schedule's order
+    (GPipe: micro-batch x count is the global batch share, constant), and model state does not shrink.
+    """
+    return (
+        lay.pp == other.pp
+        and lay.tp == other.tp
+        and lay.dp == other.dp
+        and lay.vp == other.vp
+        and lay.schedule == other.schedule
+        and lay.micro_batch >= other.micro_batch
+        and _RECOMPUTE_MEMORY[lay.recompute] >= _RECOMPUTE_MEMORY[other.recompute]
+        and lay.zero <= other.zero
+        and lay.num_microbatches >= lay.pp
+    )
+
+
+def _layout_key(lay: Layout) -> tuple:
+    """Deterministic tie-break: fewer stages, less tensor parallelism, no recompute, smaller micro-batch."""
+    return (lay.pp, lay.tp, lay.vp, RECOMPUTE_MODES.index(lay.recompute), lay.micro_batch, lay.schedule, lay.zero)
