@@ -32,7 +32,7 @@ hardware_app = typer.Typer(no_args_is_help=True, help="List and show hardware pr
 app.add_typer(hardware_app, name="hardware")
 
 out = Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 200)
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _fail(e: PlannerError) -> None:
@@ -289,4 +289,22 @@ def version() -> None:
 
 
 def main() -> None:
-    app()
+    """Entry point: unexpected exceptions (bugs) print one line and exit 3; PLANNER_DEBUG=1 shows the traceback."""
+    import os
+
+    try:
+        app()
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        raise SystemExit(130)
+    except Exception as e:  # noqa: BLE001
+        if os.environ.get("PLANNER_DEBUG"):
+            raise
+        import traceback
+
+        last = traceback.extract_tb(e.__traceback__)[-1]
+        err.print(f"[bold red]internal error:[/] {type(e).__name__}: {e} (at {Path(last.filename).name}:{last.lineno})", markup=True)
+        err.print("This is a planner bug. Re-run with PLANNER_DEBUG=1 for the traceback and report it with the command you ran.", markup=False)
+        raise SystemExit(3)

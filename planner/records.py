@@ -202,7 +202,11 @@ class ModelCosts:
         return self.seq_len or 1
 
     def scaled(self, micro_batch: int) -> "ModelCosts":
-        """The same model's costs for another micro-batch size (linear in the batch)."""
+        """The same model's costs for another micro-batch size (linear in the batch).
+
+        Exact for FLOPs and for activations that grow with the batch; the few saved tensors that
+        do not (position ids, masks: hundreds of bytes) are scaled too.
+        """
         if micro_batch == self.micro_batch:
             return self
         f = micro_batch / self.micro_batch

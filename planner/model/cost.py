@@ -195,7 +195,7 @@ def cost_piece(
 
     outs = [t for t in _flat_tensors(out) if t.requires_grad]
     if target is not None:
-        roots, grads = [target], [torch.ones_like(target)]
+        roots, grads = ([target], [torch.ones_like(target)]) if target.requires_grad else ([], [])
     else:
         roots, grads = outs, [torch.ones_like(t) for t in outs]
     grad_inputs = [t for t in leaf_inputs if t.requires_grad]

@@ -20,11 +20,12 @@ training scripts all use one split.
 
 from __future__ import annotations
 
-import operator
+import logging
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import networkx as nx
 import torch
@@ -152,9 +153,22 @@ _REWRITES = {
 }
 
 
+@contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """torch.export logs guard failures at WARNING through `logging`; the planner reports its own error instead."""
+    logger = logging.getLogger("torch")
+    old = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(old)
+
+
 def _export_trace(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.GraphModule:
     try:
-        ep = torch.export.export(model, inputs, strict=False)
+        with _quiet_torch_logs():
+            ep = torch.export.export(model, inputs, strict=False)
     except Exception as e:  # noqa: BLE001
         raise TraceFailure(None, _where(e), e) from e
     gm = ep.module()
@@ -207,7 +221,12 @@ def _propagate(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> dict[fx.
 
     class Prop(fx.Interpreter):
         def run_node(self, n):
-            out = super().run_node(n)
+            try:
+                out = super().run_node(n)
+            except Exception as e:
+                if not hasattr(e, "_planner_node"):
+                    e._planner_node = n  # type: ignore[attr-defined]
+                raise
             metas[n] = _meta_of(out)
             return out
 
@@ -366,8 +385,8 @@ def _deterministic(node: fx.Node) -> bool:
     return not any(r in name for r in ("rand", "normal", "bernoulli", "dropout", "empty"))
 
 
-def _owner(node: fx.Node, blocks: set[str], model_children: set[str]) -> str | None:
-    """The block or top-level module a node belongs to (None: root-level code)."""
+def _owner(node: fx.Node, blocks: set[str], containers: set[str]) -> str | None:
+    """The piece owner of a node: its block, else its outermost module that is not a container (None: root code)."""
     stack = [v[0] for v in node.meta.get("nn_module_stack", {}).values()]
     if node.op == "call_module":
         stack.append(str(node.target))
@@ -375,15 +394,14 @@ def _owner(node: fx.Node, blocks: set[str], model_children: set[str]) -> str | N
         if path in blocks:
             return path
     for path in stack:
-        top = path.split(".")[0]
-        if top in model_children:
-            # the outermost module path that is a direct child, or a block-free descendant of one
-            return path if path in model_children else _top_owner(path, model_children)
+        if path and path not in containers:
+            # the outermost non-container module: a top-level child, or a child of a top-level ModuleList
+            parts = path.split(".")
+            for i in range(1, len(parts) + 1):
+                prefix = ".".join(parts[:i])
+                if prefix not in containers:
+                    return prefix
     return None
-
-
-def _top_owner(path: str, model_children: set[str]) -> str:
-    return path.split(".")[0]
 
 
 def _child_of(node: fx.Node, block: str) -> str | None:
@@ -452,11 +470,7 @@ def build_layer_graph(
     try:
         metas = _propagate(gm, inputs)
     except Exception as e:  # noqa: BLE001
-        raise UsageError(
-            f"Running the traced model on the meta device failed: {type(e).__name__}: {e} ({_where(e)}).",
-            "The model must run on torch.device('meta'): avoid .item(), .tolist(), numpy conversions and explicit "
-            "device='cpu'/'cuda' tensors in forward(); or name the module with --leaf.",
-        ) from e
+        raise _meta_error(e, model) from e
     batch_dims: dict[fx.Node, int | None] = {}
     if inputs_2x is not None:
         metas2 = _propagate(gm, inputs_2x)
@@ -473,6 +487,35 @@ def build_layer_graph(
     lg.notes = notes + lg.notes
     lg.batch_dims = batch_dims
     return lg
+
+
+def _meta_error(e: BaseException, model: nn.Module) -> UsageError:
+    """A clear error for a model that cannot run on the meta device, naming the module and the source line."""
+    node = getattr(e, "_planner_node", None)
+    where = _where(e)
+    mod = ""
+    if node is not None:
+        stack = [v[0] for v in node.meta.get("nn_module_stack", {}).values()]
+        path = str(node.target) if node.op == "call_module" else (stack[-1] if stack else "")
+        if path:
+            try:
+                mod = f" in module {path} ({type(model.get_submodule(path)).__name__})"
+            except AttributeError:
+                mod = f" in module {path}"
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = f"{first} {e.__cause__ or ''}".lower()
+    if any(k in text for k in ("meta tensor", "data-dependent", "item()", "cannot copy out", "not implemented for 'meta'")):
+        return UsageError(
+            f"The model reads tensor values{mod} at {where}; the planner runs models on the meta device, "
+            f"where values are not known ({type(e).__name__}: {first}).",
+            "Make the branch independent of tensor values (torch.where, masking, or a decision from shapes or "
+            "constructor arguments); --leaf and --tracer export cannot help with a value-dependent branch.",
+        )
+    return UsageError(
+        f"Running the model on the meta device failed{mod} at {where}: {type(e).__name__}: {first}.",
+        "The model must run on torch.device('meta'): create tensors with device=x.device rather than an explicit "
+        "'cpu'/'cuda', and avoid .item(), .tolist() and numpy conversions in forward().",
+    )
 
 
 def _trace_error(fx_err: TraceFailure, export_err: TraceFailure | None, model: nn.Module) -> UsageError:
@@ -500,13 +543,13 @@ def _split(model: nn.Module, gm: fx.GraphModule, metas: dict[fx.Node, ValueMeta]
     graph = gm.graph
     free = _free_nodes(graph)
     block_set = set(blocks)
-    children = {name for name, _ in model.named_children()}
+    containers = {name for name, m in model.named_modules() if name and isinstance(m, CONTAINERS)}
     compute = [n for n in graph.nodes if n.op not in ("placeholder", "output") and n not in free]
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     out_node = next(n for n in graph.nodes if n.op == "output")
 
     # 1. runs of nodes by owner (root-level code joins the previous run, or the next one at the start)
-    owners = [_owner(n, block_set, children) for n in compute]
+    owners = [_owner(n, block_set, containers) for n in compute]
     runs: list[list[Any]] = []  # [owner, nodes]
     pending: list[fx.Node] = []
     for node, own in zip(compute, owners):

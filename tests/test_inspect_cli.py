@@ -1,0 +1,116 @@
+"""`planner inspect`: the JSON it prints and the errors bad input gets (one paragraph, exit 2, no traceback)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from planner.cli import app
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = Path(__file__).resolve().parent / "models"
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_inspect_json_has_the_layer_record_fields_in_execution_order():
+    r = run("inspect", ROOT / "examples/gpt2.py", "--model-arg", "preset=gpt2-tiny", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert set(doc) >= {"layers", "cuts", "totals"}
+    fields = {"name", "kind", "params", "param_bytes", "flops_fwd", "flops_bwd", "saved_bytes", "out_bytes"}
+    assert all(fields <= set(l) for l in doc["layers"])
+    assert [l["name"] for l in doc["layers"]][:3] == ["wte+wpe+drop", "h.0:attn", "h.0:mlp"]
+    assert len(doc["cuts"]) == len(doc["layers"]) - 1
+    assert doc["totals"]["params"] == sum(l["params"] for l in doc["layers"]) - doc["tied"][0]["params"]
+
+
+def test_inspect_table_shows_every_piece():
+    r = run("inspect", ROOT / "examples/llama.py", "--model-arg", "preset=llama-tiny")
+    assert r.exit_code == 0, r.output
+    for name in ("tok_embeddings", "layers.3:feed_forward", "norm", "output", "total"):
+        assert name in r.stdout
+
+
+def _error(r):
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output
+    return r.output
+
+
+def test_missing_file():
+    out = _error(run("inspect", "no/such/model.py"))
+    assert "does not exist" in out
+
+
+def test_file_without_build_model():
+    out = _error(run("inspect", MODELS / "no_build.py"))
+    assert "does not define build_model()" in out and "examples/gpt2.py" in out
+
+
+def test_build_model_raising_names_the_line():
+    out = _error(run("inspect", MODELS / "raises.py"))
+    assert "build_model() raised RuntimeError: weights file not found" in out
+    assert "raises.py line 5" in out
+
+
+def test_unknown_model_arg_lists_the_accepted_ones():
+    out = _error(run("inspect", ROOT / "examples/gpt2.py", "--model-arg", "presett=gpt2"))
+    assert "does not accept --model-arg presett" in out
+    assert "'preset'" in out  # did you mean
+    assert "Accepted: attention, dropout, n_embd" in out
+
+
+def test_shape_dependent_branch_in_a_block_is_kept_whole():
+    """A block whose forward branches on a shape cannot be traced inside: it becomes one piece, with a note."""
+    r = run("inspect", MODELS / "shapebranch.py", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert [l["name"] for l in doc["layers"]] == ["blocks.0", "blocks.1"]
+    assert any("Gate" in n and "shapebranch.py line 12" in n for n in doc["notes"])
+
+
+def test_value_dependent_branch_in_a_block_names_module_and_line():
+    out = _error(run("inspect", MODELS / "branchy.py"))
+    assert "blocks.0 (Gate)" in out and "branchy.py line 12" in out and "if x.sum() > 0" in out
+    assert "torch.where" in out
+
+
+def test_data_dependent_control_flow_at_the_root_names_module_and_line():
+    out = _error(run("inspect", MODELS / "rootbranch.py"))
+    assert "rootbranch.py line 14" in out and "if x.mean() > 0" in out
+    assert "--tracer export" in out and "--leaf" in out
+
+
+def test_fx_only_tracer_reports_the_module():
+    out = _error(run("inspect", MODELS / "rootbranch.py", "--tracer", "fx"))
+    assert "(Net)" in out and "rootbranch.py line 14" in out
+
+
+def test_export_fallback_traces_kwargs_forward(tmp_path):
+    """A forward(**kwargs) model that fx cannot trace goes through torch.export automatically."""
+    f = tmp_path / "kw.py"
+    f.write_text(
+        "import torch\nimport torch.nn as nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])\n"
+        "    def forward(self, x, **kwargs):\n        for l in self.layers:\n            x = l(x)\n        return x\n"
+        "def build_model():\n    return Net()\n"
+        "def example_inputs(batch_size):\n    return (torch.randn(batch_size, 8),)\n"
+    )
+    r = run("inspect", f, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["totals"]["tracer"] in ("fx", "export")
+    assert len(doc["layers"]) == 3
+
+
+def test_console_script_is_installed():
+    out = subprocess.run([sys.executable, "-m", "planner", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "inspect" in out.stdout and "plan" in out.stdout
