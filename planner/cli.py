@@ -77,12 +77,20 @@ def progress_reporter(enabled: bool) -> Iterator:
             bar.stop()
 
 
-def _mib(x: float) -> str:
-    return f"{x / 2**20:,.1f}"
+def human_bytes(x: float) -> str:
+    """Bytes in binary units: 512 B, 4.0 KiB, 12.3 MiB, 1.50 GiB."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= scale:
+            return f"{x / scale:,.2f} {unit}" if unit in ("GiB", "TiB") else f"{x / scale:,.1f} {unit}"
+    return f"{x:,.0f} B"
 
 
-def _gf(x: float) -> str:
-    return f"{x / 1e9:,.2f}"
+def human_flops(x: float) -> str:
+    """FLOPs in decimal units: 12.3 M, 4.56 G, 1.23 T."""
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:,.2f} {unit}"
+    return f"{x:,.0f}"
 
 
 ModelArg = typer.Option(None, "--model-arg", help="KEY=VALUE passed to the model file's functions (repeatable).")
@@ -129,19 +137,19 @@ def inspect(
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         return
     table = Table(title=f"{model.name}: {c.n} pieces, micro-batch {c.micro_batch}, {c.dtype}", show_lines=False)
-    for col, just in [("#", "right"), ("layer", "left"), ("kind", "left"), ("params", "right"), ("fwd GFLOP", "right"), ("bwd GFLOP", "right"), ("saved MiB", "right"), ("out MiB", "right"), ("cut MiB", "right")]:
+    for col, just in [("#", "right"), ("layer", "left"), ("kind", "left"), ("params", "right"), ("fwd FLOP", "right"), ("bwd FLOP", "right"), ("saved", "right"), ("out", "right"), ("cut after", "right")]:
         table.add_column(col, justify=just)
     for i, l in enumerate(c.layers):
         cut = c.cuts[i + 1].bytes if i + 1 < c.n else 0
-        table.add_row(str(i), l.name, l.kind, f"{l.params:,}", _gf(l.flops_fwd), _gf(l.flops_bwd), _mib(l.saved_bytes), _mib(l.out_bytes), _mib(cut) if i + 1 < c.n else "")
+        table.add_row(str(i), l.name, l.kind, f"{l.params:,}", human_flops(l.flops_fwd), human_flops(l.flops_bwd), human_bytes(l.saved_bytes), human_bytes(l.out_bytes), human_bytes(cut) if i + 1 < c.n else "")
     table.add_section()
-    table.add_row("", "total", "", f"{c.total_params:,}", _gf(totals["flops_fwd"]), _gf(totals["flops_bwd"]), _mib(totals["saved_bytes"]), "", "")
+    table.add_row("", "total", "", f"{c.total_params:,}", human_flops(totals["flops_fwd"]), human_flops(totals["flops_bwd"]), human_bytes(totals["saved_bytes"]), "", "")
     out.print(table)
     for g in c.tied:
         out.print(f"tied: {g.name} ({g.params:,} params) is shared by pieces {', '.join(map(str, g.layers))}; counted once in the total")
     for note in c.notes:
         out.print(f"note: {note}")
-    out.print(f"traced with {a.layer_graph.tracer}; cut MiB = bytes crossing the cut after the piece (skip connections included)")
+    out.print(f"traced with {a.layer_graph.tracer}; saved = activation bytes kept for backward per micro-batch; cut after = bytes crossing the cut after the piece (skip connections included)")
 
 
 def _plan_request(model, gpus, engine, model_arg, dtype, leaf, tracer, gpus_per_node, inter_node_gbps, hardware_profile, global_batch, pp, tp, dp, vp, micro_batch, schedule, recompute, zero, mem_target, profile):
