@@ -797,10 +797,38 @@ def matmul_time(flops: float, device: DeviceProfile, dtype: str, flops_per_op: f
     return flops / (device.flops(dtype) * matmul_efficiency_at(size, device))
 
 
-def memory_time(nbytes: float, device: DeviceProfile) -> float:
-    """Seconds to stream ``nbytes`` through device memory: bytes / (bandwidth * memory_efficiency)."""
+# Transfer-size scale of memory-bound operators, after Calculon's a100_80g.json "mem1" "MB_efficiency"
+# [[100, 0.90], [10, 0.75], [1, 0.6], [0, 0.3]] (same source as above), divided by its 0.90 ceiling and
+# joined linearly in log(bytes) (the 0 MB tier placed at 64 KiB): small transfers cannot saturate HBM.
+MEMORY_SIZE_SCALE = ((64e3, 0.3 / 0.9), (1e6, 0.6 / 0.9), (10e6, 0.75 / 0.9), (100e6, 1.0))
+
+
+def _log_interp(x: float, pts) -> float:
+    if x <= pts[0][0]:
+        return pts[0][1]
+    if x >= pts[-1][0]:
+        return pts[-1][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            t = math.log(x / x0) / math.log(x1 / x0)
+            return y0 + t * (y1 - y0)
+    return pts[-1][1]
+
+
+def memory_efficiency_at(bytes_per_op: float, device: DeviceProfile) -> float:
+    """Fraction of memory bandwidth one operator moving ``bytes_per_op`` bytes reaches on ``device``."""
+    return device.memory_efficiency * _log_interp(bytes_per_op, MEMORY_SIZE_SCALE)
+
+
+def memory_time(nbytes: float, device: DeviceProfile, bytes_per_op: float | None = None) -> float:
+    """Seconds to stream ``nbytes`` through device memory: bytes / (bandwidth * memory efficiency).
+
+    With ``bytes_per_op`` the efficiency is that of operators of that size (small ones reach
+    less of the bandwidth); without it, the device's large-transfer efficiency.
+    """
     _check_bytes(nbytes)
-    return nbytes / (device.memory_bandwidth * device.memory_efficiency)
+    eff = device.memory_efficiency if bytes_per_op is None else memory_efficiency_at(bytes_per_op, device)
+    return nbytes / (device.memory_bandwidth * eff)
 
 
 # ------------------------------------------------------------------ CLI rendering helpers

@@ -36,8 +36,12 @@ class Layer:
         shardable_params: parameters of matmul weights and embeddings that tensor parallelism splits.
         buffer_bytes: non-parameter buffers the piece reads (rotary tables, masks).
         max_op_bytes: largest single operator output (bytes): the transient working set while it runs.
-        matmul_ops_fwd: operators with a FLOP formula in the forward (matmuls, convolutions, attention):
-            ``flops_fwd / matmul_ops_fwd`` is the mean operator size the efficiency model uses.
+        op_flops_fwd / op_flops_bwd / op_flops_core: FLOPs of each operator with a FLOP formula (matmuls,
+            convolutions, attention) in the forward, the backward, and the attention core's forward; and
+        op_bytes_fwd / op_bytes_bwd / op_bytes_core: bytes each other operator reads and writes: the
+            efficiency model rates each operator by its size; ``op_bytes_*_resid`` are those of operators whose
+            output has the shape of the piece's input (the residual stream: norms, residual adds, dropout),
+            which tensor parallelism without sequence parallelism replicates on every GPU.
     """
 
     name: str
@@ -59,18 +63,30 @@ class Layer:
     shardable_params: int = 0
     buffer_bytes: int = 0
     max_op_bytes: int = 0
-    matmul_ops_fwd: int = 0
+    op_flops_fwd: tuple[float, ...] = ()
+    op_flops_bwd: tuple[float, ...] = ()
+    op_flops_core: tuple[float, ...] = ()
+    op_bytes_fwd: tuple[float, ...] = ()
+    op_bytes_bwd: tuple[float, ...] = ()
+    op_bytes_core: tuple[float, ...] = ()
+    op_bytes_fwd_resid: tuple[float, ...] = ()
+    op_bytes_bwd_resid: tuple[float, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["modules"] = list(self.modules)
+        for k in ("modules",) + _OP_LISTS:
+            d[k] = list(d[k])
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Layer":
         d = dict(d)
-        d["modules"] = tuple(d.get("modules", ()))
+        for k in ("modules",) + _OP_LISTS:
+            d[k] = tuple(d.get(k, ()))
         return cls(**d)
+
+
+_OP_LISTS = ("op_flops_fwd", "op_flops_bwd", "op_flops_core", "op_bytes_fwd", "op_bytes_bwd", "op_bytes_core", "op_bytes_fwd_resid", "op_bytes_bwd_resid")
 
 
 @dataclass(frozen=True)
@@ -210,9 +226,7 @@ class ModelCosts:
         if micro_batch == self.micro_batch:
             return self
         f = micro_batch / self.micro_batch
-        layers = tuple(
-            replace(layer, **{k: type(getattr(layer, k))(getattr(layer, k) * f) for k in _SCALED}) for layer in self.layers
-        )
+        layers = tuple(scale_layer(layer, f) for layer in self.layers)
         cuts = tuple(replace(c, tensors=tuple(_scale_tensor(t, f) for t in c.tensors)) for c in self.cuts)
         return replace(self, layers=layers, cuts=cuts, micro_batch=micro_batch)
 
@@ -240,6 +254,13 @@ class ModelCosts:
             architecture=d.get("architecture"),
             notes=tuple(d.get("notes", ())),
         )
+
+
+def scale_layer(layer: Layer, f: float) -> Layer:
+    """A layer's per-micro-batch costs multiplied by ``f`` (parameters unchanged)."""
+    values = {k: type(getattr(layer, k))(getattr(layer, k) * f) for k in _SCALED}
+    values.update({k: tuple(x * f for x in getattr(layer, k)) for k in _OP_LISTS})
+    return replace(layer, **values)
 
 
 def _scale_tensor(t: TensorInfo, f: float) -> TensorInfo:

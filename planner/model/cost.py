@@ -92,15 +92,20 @@ def _flat_tensors(x: Any) -> list[torch.Tensor]:
 class _OpMeter(TorchDispatchMode):
     """Counts, per operator call: bytes moved by operators without a FLOP formula, attention-core work, largest output."""
 
-    def __init__(self, seq_len: int | None, batch: int):
+    def __init__(self, seq_len: int | None, batch: int, resid_shape: tuple[int, ...] | None = None):
         super().__init__()
         self.seq_len = seq_len
         self.batch = batch
+        self.resid_shape = resid_shape
         self.mem_bytes = 0.0
         self.core_flops = 0.0
         self.core_bytes = 0.0
         self.max_out = 0
-        self.flop_ops = 0
+        self.op_flops: list[float] = []
+        self.core_op_flops: list[float] = []
+        self.op_bytes: list[float] = []
+        self.resid_op_bytes: list[float] = []
+        self.core_op_bytes: list[float] = []
 
     def _is_core(self, tensors: list[torch.Tensor]) -> bool:
         s = self.seq_len
@@ -114,14 +119,22 @@ class _OpMeter(TorchDispatchMode):
         core = self._is_core(ins + outs)
         packet = func.overloadpacket
         if packet in flop_registry:
-            self.flop_ops += 1
+            flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
+            self.op_flops.append(flops)
             if core:
-                self.core_flops += flop_registry[packet](*args, **kwargs, out_val=out)
+                self.core_flops += flops
+                self.core_op_flops.append(flops)
         elif not func.is_view and func not in _NO_TRAFFIC:
             moved = sum(_tensor_bytes(t) for t in ins) + sum(_tensor_bytes(t) for t in outs)
             self.mem_bytes += moved
+            if moved:
+                if self.resid_shape is not None and any(tuple(t.shape) == self.resid_shape for t in outs):
+                    self.resid_op_bytes.append(float(moved))
+                else:
+                    self.op_bytes.append(float(moved))
             if core:
                 self.core_bytes += moved
+                self.core_op_bytes.append(float(moved))
         self.max_out = max(self.max_out, sum(_tensor_bytes(t) for t in outs))
         return out
 
@@ -151,7 +164,14 @@ class PieceCost:
     core_bytes_fwd: float
     core_saved_bytes: int
     max_op_bytes: int
-    matmul_ops_fwd: int
+    op_flops_fwd: tuple[float, ...]
+    op_flops_bwd: tuple[float, ...]
+    op_flops_core: tuple[float, ...]
+    op_bytes_fwd: tuple[float, ...]
+    op_bytes_bwd: tuple[float, ...]
+    op_bytes_core: tuple[float, ...]
+    op_bytes_fwd_resid: tuple[float, ...]
+    op_bytes_bwd_resid: tuple[float, ...]
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -186,7 +206,9 @@ def cost_piece(
             refs.append(t)
         return t
 
-    fwd_meter = _OpMeter(seq_len, batch)
+    floats = [t for t in inputs if t.is_floating_point()]
+    resid = tuple(floats[0].shape) if floats else None
+    fwd_meter = _OpMeter(seq_len, batch, resid)
     with torch.device("meta"), GpuKernels(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with FlopCounterMode(display=False) as fc_fwd, fwd_meter:
             out = module(*leaf_inputs)
@@ -201,7 +223,7 @@ def cost_piece(
     grad_inputs = [t for t in leaf_inputs if t.requires_grad]
     flops_bwd_input = 0.0
     flops_bwd = 0.0
-    bwd_meter = _OpMeter(seq_len, batch)
+    bwd_meter = _OpMeter(seq_len, batch, resid)
     if roots:
         with torch.device("meta"):
             if grad_inputs:
@@ -224,7 +246,14 @@ def cost_piece(
         core_bytes_fwd=fwd_meter.core_bytes,
         core_saved_bytes=sum(core_saved.values()),
         max_op_bytes=max(fwd_meter.max_out, bwd_meter.max_out),
-        matmul_ops_fwd=fwd_meter.flop_ops,
+        op_flops_fwd=tuple(fwd_meter.op_flops),
+        op_flops_bwd=tuple(bwd_meter.op_flops),
+        op_flops_core=tuple(fwd_meter.core_op_flops),
+        op_bytes_fwd=tuple(fwd_meter.op_bytes),
+        op_bytes_bwd=tuple(bwd_meter.op_bytes),
+        op_bytes_core=tuple(fwd_meter.core_op_bytes),
+        op_bytes_fwd_resid=tuple(fwd_meter.resid_op_bytes),
+        op_bytes_bwd_resid=tuple(bwd_meter.resid_op_bytes),
     )
     detached = torch.utils._pytree.tree_map(lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, out)
     return cost, detached
@@ -334,7 +363,14 @@ def cost_layers(
                 shardable_params=min(shardable, n_params),
                 buffer_bytes=sum(b.numel() * b.element_size() for b in mod.buffers()),
                 max_op_bytes=cost.max_op_bytes,
-                matmul_ops_fwd=cost.matmul_ops_fwd,
+                op_flops_fwd=cost.op_flops_fwd,
+                op_flops_bwd=cost.op_flops_bwd,
+                op_flops_core=cost.op_flops_core,
+                op_bytes_fwd=cost.op_bytes_fwd,
+                op_bytes_bwd=cost.op_bytes_bwd,
+                op_bytes_core=cost.op_bytes_core,
+                op_bytes_fwd_resid=cost.op_bytes_fwd_resid,
+                op_bytes_bwd_resid=cost.op_bytes_bwd_resid,
             )
         )
         if progress:

@@ -34,7 +34,7 @@ from planner.solve.memory import GiB, RuntimeOverhead, StateRecipe, activation_b
 from planner.solve.plan import Layout, Predicted
 from planner.solve.schedules import SCHEDULE_INFO, build_schedule
 from planner.solve.simulate import SimResult, StageMemory, StageTimes, simulate
-from planner.solve.timing import PieceTimes, analytical_times, shard_costs, with_measured
+from planner.solve.timing import PieceTimes, analytical_times, shard_costs, tp_collective_time, with_measured
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 DEFAULT_MEM_TARGET = 0.85
@@ -186,32 +186,32 @@ class Context:
         self._prefix: dict[int, tuple] = {}
         self._p2p: dict[tuple, np.ndarray] = {}
 
-    def sharded(self, b: int, tp: int) -> ModelCosts:
-        key = (b, tp)
+    def sharded(self, b: int, tp: int, sp: bool = True) -> ModelCosts:
+        key = (b, tp, sp and tp > 1)
         if key not in self._sharded:
-            self._sharded[key] = shard_costs(self.costs.scaled(b), tp, sequence_parallel=tp > 1)
+            self._sharded[key] = shard_costs(self.costs.scaled(b), tp, sequence_parallel=sp and tp > 1)
         return self._sharded[key]
 
-    def memory(self, b: int, tp: int, recompute: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def memory(self, b: int, tp: int, recompute: str, sp: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(parameters, other static bytes, activation bytes per micro-batch, pending-W bytes) per piece range."""
-        key = (b, tp, recompute)
+        key = (b, tp, recompute, sp)
         if key not in self._memory:
-            self._memory[key] = _memory_matrices(self.sharded(b, tp), tp, recompute)
+            self._memory[key] = _memory_matrices(self.sharded(b, tp, sp), tp, recompute)
         return self._memory[key]
 
-    def cut_bytes(self, b: int, tp: int) -> tuple[np.ndarray, np.ndarray]:
+    def cut_bytes(self, b: int, tp: int, sp: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Bytes sent forward and backward across each cut, per micro-batch, per GPU."""
-        key = (b, tp)
+        key = (b, tp, sp)
         if key not in self._cuts:
-            c = self.sharded(b, tp).cuts
+            c = self.sharded(b, tp, sp).cuts
             self._cuts[key] = (np.array([x.bytes for x in c], dtype=float), np.array([x.grad_bytes for x in c], dtype=float))
         return self._cuts[key]
 
-    def p2p(self, b: int, tp: int, src: int, dst: int, forward: bool) -> np.ndarray:
+    def p2p(self, b: int, tp: int, src: int, dst: int, forward: bool, sp: bool = True) -> np.ndarray:
         """Seconds to send each cut's forward (or gradient) bytes from global rank src to dst."""
-        key = (b, tp, src, dst, forward)
+        key = (b, tp, src, dst, forward, sp)
         if key not in self._p2p:
-            fwd, bwd = self.cut_bytes(b, tp)
+            fwd, bwd = self.cut_bytes(b, tp, sp)
             self._p2p[key] = _p2p(self.cluster, fwd if forward else bwd, src, dst)
         return self._p2p[key]
 
@@ -221,15 +221,15 @@ class Context:
             self._prefix[key] = (t, np.concatenate([[0.0], np.cumsum(t.total)]))
         return self._prefix[key][1]
 
-    def times(self, b: int, tp: int, recompute: str, first_rank: int, dtype: str) -> PieceTimes:
+    def times(self, b: int, tp: int, recompute: str, first_rank: int, dtype: str, sp: bool = True) -> PieceTimes:
         dev = self.cluster.device_of(first_rank)
-        key = (b, tp, recompute, dev.key)
+        key = (b, tp, recompute, dev.key, sp)
         if key not in self._times:
-            sharded = self.sharded(b, tp)
+            sharded = self.sharded(b, tp, sp)
             coll = 0.0
             if tp > 1:
                 ranks = list(range(first_rank, first_rank + tp))
-                coll = [self.cluster.allreduce_time(c.bytes, ranks) for c in self.costs.scaled(b).cuts[:-1]]
+                coll = [tp_collective_time(self.cluster, c.bytes, ranks, sp) for c in self.costs.scaled(b).cuts[:-1]]
             t = analytical_times(sharded, dev, dtype, recompute, tp, coll)
             measured = self.opts.measured.get(dev.key)
             if measured and tp == 1:
@@ -346,7 +346,8 @@ def evaluate_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int]
     m_order = min(m, _peak_m(lay.schedule, p, m)) if p > 1 else 1
     sched = build_schedule(lay.schedule, p, m_order, v) if p > 1 else build_schedule("1f1b", 1, 1, 1)
     stage_rank = tuple(sched.stage_to_rank)
-    sharded = ctx.sharded(b, tp)
+    sp = lay.sequence_parallel
+    sharded = ctx.sharded(b, tp, sp)
     n = costs.n
     split = SCHEDULE_INFO[sched.name].split_backward
 
@@ -354,7 +355,7 @@ def evaluate_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int]
     recipe = state_recipe_for(lay.engine, costs.dtype, lay.zero, distributed_optimizer=lay.engine == "megatron" and lay.zero >= 1, optimizer=opts.optimizer)
     w, g, o = recipe.per_param(dp)
     per_param = w + g + o
-    params_m, other_m, act, wgrad = ctx.memory(b, tp, lay.recompute)
+    params_m, other_m, act, wgrad = ctx.memory(b, tp, lay.recompute, sp)
     static = params_m * per_param + other_m
     held, pending = _order_peaks(sched.name, p, m_order, v) if p > 1 else ((1,), (0,))
     if sched.name == "gpipe":
@@ -362,12 +363,14 @@ def evaluate_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int]
     frag = 1.0 + opts.overhead.fragmentation
     fixed = opts.overhead.context + opts.overhead.communicator
     caps = [devices[stage_rank[j]].memory_bytes for j in range(S)]
-    budget = [(c * opts.mem_target - fixed) / v for c in caps]
+    rank_budget = [devices[r].memory_bytes * opts.mem_target - fixed for r in range(p)]
+    # each stage may use its rank's whole budget; ranks holding several stages are re-checked below
+    budget = [rank_budget[stage_rank[j]] for j in range(S)]
     # pending W passes are counted per rank: charge each stage of the rank with them (an upper bound)
     held_eff = [held[j] + (pending[stage_rank[j]] * 0.5 if split and pending else 0.0) for j in range(S)]
     # necessary condition, cheap: the stages' memory summed over all stages must fit in their budgets summed
     total = (static[0, n] + min(held_eff) * act[0, n]) * frag
-    if bounds is None and total > sum(budget):
+    if bounds is None and total > sum(rank_budget):
         need = total / S + fixed / v
         cap = max(caps)
         return Rejection(
@@ -383,7 +386,7 @@ def evaluate_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int]
         key = devices[r].key
         if key not in classes:
             classes[key] = len(classes)
-            times_by_class.append(ctx.times(b, tp, lay.recompute, r * block, dtype))
+            times_by_class.append(ctx.times(b, tp, lay.recompute, r * block, dtype, sp))
     compute = [ctx.prefix(t) for t in times_by_class]
     stage_device = [classes[devices[stage_rank[j]].key] for j in range(S)]
 
@@ -393,8 +396,8 @@ def evaluate_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int]
     send_b: list[np.ndarray] = []
     for j in range(S - 1):
         a, c = stage_rank[j] * block, stage_rank[j + 1] * block
-        send_f.append(ctx.p2p(b, tp, a, c, forward=True))
-        send_b.append(ctx.p2p(b, tp, c, a, forward=False))
+        send_f.append(ctx.p2p(b, tp, a, c, forward=True, sp=sp))
+        send_b.append(ctx.p2p(b, tp, c, a, forward=False, sp=sp))
     zero = np.zeros(n + 1)
     comm_in = [zero] + [send_f[j - 1] + send_b[j - 1] for j in range(1, S)]
     comm_out = [send_f[j] + send_b[j] for j in range(S - 1)] + [zero]
@@ -412,6 +415,24 @@ def evaluate_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int]
     )
     if bounds is None:
         sol = part.solve(pb)
+        # a rank holding several stages (interleaved, V) must fit their sum: shrink the budgets of the stages of
+        # ranks that overflow in proportion and solve again (a few rounds settle it; the simulator's peak is checked last)
+        for _ in range(8 if v > 1 else 0):
+            if sol is None:
+                break
+            per_rank = [0.0] * p
+            for j in range(S):
+                per_rank[stage_rank[j]] += sol.memory[j]
+            over = [r for r in range(p) if per_rank[r] > rank_budget[r]]
+            if not over:
+                break
+            caps_j = list(pb.capacity)
+            for j in range(S):
+                r = stage_rank[j]
+                if r in over:
+                    caps_j[j] = min(caps_j[j], sol.memory[j] * rank_budget[r] / per_rank[r] * 0.999)
+            pb = replace(pb, capacity=caps_j)
+            sol = part.solve(pb)
         if sol is None:
             if not explain:
                 return Rejection(lay, "no split of the pieces fits every stage's memory budget")
@@ -596,13 +617,16 @@ def _memory_reason(pb: part.PartitionProblem, devices, stage_rank, opts: SearchO
     sol = part.solve(free)
     if sol is None:
         return f"{n} pieces cannot be cut into {S} stages at the cut points this engine can use"
-    worst = max(range(S), key=lambda j: sol.memory[j] / pb.capacity[j] if pb.capacity[j] > 0 else math.inf)
-    need = sol.memory[worst] + (opts.overhead.context + opts.overhead.communicator) / v
-    cap = devices[stage_rank[worst]].memory_bytes
-    return (
-        f"stage {worst} needs {need / GiB:.1f} GiB of {cap / GiB:.1f} GiB "
-        f"({opts.mem_target:.0%} target: {cap * opts.mem_target / GiB:.1f} GiB) in the fastest split, and no other split fits"
-    )
+    fixed = opts.overhead.context + opts.overhead.communicator
+    p = len(devices)
+    per_rank = [fixed] * p
+    for j in range(S):
+        per_rank[stage_rank[j]] += sol.memory[j]
+    worst = max(range(p), key=lambda r: per_rank[r] / devices[r].memory_bytes)
+    need, cap = per_rank[worst], devices[worst].memory_bytes
+    what = f"stage {worst}" if v == 1 else f"pipeline rank {worst} (stages {', '.join(str(j) for j in range(S) if stage_rank[j] == worst)})"
+    split = "" if S == 1 else " with the fastest split, and no other split fits"
+    return f"{what} needs {need / GiB:.1f} GiB of {cap / GiB:.1f} GiB ({opts.mem_target:.0%} target: {cap * opts.mem_target / GiB:.1f} GiB){split}"
 
 
 def model_flops_per_step(costs: ModelCosts, global_batch: int) -> float:

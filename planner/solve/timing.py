@@ -26,9 +26,21 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
-from planner.records import Cut, Layer, ModelCosts
+from planner.records import Layer, ModelCosts, scale_layer
 
 TP_COLLECTIVES = {"attention": (1, 1), "mlp": (1, 1), "block": (2, 2), "embedding": (1, 0), "head": (0, 1)}
+
+#: an all-gather + reduce-scatter pair of sequence parallelism costs this many ring all-reduces: Calculon's A100
+#: system (calculon-ai/calculon systems/a100_80g.json) prices reduce_scatter and all_gather at 1.5 each against
+#: all_reduce's 2.0 on NVLink, i.e. the pair at 1.5 all-reduces (NCCL's RS/AG reach a lower bus bandwidth than its AR)
+SP_PAIR_ALLREDUCES = 1.5
+
+
+def tp_collective_time(cluster, nbytes: float, ranks: Sequence[int], sequence_parallel: bool = True) -> float:
+    """Seconds of one tensor-parallel collective on the residual stream of ``nbytes`` (unsharded) over ``ranks``:
+    an all-gather + reduce-scatter pair with sequence parallelism, else an all-reduce."""
+    t = cluster.allreduce_time(nbytes, ranks)
+    return t * SP_PAIR_ALLREDUCES if sequence_parallel else t
 
 
 @dataclass(frozen=True)
@@ -49,8 +61,11 @@ class PieceTimes:
 def shard_costs(costs: ModelCosts, tp: int, sequence_parallel: bool = True) -> ModelCosts:
     """The costs one GPU of a tensor-parallel group of ``tp`` sees (parameters are split later, in memory.stage_params).
 
-    Matmul FLOPs divide by ``tp``; with sequence parallelism so do the other
-    operators' bytes, the saved activations and the tensors sent between stages.
+    Matmul FLOPs, the attention core (heads) and the operators between the column- and
+    row-parallel matmuls divide by ``tp`` in the pieces tensor parallelism splits; the
+    operators on the residual stream (norms, residual adds, dropout), the saved
+    activations and the tensors sent between stages divide by ``tp`` only with sequence
+    parallelism.
     """
     if tp == 1:
         return costs
@@ -58,21 +73,27 @@ def shard_costs(costs: ModelCosts, tp: int, sequence_parallel: bool = True) -> M
     layers = []
     for l in costs.layers:
         shard = l.kind in TP_COLLECTIVES or l.shardable_params > 0
-        if not shard:
-            layers.append(replace(l, saved_bytes=int(l.saved_bytes / act), mem_bytes_fwd=l.mem_bytes_fwd / act, mem_bytes_bwd=l.mem_bytes_bwd / act, max_op_bytes=int(l.max_op_bytes / act), out_bytes=int(l.out_bytes / act)))
-            continue
+        heads = tp if shard else act
         layers.append(
             replace(
                 l,
-                flops_fwd=l.flops_fwd / tp,
-                flops_bwd=l.flops_bwd / tp,
-                flops_bwd_weight=l.flops_bwd_weight / tp,
-                core_flops_fwd=l.core_flops_fwd / tp,
-                core_bytes_fwd=l.core_bytes_fwd / tp,
-                core_saved_bytes=int(l.core_saved_bytes / tp),
-                saved_bytes=int((l.saved_bytes - l.core_saved_bytes) / act + l.core_saved_bytes / tp),
-                mem_bytes_fwd=l.mem_bytes_fwd / act,
-                mem_bytes_bwd=l.mem_bytes_bwd / act,
+                flops_fwd=l.flops_fwd / (tp if shard else 1),
+                flops_bwd=l.flops_bwd / (tp if shard else 1),
+                flops_bwd_weight=l.flops_bwd_weight / (tp if shard else 1),
+                op_flops_fwd=tuple(x / (tp if shard else 1) for x in l.op_flops_fwd),
+                op_flops_bwd=tuple(x / (tp if shard else 1) for x in l.op_flops_bwd),
+                core_flops_fwd=l.core_flops_fwd / heads,
+                op_flops_core=tuple(x / heads for x in l.op_flops_core),
+                core_bytes_fwd=l.core_bytes_fwd / heads,
+                op_bytes_core=tuple(x / heads for x in l.op_bytes_core),
+                core_saved_bytes=int(l.core_saved_bytes / heads),
+                saved_bytes=int((l.saved_bytes - l.core_saved_bytes) / act + l.core_saved_bytes / heads),
+                mem_bytes_fwd=sum(l.op_bytes_fwd) / heads + sum(l.op_bytes_fwd_resid) / act,
+                mem_bytes_bwd=sum(l.op_bytes_bwd) / heads + sum(l.op_bytes_bwd_resid) / act,
+                op_bytes_fwd=tuple(x / heads for x in l.op_bytes_fwd),
+                op_bytes_bwd=tuple(x / heads for x in l.op_bytes_bwd),
+                op_bytes_fwd_resid=tuple(x / act for x in l.op_bytes_fwd_resid),
+                op_bytes_bwd_resid=tuple(x / act for x in l.op_bytes_bwd_resid),
                 max_op_bytes=int(l.max_op_bytes / act),
                 out_bytes=int(l.out_bytes / act),
             )
@@ -100,17 +121,19 @@ def analytical_times(
 
     fwd, bi, bw, rc = [], [], [], []
     for k, l in enumerate(costs.layers):
-        op = l.flops_fwd / max(l.matmul_ops_fwd, 1)
-        f = hardware.matmul_time(l.flops_fwd, device, dtype, flops_per_op=op) + hardware.memory_time(l.mem_bytes_fwd, device)
-        w = hardware.matmul_time(l.flops_bwd_weight, device, dtype, flops_per_op=op)
-        i = hardware.matmul_time(l.flops_bwd - l.flops_bwd_weight, device, dtype, flops_per_op=op) + hardware.memory_time(l.mem_bytes_bwd, device)
+        mm_f = ops_time(l.op_flops_fwd, l.flops_fwd, device, dtype)
+        mm_b = ops_time(l.op_flops_bwd, l.flops_bwd, device, dtype)
+        w_share = l.flops_bwd_weight / l.flops_bwd if l.flops_bwd > 0 else 0.0
+        f = mm_f + bytes_time(l.op_bytes_fwd + l.op_bytes_fwd_resid, l.mem_bytes_fwd, device)
+        w = mm_b * w_share
+        i = mm_b * (1.0 - w_share) + bytes_time(l.op_bytes_bwd + l.op_bytes_bwd_resid, l.mem_bytes_bwd, device)
         n_f, n_b = TP_COLLECTIVES.get(l.kind, (0, 0)) if tp > 1 else (0, 0)
         f += n_f * coll[k]
         i += n_b * coll[k]
         if recompute == "full":
             r = f
         elif recompute == "selective":
-            r = hardware.matmul_time(l.core_flops_fwd, device, dtype, flops_per_op=op) + hardware.memory_time(l.core_bytes_fwd, device)
+            r = ops_time(l.op_flops_core, l.core_flops_fwd, device, dtype) + bytes_time(l.op_bytes_core, l.core_bytes_fwd, device)
         else:
             r = 0.0
         fwd.append(f)
@@ -118,6 +141,24 @@ def analytical_times(
         bw.append(w)
         rc.append(r)
     return PieceTimes(tuple(fwd), tuple(bi), tuple(bw), tuple(rc), ("analytical",) * n)
+
+
+def ops_time(op_flops: Sequence[float], total: float, device, dtype: str) -> float:
+    """Seconds for a piece's matmul-like operators, each rated by its own size; ``total`` FLOPs when no list is known."""
+    from planner import hardware
+
+    if not op_flops:
+        return hardware.matmul_time(total, device, dtype)
+    return sum(hardware.matmul_time(x, device, dtype) for x in op_flops if x > 0)
+
+
+def bytes_time(op_bytes: Sequence[float], total: float, device) -> float:
+    """Seconds for a piece's memory-bound operators, each rated by its transfer size; ``total`` bytes when no list is known."""
+    from planner import hardware
+
+    if not op_bytes:
+        return hardware.memory_time(total, device)
+    return sum(hardware.memory_time(x, device, bytes_per_op=x) for x in op_bytes)
 
 
 def with_measured(times: PieceTimes, measured: Mapping[int, tuple[float, float]], recompute: str) -> PieceTimes:
