@@ -208,11 +208,12 @@ def _nothing_fits(costs: ModelCosts, cluster, req: PlanRequest, result: SearchRe
     """The message and the smallest change that would fit, for an InfeasibleError."""
     from planner import hardware
 
-    mem_rejects = [r for r in result.rejected if "GiB" in r.reason]
+    mem_rejects = sorted((r for r in result.rejected if r.need_bytes is not None), key=lambda r: (r.overflow, r.lower_bound))
     closest = ""
     if mem_rejects:
         r = mem_rejects[0]
-        closest = f" The closest layout, {r.layout.short()}: {r.reason}."
+        short = (r.need_bytes - r.capacity_bytes) / GiB
+        closest = f" The closest layout, {r.layout.short()}, is {short:.1f} GiB short per GPU: {r.reason}."
     elif result.rejected:
         closest = f" For example {result.rejected[0].layout.short()}: {result.rejected[0].reason}."
     msg = f"No layout of {costs.total_params / 1e9:.2f}B parameters fits on {cluster.spec} ({cluster.world_size} GPUs) with engine {req.engine}.{closest}"
@@ -240,8 +241,15 @@ def _nothing_fits(costs: ModelCosts, cluster, req: PlanRequest, result: SearchRe
 
 
 def _fits(costs: ModelCosts, cluster, req: PlanRequest) -> bool:
+    """Whether any layout fits; only the leanest options are tried (micro-batch 1, full recompute, ZeRO) unless pinned."""
+    lean = replace(
+        req,
+        micro_batch=req.micro_batch or 1,
+        recompute=req.recompute or "full",
+        zero=req.zero if req.zero is not None else (0 if req.engine == "torch" else 1),
+    )
     try:
-        opts = replace(req.options(), top_k=1)
+        opts = replace(lean.options(), top_k=1)
         return search(costs, cluster, opts).best is not None
     except UsageError:
         return False

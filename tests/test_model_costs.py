@@ -11,11 +11,6 @@ ROOT = Path(__file__).resolve().parent.parent
 EX = ROOT / "examples"
 
 
-@pytest.fixture(scope="module")
-def llama7b():
-    return analyze(EX / "llama.py", {"preset": "llama-7b"}, micro_batch=1, dtype="bf16").costs
-
-
 def test_llama7b_forward_flops_match_closed_form(llama7b):
     """2 x matmul params x tokens + 4 s^2 h per layer (attention scores and values, full s^2 as Megatron counts)."""
     a = llama7b.architecture

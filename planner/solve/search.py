@@ -91,9 +91,20 @@ class Evaluation:
 
 @dataclass
 class Rejection:
+    """A layout that cannot run, why, and (when memory is the reason) how much it needs against what it has."""
+
     layout: Layout
     reason: str
     lower_bound: float = math.inf
+    need_bytes: float | None = None
+    capacity_bytes: float | None = None
+
+    @property
+    def overflow(self) -> float:
+        """need / capacity (inf when not a memory rejection)."""
+        if self.need_bytes is None or not self.capacity_bytes:
+            return math.inf
+        return self.need_bytes / self.capacity_bytes
 
 
 @dataclass
@@ -281,10 +292,11 @@ def enumerate_layouts(costs: ModelCosts, cluster, opts: SearchOptions, global_ba
                             continue
                         for rc in recomputes:
                             for z in zeros:
-                                if z > 0 and dp == 1 and opts.zero is None:
+                                if opts.zero is None and engine == "deepspeed" and costs.dtype == "bf16":
+                                    if z == 0:
+                                        continue  # bf16 runs BF16_Optimizer either way; stage 1 adds fp32 gradient accumulation
+                                elif opts.zero is None and z > 0 and dp == 1:
                                     continue  # nothing to partition over
-                                if engine == "deepspeed" and costs.dtype == "bf16" and z == 0 and opts.zero is None:
-                                    continue  # bf16 runs BF16_Optimizer either way; stage 1 adds fp32 gradient accumulation
                                 out.append(Layout(engine, pp, tp, dp, v, b, m, global_batch, sched, rc, z, tp > 1))
     if not out:
         raise UsageError(_no_layout_message(world, opts, global_batch, costs), "Relax a pin, or change --global-batch or --gpus.")
@@ -377,6 +389,8 @@ def evaluate_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int]
             lay,
             f"needs at least {need * v / GiB:.1f} GiB per GPU even with perfectly balanced stages, of {cap / GiB:.1f} GiB "
             f"({opts.mem_target:.0%} target: {cap * opts.mem_target / GiB:.1f} GiB)",
+            need_bytes=need * v,
+            capacity_bytes=cap * opts.mem_target,
         )
 
     # piece times per device class, and their prefix sums (seconds per micro-batch)
@@ -436,7 +450,8 @@ def evaluate_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int]
         if sol is None:
             if not explain:
                 return Rejection(lay, "no split of the pieces fits every stage's memory budget")
-            return Rejection(lay, _memory_reason(pb, devices, stage_rank, opts, v, S, n))
+            reason, need, cap = _memory_reason(pb, devices, stage_rank, opts, v, S, n)
+            return Rejection(lay, reason, need_bytes=need, capacity_bytes=cap)
         bounds = sol.bounds
     else:
         bounds = tuple(bounds)
@@ -484,7 +499,12 @@ def evaluate_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int]
     over = [(r, rank_mem[r]["total"], devices[r].memory_bytes) for r in range(p) if rank_mem[r]["total"] > devices[r].memory_bytes * opts.mem_target]
     if over:
         r, need, cap = max(over, key=lambda x: x[1] / x[2])
-        return Rejection(lay, f"pipeline rank {r} needs {need / GiB:.1f} GiB of {cap / GiB:.1f} GiB ({opts.mem_target:.0%} target: {cap * opts.mem_target / GiB:.1f} GiB)")
+        return Rejection(
+            lay,
+            f"pipeline rank {r} needs {need / GiB:.1f} GiB of {cap / GiB:.1f} GiB ({opts.mem_target:.0%} target: {cap * opts.mem_target / GiB:.1f} GiB)",
+            need_bytes=need,
+            capacity_bytes=cap * opts.mem_target,
+        )
 
     # data-parallel gradient exchange and optimizer step
     dp_exposed, opt_time = 0.0, 0.0
@@ -611,12 +631,12 @@ def _memory_matrices(costs: ModelCosts, tp: int, recompute: str) -> tuple[np.nda
     return params, other, act, wgrad
 
 
-def _memory_reason(pb: part.PartitionProblem, devices, stage_rank, opts: SearchOptions, v: int, S: int, n: int) -> str:
-    """Why no partition fits: the stage that overflows most in the best partition that ignores memory."""
+def _memory_reason(pb: part.PartitionProblem, devices, stage_rank, opts: SearchOptions, v: int, S: int, n: int) -> tuple[str, float | None, float | None]:
+    """Why no partition fits: the rank that overflows most in the fastest partition that ignores memory (reason, need, capacity)."""
     free = replace(pb, capacity=[math.inf] * S)
     sol = part.solve(free)
     if sol is None:
-        return f"{n} pieces cannot be cut into {S} stages at the cut points this engine can use"
+        return f"{n} pieces cannot be cut into {S} stages at the cut points this engine can use", None, None
     fixed = opts.overhead.context + opts.overhead.communicator
     p = len(devices)
     per_rank = [fixed] * p
@@ -626,7 +646,8 @@ def _memory_reason(pb: part.PartitionProblem, devices, stage_rank, opts: SearchO
     need, cap = per_rank[worst], devices[worst].memory_bytes
     what = f"stage {worst}" if v == 1 else f"pipeline rank {worst} (stages {', '.join(str(j) for j in range(S) if stage_rank[j] == worst)})"
     split = "" if S == 1 else " with the fastest split, and no other split fits"
-    return f"{what} needs {need / GiB:.1f} GiB of {cap / GiB:.1f} GiB ({opts.mem_target:.0%} target: {cap * opts.mem_target / GiB:.1f} GiB){split}"
+    reason = f"{what} needs {need / GiB:.1f} GiB of {cap / GiB:.1f} GiB ({opts.mem_target:.0%} target: {cap * opts.mem_target / GiB:.1f} GiB){split}"
+    return reason, need, cap * opts.mem_target
 
 
 def model_flops_per_step(costs: ModelCosts, global_batch: int) -> float:
@@ -672,15 +693,15 @@ def search(costs: ModelCosts, cluster, opts: SearchOptions, progress: Callable[[
     bounded = sorted(((lower_bound(ctx, lay, dtype), i, lay) for i, lay in enumerate(layouts)), key=lambda x: (x[0], x[1]))
     ranked: list[Evaluation] = []
     priced = 0
-    no_fit: list[Layout] = []
+    no_fit: list[Rejection] = []
     for i, (lb, _, lay) in enumerate(bounded):
         if progress:
             progress("search", i + 1, len(bounded))
         if not opts.exhaustive and len(ranked) >= opts.top_k and lb > ranked[opts.top_k - 1].predicted.step_time_s:
             break
-        lighter = next((x for x in no_fit if _needs_no_less_memory(lay, x)), None) if not opts.exhaustive else None
+        lighter = next((x for x in no_fit if _needs_no_less_memory(lay, x.layout)), None) if not opts.exhaustive else None
         if lighter is not None:
-            rejected.append(Rejection(lay, f"needs at least the memory of {lighter.short()}, which does not fit", lb))
+            rejected.append(Rejection(lay, f"needs at least the memory of {lighter.layout.short()}, which does not fit", lb, lighter.need_bytes, lighter.capacity_bytes))
             continue
         res = evaluate_layout(ctx, lay, dtype, explain=len(rejected) < 4 * opts.top_k)
         priced += 1
@@ -688,7 +709,7 @@ def search(costs: ModelCosts, cluster, opts: SearchOptions, progress: Callable[[
             res.lower_bound = lb
             rejected.append(res)
             if "GiB" in res.reason or "memory" in res.reason:
-                no_fit.append(lay)
+                no_fit.append(res)
             continue
         ranked.append(res)
         ranked.sort(key=lambda e: (e.predicted.step_time_s, _layout_key(e.layout)))
