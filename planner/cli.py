@@ -291,6 +291,15 @@ def hardware_show(name: str, hardware_profile: Optional[List[Path]] = typer.Opti
 
 
 @app.command()
+def explain(plan_dir: Path = typer.Argument(..., help="A plan directory (or its plan.json) written by `planner plan --out`.")) -> None:
+    """Print the summary of an existing plan without re-planning."""
+    from planner.report import explain as explain_plan
+
+    with _errors():
+        explain_plan(out, plan_dir)
+
+
+@app.command()
 def version() -> None:
     """Print the planner version."""
     out.print(__version__)

@@ -142,8 +142,7 @@ def build_plan(costs: ModelCosts, cluster, req: PlanRequest, result: SearchResul
     best = result.best
     assert best is not None
     alts: list[Alternative] = [Alternative(e.layout, e.predicted) for e in result.ranked[1:6]]
-    rejected = sorted(result.rejected, key=lambda r: r.lower_bound)[:5]
-    alts += [Alternative(r.layout, None, r.reason) for r in rejected]
+    alts += [Alternative(r.layout, None, r.reason) for r in informative_rejections(result.rejected, 5)]
     devices = sorted({d for d in best.devices})
     from planner import hardware
 
@@ -204,6 +203,30 @@ def build_plan(costs: ModelCosts, cluster, req: PlanRequest, result: SearchResul
     )
 
 
+def informative_rejections(rejected: list[Rejection], k: int) -> list[Rejection]:
+    """Up to ``k`` rejections worth showing: the most promising layouts first (lowest step-time bound), one per
+    distinct reason, memory rejections before rule violations."""
+    seen: set[str] = set()
+    out: list[Rejection] = []
+    for r in sorted(rejected, key=lambda r: (r.need_bytes is None, r.lower_bound)):
+        key = r.reason if r.need_bytes is None else f"{r.layout.pp}/{r.layout.tp}/{r.layout.schedule}"
+        if key in seen or r.reason.startswith("needs at least the memory of"):
+            continue
+        seen.add(key)
+        out.append(r)
+        if len(out) == k:
+            break
+    return out
+
+
+def human_count(x: float) -> str:
+    """12, 218.4k, 6.74B parameters."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.2f}{unit}" if unit in ("T", "B") else f"{x / scale:.1f}{unit}"
+    return f"{x:.0f}"
+
+
 def _nothing_fits(costs: ModelCosts, cluster, req: PlanRequest, result: SearchResult) -> tuple[str, str]:
     """The message and the smallest change that would fit, for an InfeasibleError."""
     from planner import hardware
@@ -216,7 +239,7 @@ def _nothing_fits(costs: ModelCosts, cluster, req: PlanRequest, result: SearchRe
         closest = f" The closest layout, {r.layout.short()}, is {short:.1f} GiB short per GPU: {r.reason}."
     elif result.rejected:
         closest = f" For example {result.rejected[0].layout.short()}: {result.rejected[0].reason}."
-    msg = f"No layout of {costs.total_params / 1e9:.2f}B parameters fits on {cluster.spec} ({cluster.world_size} GPUs) with engine {req.engine}.{closest}"
+    msg = f"No layout of {human_count(costs.total_params)} parameters fits on {cluster.spec} ({cluster.world_size} GPUs) with engine {req.engine}.{closest}"
     hints = []
     if req.recompute not in (None, "full"):
         if _fits(costs, cluster, replace(req, recompute="full")):

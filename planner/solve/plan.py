@@ -69,10 +69,10 @@ class StagePlan:
     rank: int  # pipeline rank that runs it
     pieces: tuple[int, int]  # [start, stop) piece indices
     layers: tuple[str, str]  # first and last piece names
-    time_fwd_s: float
-    time_bwd_s: float
-    time_bwd_weight_s: float
-    time_recompute_s: float
+    time_fwd_s: float  # forward of one micro-batch, seconds
+    time_bwd_s: float  # whole backward of one micro-batch (input + weight gradients), recomputation included
+    time_bwd_weight_s: float  # the weight-gradient part of time_bwd_s (the W pass of zero-bubble schedules)
+    time_recompute_s: float  # the recomputation part of time_bwd_s (not extra to it)
     send_fwd_s: float  # boundary transfer to the next stage
     send_bwd_s: float
     params: int
