@@ -1,0 +1,87 @@
+"""Planning speed and memory: tracing and search timed separately, peak RSS, for Llama 7B/70B/405B on 8 to 16384 GPUs.
+
+Each model runs in its own process (``python -m bench.planning_speed MODEL``) so peak RSS is that model's alone.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PRESETS = ("llama-7b", "llama-70b", "llama-405b")
+GPUS = ("8xH100", "64xH100", "1024xH100", "16384xH100")
+ENGINES = ("megatron", "deepspeed")
+
+
+def measure(preset: str) -> dict:
+    from planner import hardware
+    from planner.model.analyze import analyze
+    from planner.solve.search import SearchOptions, search
+
+    t0 = time.perf_counter()
+    costs = analyze(ROOT / "examples" / "llama.py", {"preset": preset}, 1, "bf16").costs
+    trace_s = time.perf_counter() - t0
+    rss_trace = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rows = []
+    for gpus in GPUS:
+        cluster = hardware.parse_gpus(gpus)
+        for engine in ENGINES:
+            t0 = time.perf_counter()
+            res = search(costs, cluster, SearchOptions(engine=engine))
+            rows.append(
+                {
+                    "gpus": gpus,
+                    "engine": engine,
+                    "search_s": time.perf_counter() - t0,
+                    "considered": res.considered,
+                    "priced": res.priced,
+                    "best": res.best.layout.short() if res.best else None,
+                }
+            )
+    return {
+        "preset": preset,
+        "pieces": costs.n,
+        "trace_cost_s": trace_s,
+        "rss_after_trace_bytes": rss_trace,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "searches": rows,
+    }
+
+
+def run_all() -> list[dict]:
+    out = []
+    for preset in PRESETS:
+        proc = subprocess.run([sys.executable, "-m", "bench.planning_speed", preset], cwd=ROOT, capture_output=True, text=True, check=True)
+        out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return out
+
+
+def markdown(results: list[dict]) -> str:
+    lines = [
+        "| model | pieces | trace + cost | peak RSS | " + " | ".join(f"search {g} ({e})" for g in GPUS for e in ENGINES) + " |",
+        "|---|---:|---:|---:|" + "---:|" * (len(GPUS) * len(ENGINES)),
+    ]
+    for r in results:
+        cells = []
+        for g in GPUS:
+            for e in ENGINES:
+                s = next(x for x in r["searches"] if x["gpus"] == g and x["engine"] == e)
+                cells.append(f"{s['search_s']:.2f} s ({s['priced']}/{s['considered']})")
+        lines.append(f"| {r['preset']} | {r['pieces']} | {r['trace_cost_s']:.1f} s | {r['peak_rss_bytes'] / 2**30:.2f} GiB | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("Search cells: wall time (layouts priced / layouts considered). Best layouts:")
+    lines.append("")
+    for r in results:
+        for s in r["searches"]:
+            if s["engine"] == "megatron":
+                lines.append(f"- {r['preset']} on {s['gpus']}: {s['best'] or 'nothing fits'}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(sys.argv[1])))
