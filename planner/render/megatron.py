@@ -1,0 +1,305 @@
+"""Render a plan for Megatron-LM's ``pretrain_gpt.py``: pretrain_gpt.sh, launch_slurm.sh, README.md.
+
+Megatron builds its own GPT model from flags, so the model file's
+``architecture()`` (plan.model["architecture"]) is mapped onto them:
+RMSNorm -> ``--normalization RMSNorm``, swiglu -> ``--swiglu``, rope ->
+``--position-embedding-type rope``, fewer key/value heads than query heads ->
+``--group-query-attention --num-query-groups``, untied head ->
+``--untie-embeddings-and-output-weights``, no biases -> ``--disable-bias-linear``.
+The planned split (whole transformer layers per stage, counted from
+plan.model["blocks"]) becomes an even split, ``--decoder-first/last-pipeline-num-layers``
+or ``--pipeline-model-parallel-layout`` (:func:`planner.megatron_args.split_flags`).
+
+pretrain_gpt.sh follows Megatron's own convention (examples/gpt3/train_gpt3_175b_distributed.sh):
+a bash script with DISTRIBUTED_ARGS / GPT_MODEL_ARGS / TRAINING_ARGS /
+MODEL_PARALLEL_ARGS / DATA_ARGS / EVAL_AND_LOGGING_ARGS arrays that runs
+torchrun itself. The rendered script is parsed back and checked with
+:func:`planner.megatron_args.check_megatron_args` before it is returned: a plan
+Megatron would refuse is a UsageError here, not minutes into a job.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from planner.errors import UsageError
+from planner.megatron_args import MEGATRON_VERSION, architecture_problem, check_megatron_args, errors, parse_megatron_args, split_flags, stage_layers
+from planner.render import render_template
+from planner.render.launch import cluster_shape, job_name
+from planner.solve.plan import Plan
+
+SCRIPT = "pretrain_gpt.sh"
+DEFAULT_TRAIN_ITERS = 100
+#: optimizer and schedule hyperparameters: user choices the plan does not fix (GPT-3 paper / Megatron examples)
+HYPERPARAMETERS: tuple[tuple[str, str], ...] = (
+    ("--lr", "1.0e-4"),
+    ("--min-lr", "1.0e-5"),
+    ("--lr-decay-style", "cosine"),
+    ("--lr-warmup-fraction", "0.01"),
+    ("--weight-decay", "0.1"),
+    ("--adam-beta1", "0.9"),
+    ("--adam-beta2", "0.95"),
+    ("--init-method-std", "0.02"),
+    ("--clip-grad", "1.0"),
+)
+
+Flags = list[tuple[str, "str | None"]]
+
+
+def one_line(text: str) -> str:
+    """``text`` safe inside a ``#`` comment: line breaks spelled out, so nothing after them becomes code."""
+    return str(text).replace("\\", "\\\\").replace("\r", "\\r").replace("\n", "\\n")
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def architecture(plan: Plan) -> dict[str, Any]:
+    """plan.model["architecture"], checked to map onto Megatron's GPT model (UsageError naming what does not)."""
+    arch = plan.model.get("architecture")
+    problem = architecture_problem(arch, plan.inputs.get("model_file", "the model file"))
+    if problem is not None:
+        raise UsageError(*problem)
+    return arch
+
+
+def planned_stage_layers(plan: Plan) -> list[int]:
+    """Whole transformer layers on each planned stage (plan order), from plan.model["blocks"].
+
+    Raises UsageError when a stage boundary falls inside a transformer layer, when something other
+    than the embedding sits before the first layer's stage or after the last one's, or when the block
+    count differs from architecture()["num_layers"].
+    """
+    blocks: Sequence[str | None] = plan.model.get("blocks") or []
+    pieces: Sequence[str] = plan.model.get("pieces") or []
+    if not blocks:
+        raise UsageError("plan.json has no model.blocks (which piece belongs to which transformer layer); re-run `planner plan`.")
+    names = [b for b in blocks if b is not None]
+    order = list(dict.fromkeys(names))
+    if not order:
+        raise UsageError("the model has no transformer layers the planner recognised (model.blocks is empty); Megatron-LM's GPT model needs them.")
+    first = next(i for i, b in enumerate(blocks) if b is not None)
+    last = max(i for i, b in enumerate(blocks) if b is not None)
+    for i in range(first, last + 1):
+        if blocks[i] is None:
+            name = pieces[i] if i < len(pieces) else f"piece {i}"
+            raise UsageError(
+                f"{name!r} sits between transformer layers; Megatron-LM's GPT model has nothing there, so this model does not map onto it.",
+                "Plan with --engine deepspeed or torch.",
+            )
+    seen_runs = [b for k, b in enumerate(names) if k == 0 or names[k - 1] != b]
+    if len(seen_runs) != len(order):
+        raise UsageError("a transformer layer's pieces are not contiguous in model.blocks; Megatron cannot place it.")
+    counts = []
+    for s in sorted(plan.stages, key=lambda s: s.index):
+        a, b = s.pieces
+        if 0 < a < len(blocks) and blocks[a] is not None and blocks[a - 1] == blocks[a]:
+            raise UsageError(
+                f"stage {s.index} starts at piece {a} ({pieces[a] if a < len(pieces) else a!r}), inside transformer layer {blocks[a]!r}: "
+                "Megatron-LM places whole layers only.",
+                "Re-plan with --engine megatron (its search cuts between whole layers only), or use --engine deepspeed or torch.",
+            )
+        if 0 < a < len(blocks) and blocks[a] is None and blocks[a - 1] is None:
+            raise UsageError(
+                f"stage {s.index} starts at piece {a} ({pieces[a] if a < len(pieces) else a!r}), between two pieces outside the transformer "
+                "layers: Megatron-LM keeps the embedding whole on the first stage and the final norm, output layer and loss on the last.",
+                "Re-plan with --engine megatron, or use --engine deepspeed or torch.",
+            )
+        counts.append(len({x for x in blocks[a:b] if x is not None}))
+    arch_layers = (plan.model.get("architecture") or {}).get("num_layers")
+    if arch_layers is not None and arch_layers != len(order):
+        raise UsageError(
+            f"architecture() says num_layers = {arch_layers} but the traced model has {len(order)} transformer layers.",
+            "Make architecture() describe the model that build_model() returns.",
+        )
+    if sum(counts) != len(order):
+        raise UsageError("the planned stages do not cover every transformer layer exactly once; re-run `planner plan`.")
+    return counts
+
+
+def vocab_flags(vocab: int, tp: int) -> tuple[int, int]:
+    """(--vocab-size for NullTokenizer, --make-vocab-size-divisible-by) that give exactly ``vocab`` embedding rows.
+
+    NullTokenizer adds an end-of-document id (vocab_size + 1 tokens) and Megatron pads the
+    vocabulary to a multiple of make_vocab_size_divisible_by x tp; the divisor is the largest
+    d <= 128 with vocab % (d x tp) == 0, or Megatron's default 128 when tp does not divide vocab.
+    """
+    if vocab % tp:
+        return vocab - 1, 128
+    per = vocab // tp
+    return vocab - 1, max(d for d in range(1, 129) if per % d == 0)
+
+
+def padded_vocab(vocab: int, tp: int, divisible_by: int) -> int:
+    """Megatron's padded vocabulary (megatron/training/tokenizer/tokenizer.py, _vocab_size_with_padding)."""
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
+def model_flags(arch: dict[str, Any]) -> Flags:
+    """GPT_MODEL_ARGS for an architecture() dict."""
+    heads = arch["num_attention_heads"]
+    groups = arch.get("num_query_groups") or heads
+    flags: Flags = [
+        ("--num-layers", str(arch["num_layers"])),
+        ("--hidden-size", str(arch["hidden_size"])),
+    ]
+    if arch.get("ffn_hidden_size"):
+        flags.append(("--ffn-hidden-size", str(arch["ffn_hidden_size"])))
+    flags.append(("--num-attention-heads", str(heads)))
+    if groups != heads:
+        flags += [("--group-query-attention", None), ("--num-query-groups", str(groups))]
+    flags += [
+        ("--seq-length", str(arch["seq_length"])),
+        ("--max-position-embeddings", str(arch["max_position_embeddings"])),
+        ("--position-embedding-type", arch["position_embedding"]),
+        ("--normalization", arch["normalization"]),
+    ]
+    if arch["activation"] == "swiglu":
+        flags.append(("--swiglu", None))
+    if not arch.get("tied_embeddings", True):
+        flags.append(("--untie-embeddings-and-output-weights", None))
+    if not arch.get("bias", True):
+        flags.append(("--disable-bias-linear", None))
+    dropout = float(arch.get("dropout", 0.0) or 0.0)
+    flags += [("--attention-dropout", repr(dropout)), ("--hidden-dropout", repr(dropout))]
+    if arch.get("norm_epsilon") is not None:
+        flags.append(("--norm-epsilon", repr(float(arch["norm_epsilon"]))))
+    if arch.get("rotary_base") is not None and arch["position_embedding"] == "rope":
+        flags.append(("--rotary-base", str(int(arch["rotary_base"]))))
+    return flags
+
+
+# --------------------------------------------------------------------------- the flags
+
+
+def flag_groups(plan: Plan) -> dict[str, Flags]:
+    """The argument arrays of pretrain_gpt.sh, in order (TRAINING_ARGS lacks --train-iters: the script adds it)."""
+    lay = plan.layout
+    if lay.engine != "megatron":
+        raise UsageError(f"the plan is for engine {lay.engine!r}, not megatron.")
+    arch = architecture(plan)
+    counts = planned_stage_layers(plan)
+    if len(counts) != lay.pp * lay.vp:
+        raise UsageError(f"plan.json has {len(counts)} stages but pp x vp = {lay.pp} x {lay.vp}; re-run `planner plan`.")
+    dtype = plan.model.get("dtype") or plan.inputs.get("dtype") or "bf16"
+    training: Flags = [("--micro-batch-size", str(lay.micro_batch)), ("--global-batch-size", str(lay.global_batch))]
+    if dtype in ("bf16", "fp16"):
+        training.append((f"--{dtype}", None))
+    if lay.recompute == "selective":
+        training.append(("--recompute-granularity", "selective"))
+    elif lay.recompute == "full":
+        training += [("--recompute-granularity", "full"), ("--recompute-method", "uniform"), ("--recompute-num-layers", "1")]
+    elif lay.recompute != "none":
+        raise UsageError(f"recompute mode {lay.recompute!r} has no Megatron-LM equivalent (none, selective, full).")
+    if lay.zero >= 1:
+        training.append(("--use-distributed-optimizer", None))
+    if lay.zero >= 1 or lay.dp > 1:
+        training.append(("--overlap-grad-reduce", None))
+    training += list(HYPERPARAMETERS)
+    parallel: Flags = [("--tensor-model-parallel-size", str(lay.tp)), ("--pipeline-model-parallel-size", str(lay.pp))]
+    parallel += split_flags(counts, lay.pp)
+    if lay.tp > 1:
+        parallel.append(("--sequence-parallel", None))
+    vocab_arg, divisible = vocab_flags(arch["vocab_size"], lay.tp)
+    data: Flags = [
+        ("--mock-data", None),
+        ("--tokenizer-type", "NullTokenizer"),
+        ("--vocab-size", str(vocab_arg)),
+        ("--make-vocab-size-divisible-by", str(divisible)),
+    ]
+    logging: Flags = [("--log-interval", "1"), ("--eval-interval", "1000"), ("--eval-iters", "10")]
+    return {
+        "GPT_MODEL_ARGS": model_flags(arch),
+        "TRAINING_ARGS": training,
+        "MODEL_PARALLEL_ARGS": parallel,
+        "DATA_ARGS": data,
+        "EVAL_AND_LOGGING_ARGS": logging,
+    }
+
+
+def _split_description(counts: list[int], pp: int) -> list[str]:
+    """One line per pipeline rank: its decoder layers per virtual stage."""
+    vp = len(counts) // pp
+    out = []
+    start = 0
+    ranges: list[tuple[int, int]] = []
+    for k in counts:
+        ranges.append((start, start + k))
+        start += k
+    for r in range(pp):
+        chunks = []
+        for c in range(vp):
+            a, b = ranges[c * pp + r]
+            chunks.append(f"layers {a}-{b - 1}" if b - a > 1 else f"layer {a}" if b - a == 1 else "no layers")
+        extra = (" + embedding" if r == 0 else "") + (" + final norm, output layer, loss" if r == pp - 1 else "")
+        out.append(f"pipeline rank {r}: " + " | ".join(chunks) + extra)
+    return out
+
+
+def _context(plan: Plan, command: str) -> dict[str, Any]:
+    lay = plan.layout
+    groups = flag_groups(plan)
+    counts = planned_stage_layers(plan)
+    nodes, per_node = cluster_shape(plan)
+    arch = architecture(plan)
+    vocab_arg, divisible = vocab_flags(arch["vocab_size"], lay.tp)
+    split = dict(groups["MODEL_PARALLEL_ARGS"])
+    if "--pipeline-model-parallel-layout" in split:
+        split_kind = f"--pipeline-model-parallel-layout {split['--pipeline-model-parallel-layout']}"
+    elif "--decoder-first-pipeline-num-layers" in split or "--decoder-last-pipeline-num-layers" in split:
+        split_kind = "uneven first/last stages (" + ", ".join(f"{k} {v}" for k, v in split.items() if k.startswith("--decoder-")) + ")"
+    else:
+        split_kind = "even split"
+    return {
+        "command": one_line(command),
+        "megatron_version": MEGATRON_VERSION,
+        "lay": lay,
+        "world": lay.pp * lay.tp * lay.dp,
+        "nodes": nodes,
+        "per_node": per_node,
+        "groups": groups,
+        "tp_env": lay.tp > 1,
+        "train_iters": DEFAULT_TRAIN_ITERS,
+        "split_lines": [one_line(x) for x in _split_description(counts, lay.pp)],
+        "split_kind": one_line(split_kind),
+        "counts": counts,
+        "arch": arch,
+        "dtype": plan.model.get("dtype") or plan.inputs.get("dtype") or "bf16",
+        "model_file": one_line(plan.inputs.get("model_file", "")),
+        "model_args": one_line(", ".join(f"{k}={v}" for k, v in sorted((plan.inputs.get("model_args") or {}).items())) or "none"),
+        "vocab": arch["vocab_size"],
+        "vocab_arg": vocab_arg,
+        "divisible": divisible,
+        "padded_vocab": padded_vocab(vocab_arg + 1, lay.tp, divisible),
+        "hyperparameters": HYPERPARAMETERS,
+        "job_name": job_name(plan),
+        "script": SCRIPT,
+    }
+
+
+def render_megatron(plan: Plan, command: str, out_dir: Path | None = None) -> dict[str, str]:
+    """pretrain_gpt.sh, launch_slurm.sh and README.md for ``plan`` (deterministic; values shell-quoted).
+
+    Raises UsageError when the model or the plan does not map onto Megatron-LM, or when the
+    rendered flags break one of Megatron's rules (planner.megatron_args).
+    """
+    ctx = _context(plan, command)
+    script = render_template("megatron/pretrain_gpt.sh.j2", **ctx)
+    parsed = parse_megatron_args(script, "script")
+    findings = errors(check_megatron_args(parsed, ctx["world"]))
+    if findings:
+        raise UsageError(
+            "Megatron-LM would refuse this plan's flags:\n" + "\n".join(f"  {f}" for f in findings),
+            "Pin other --tp/--pp/--vp/--global-batch values, or fix plan.json. (`planner plan --engine megatron` should never "
+            "choose such a layout: if it did, please report it.)",
+        )
+    built = stage_layers(parsed)
+    if built != ctx["counts"]:  # split_flags guarantees this; a mismatch is a planner bug
+        raise RuntimeError(f"rendered flags build stages {built}, the plan has {ctx['counts']}")
+    return {
+        SCRIPT: script,
+        "launch_slurm.sh": render_template("megatron/launch_slurm.sh.j2", **ctx),
+        "README.md": render_template("megatron/README.md.j2", **ctx),
+    }

@@ -1,0 +1,576 @@
+"""planner.megatron_args: parsing Megatron launch scripts, the rule checks, and the pipeline layout helpers.
+
+The rules are checked against megatron-core 0.16.1 itself where it enforces them
+(TransformerConfig, PipelineParallelLayerLayout, get_num_layers_to_build). With a
+Megatron-LM checkout at tag core_v0.16.1 in MEGATRON_LM_PATH, the rule examples also
+go through Megatron-LM's own parse_args + validate_args (test_rules_agree_with_megatron_lm).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.megatron_args import (
+    RULES,
+    Flag,
+    LayoutError,
+    MegatronArgs,
+    check_megatron_args,
+    flag_table,
+    layout_string,
+    parse_layout,
+    parse_megatron_args,
+    split_flags,
+    stage_layers,
+)
+
+# --------------------------------------------------------------------------- parsing
+
+SCRIPT = r"""#!/bin/bash
+# a launch script in the style of Megatron-LM's examples
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+
+GPUS_PER_NODE=8
+NUM_NODES=2
+WORLD_SIZE=$(($GPUS_PER_NODE*$NUM_NODES))
+CHECKPOINT_PATH=$1 #<Specify path>
+LAYERS="${LAYERS:-32}"
+
+DISTRIBUTED_ARGS=(
+    --nproc_per_node $GPUS_PER_NODE
+    --nnodes $NUM_NODES
+    --master_addr localhost --master_port 6000
+)
+
+GPT_MODEL_ARGS=(
+    --num-layers $LAYERS
+    --hidden-size 4096   # a comment inside the array
+	--num-attention-heads 32
+    --seq-length 4096
+    --max-position-embeddings 4096
+)
+GPT_MODEL_ARGS+=(--swiglu)
+
+TRAINING_ARGS=(
+    --micro-batch-size 1
+    --global-batch-size 64
+    --lr 6.0e-5 --min-lr -1e-6
+    --bf16
+)
+
+MODEL_PARALLEL_ARGS=(
+	--tensor-model-parallel-size 2
+	--pipeline-model-parallel-size 4
+	--pipeline-model-parallel-layout "Et*7|(t*8|)*2,t*9L"
+)
+EXTRA="--log-interval 10 --eval-iters 0"
+
+echo "pretrain_gpt.py starts now"
+torchrun ${DISTRIBUTED_ARGS[@]} pretrain_gpt.py \
+    "${GPT_MODEL_ARGS[@]}" \
+    ${TRAINING_ARGS[@]} \
+    "${MODEL_PARALLEL_ARGS[@]}" \
+    --save "$CHECKPOINT_PATH" \
+    --data-path=/data/my\ corpus $EXTRA "$@"
+"""
+
+
+def _line_of(text: str, needle: str) -> int:
+    return next(i for i, line in enumerate(text.splitlines(), 1) if needle in line)
+
+
+def test_parse_script_expands_arrays_variables_and_keeps_lines():
+    a = parse_megatron_args(SCRIPT, "script")
+    assert a.script == "pretrain_gpt.py"
+    assert a.nproc_per_node == 8 and a.nnodes == 2 and a.world_size == 16
+    assert a.env_value("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
+    assert a.value("--num-layers") == "32"  # ${LAYERS:-32} with LAYERS unset in the script
+    assert a.line("--num-layers") == _line_of(SCRIPT, "--num-layers")
+    assert a.line("--num-attention-heads") == _line_of(SCRIPT, "--num-attention-heads")  # tab-indented
+    assert a.has("--swiglu") and a.line("--swiglu") == _line_of(SCRIPT, "GPT_MODEL_ARGS+=")
+    assert a.value("--min-lr") == "-1e-6"  # a negative number is a value, not a flag
+    assert a.value("--pipeline-model-parallel-layout") == "Et*7|(t*8|)*2,t*9L"
+    assert a.value("--data-path") == "/data/my corpus"  # --flag=value and a backslash-escaped space
+    assert a.value("--log-interval") == "10" and a.value("--eval-iters") == "0"  # unquoted $EXTRA is word-split
+    save = a.get("--save")
+    assert save is not None and save.value == "$1" and not save.resolved
+    assert a.launch_line == _line_of(SCRIPT, "torchrun")
+    assert any("$@" in n for n in a.notes)
+    names = [f.name for f in a.flags]
+    assert names[:5] == ["--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--max-position-embeddings"]
+    assert check_megatron_args(a) == []
+
+
+def test_parse_args_file_one_per_line_or_space_separated():
+    text = "# model\n--num-layers 8\n--hidden-size 256 --num-attention-heads 8\n--bf16\n--pipeline-model-parallel-layout 'E|t*8|L'\n"
+    a = parse_megatron_args(text, "args")
+    assert a.kind == "args"
+    assert [(f.name, f.values, f.line) for f in a.flags] == [
+        ("--num-layers", ("8",), 2),
+        ("--hidden-size", ("256",), 3),
+        ("--num-attention-heads", ("8",), 3),
+        ("--bf16", (), 4),
+        ("--pipeline-model-parallel-layout", ("E|t*8|L",), 5),
+    ]
+    assert a.world_size is None and a.env == ()
+
+
+def test_parse_launch_variants():
+    a = parse_megatron_args("NODES=4\nCUDA_DEVICE_MAX_CONNECTIONS=1 python -m torch.distributed.run --nproc-per-node=8 --nnodes=$NODES x/pretrain_gpt.py --num-layers 2\n")
+    assert a.world_size == 32 and a.env_value("CUDA_DEVICE_MAX_CONNECTIONS") == "1" and a.value("--num-layers") == "2"
+    b = parse_megatron_args("torchrun --nproc_per_node $(nvidia-smi -L | wc -l) pretrain_gpt.py --num-layers 2\n")
+    assert b.world_size is None and b.value("--num-layers") == "2"
+    c = parse_megatron_args('if [[ -f "$X/pretrain_gpt.py" ]]; then echo ok; fi\nexec torchrun --nproc-per-node 2 "$X/pretrain_gpt.py" --num-layers 4\n')
+    assert c.world_size == 2 and c.value("--num-layers") == "4"  # the test line is not the launch
+    d = parse_megatron_args("A=(--num-layers 4)\nB=(--hidden-size 64)\n")  # no launch line: every array, in order
+    assert [f.name for f in d.flags] == ["--num-layers", "--hidden-size"] and d.notes
+
+
+def test_parse_skips_redirections_heredocs_and_reads_exports():
+    text = """export NCCL_DEBUG=WARN CUDA_DEVICE_MAX_CONNECTIONS
+CUDA_DEVICE_MAX_CONNECTIONS=1
+declare -x OMP_NUM_THREADS=4
+cat > notes.txt <<-EOF
+\t--num-layers 999
+\tEOF
+cat <<'END'
+torchrun pretrain_gpt.py --num-layers 5
+END
+HEADS="${HEADS:-"16"}"
+torchrun --nproc-per-node 2 pretrain_gpt.py --num-layers 4 2>&1 --num-attention-heads "$HEADS" > log.txt --seq-length 16 | tee out
+"""
+    a = parse_megatron_args(text)
+    assert [(f.name, f.value) for f in a.flags] == [("--num-layers", "4"), ("--num-attention-heads", "16"), ("--seq-length", "16")]
+    assert a.launch_line == 11 and a.world_size == 2
+    assert a.env_value("NCCL_DEBUG") == "WARN" and a.env_value("OMP_NUM_THREADS") == "4"
+    # `export NAME` before NAME is set exports nothing yet; Megatron needs the value at launch
+    assert a.env_value("CUDA_DEVICE_MAX_CONNECTIONS") is None
+
+
+BASH_DIFF_SCRIPT = r"""#!/bin/bash
+set -eu
+N=2
+M=$(( (N + 2) * 3 / 2 ))
+X="${A:-a  b}"
+B=${C:-$X}
+D="${E:+yes}"
+F=${X:+"set $X"}
+G='single $X "q"'
+H=$'tab\there'
+ARR=( --one "two words" three\ four   # comment
+      --five="$X" --data-path ${B} )
+ARR+=("$M")
+EXTRA="--p 1   --q 2"
+cat > /dev/null <<EOF
+--num-layers 999
+EOF
+torchrun --nproc-per-node "$N" pretrain_gpt.py "${ARR[@]}" ${ARR[@]} --x "$X" --b $B --d "$D" --f "$F" \
+    --g "$G" --h "$H" $EXTRA "--i=$M" 2>/dev/null --j "a"'b'"c" --k ${UNSET:-} --l "${UNSET:-}" --m x#y
+"""
+
+
+def test_parser_matches_bash(tmp_path):
+    """The argv our parser reads equals what bash passes to a fake torchrun."""
+    import json
+    import subprocess
+
+    fake = tmp_path / "torchrun"
+    fake.write_text("#!" + sys.executable + "\nimport json, os, sys\nopen(os.environ['OUT'], 'w').write(json.dumps(sys.argv[1:]))\n")
+    fake.chmod(0o755)
+    script = tmp_path / "run.sh"
+    script.write_text(BASH_DIFF_SCRIPT)
+    env = {"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "OUT": str(tmp_path / "argv.json")}
+    subprocess.run(["bash", str(script)], check=True, env=env, cwd=tmp_path)
+    argv = json.loads((tmp_path / "argv.json").read_text())
+    a = parse_megatron_args(BASH_DIFF_SCRIPT)
+    assert argv[: argv.index("pretrain_gpt.py")] == ["--nproc-per-node", "2"] and a.world_size == 2
+    assert argv[argv.index("pretrain_gpt.py") + 1 :] == list(a.words)
+    assert all(f.resolved for f in a.flags)
+    assert a.get("--data-path").values == ("a", "b", "6")  # nargs="*": every word up to the next flag
+    assert [p.name for p in a.positionals] == ["b"]  # "--five=a  b" unquoted: "b" belongs to no flag
+    assert [f.rule for f in check_megatron_args(a)].count("MEG028") == 1 + sum(1 for f in a.flags if f.name not in flag_table())
+
+
+# --------------------------------------------------------------------------- rules
+
+BASE = [
+    ("--num-layers", "8"),
+    ("--hidden-size", "256"),
+    ("--num-attention-heads", "8"),
+    ("--seq-length", "128"),
+    ("--max-position-embeddings", "128"),
+    ("--micro-batch-size", "1"),
+    ("--global-batch-size", "16"),
+    ("--tensor-model-parallel-size", "2"),
+    ("--pipeline-model-parallel-size", "2"),
+    ("--bf16", None),
+]
+WORLD = 8
+
+
+def _script(flags, world=WORLD, export=True) -> str:
+    lines = ["#!/bin/bash", "export CUDA_DEVICE_MAX_CONNECTIONS=1" if export else "# no export", "ARGS=("]
+    for name, value in flags:
+        lines.append("  " + name + ("" if value is None else " " + shlex.quote(value)))
+    lines += [")", f'torchrun --nproc-per-node {world} pretrain_gpt.py "${{ARGS[@]}}"', ""]
+    return "\n".join(lines)
+
+
+def _with(changes: dict, drop=(), extra=()) -> list:
+    out = [(n, changes.get(n, v)) for n, v in BASE if n not in drop]
+    return out + list(extra)
+
+
+#: rule id -> (flags, world size, export CUDA_DEVICE_MAX_CONNECTIONS, whether Megatron-LM's parse_args/validate_args/TransformerConfig refuse it)
+RULE_CASES = {
+    "MEG001": (_with({}, drop=["--hidden-size"]), WORLD, True, True),
+    "MEG002": (_with({}), 6, True, True),
+    "MEG003": (_with({"--num-layers": "9"}), WORLD, True, True),
+    "MEG004": (_with({}, extra=[("--decoder-first-pipeline-num-layers", "0")]), WORLD, True, True),
+    "MEG005": (_with({}, extra=[("--decoder-first-pipeline-num-layers", "4"), ("--account-for-embedding-in-pipeline-split", None)]), WORLD, True, True),
+    "MEG006": (_with({}, extra=[("--pipeline-model-parallel-layout", "Et*4|t*4X|L")]), WORLD, True, True),
+    "MEG007": (_with({}, extra=[("--pipeline-model-parallel-layout", "Et*4|t*3L")]), WORLD, True, True),
+    "MEG008": (_with({}, extra=[("--pipeline-model-parallel-layout", "t*4|Et*4L")]), WORLD, True, True),
+    "MEG009": (_with({}, extra=[("--pipeline-model-parallel-layout", "Et*4|t*4")]), WORLD, True, True),
+    "MEG010": (_with({}, extra=[("--pipeline-model-parallel-layout", "Et*3|t*3|t*2L")]), WORLD, True, True),
+    "MEG011": (_with({}, extra=[("--pipeline-model-parallel-layout", "Et*4|t*4L"), ("--decoder-first-pipeline-num-layers", "4")]), WORLD, True, True),
+    "MEG012": (_with({}, extra=[("--num-layers-per-virtual-pipeline-stage", "2"), ("--num-virtual-stages-per-pipeline-rank", "2")]), WORLD, True, True),
+    "MEG013": (_with({"--num-attention-heads": "5", "--hidden-size": "320"}), WORLD, True, True),
+    "MEG014": (_with({"--num-attention-heads": "6", "--hidden-size": "384"}, extra=[("--group-query-attention", None), ("--num-query-groups", "3")]), WORLD, True, True),
+    "MEG015": (_with({"--global-batch-size": "15"}), WORLD, True, False),  # asserted when the microbatch calculator is built
+    "MEG016": (_with({"--global-batch-size": "6"}, extra=[("--num-virtual-stages-per-pipeline-rank", "2")]), WORLD, True, False),  # at run time
+    "MEG017": (_with({}, extra=[("--num-virtual-stages-per-pipeline-rank", "2"), ("--no-overlap-p2p-communication", None)]), WORLD, True, True),
+    "MEG018": (_with({"--tensor-model-parallel-size": "1"}, extra=[("--sequence-parallel", None)]), WORLD, True, False),
+    "MEG019": (_with({}, extra=[("--overlap-param-gather", None)]), WORLD, True, True),
+    "MEG020": (_with({}, extra=[("--recompute-granularity", "full")]), WORLD, True, True),
+    "MEG021": (_with({"--seq-length": "126", "--pipeline-model-parallel-size": "1"}, extra=[("--context-parallel-size", "2")]), 4, True, True),
+    "MEG022": (_with({}), WORLD, False, True),
+    "MEG023": (_with({"--hidden-size": "250"}), WORLD, True, True),
+    "MEG024": (_with({"--max-position-embeddings": "64"}), WORLD, True, True),
+    "MEG025": (_with({}, extra=[("--fp16", None)]), WORLD, True, True),
+    "MEG026": (_with({}, extra=[("--num-query-groups", "4")]), WORLD, True, False),
+    "MEG027": (_with({"--num-layers": "eight"}), WORLD, True, True),
+    "MEG028": (_with({}, extra=[("--overlap-p2p-communication", None)]), WORLD, True, True),
+    "MEG029": (_with({"--micro-batch-size": "2"}, extra=[("--micro-batch-size", "1")]), WORLD, True, False),
+    "MEG030": (_with({}, extra=[("--ffn-hidden-size", "1023")]), WORLD, True, False),  # at model build (parallel linear layers)
+}
+
+
+def test_every_rule_has_a_failing_example():
+    assert sorted(RULE_CASES) == sorted(RULES)
+
+
+def test_base_example_has_no_findings():
+    assert check_megatron_args(parse_megatron_args(_script(BASE))) == []
+
+
+@pytest.mark.parametrize("rule", sorted(RULE_CASES))
+def test_rule_failing_example_yields_exactly_that_rule(rule):
+    flags, world, export, _ = RULE_CASES[rule]
+    findings = check_megatron_args(parse_megatron_args(_script(flags, world, export)))
+    assert {f.rule for f in findings} == {rule}, [str(f) for f in findings]
+    for f in findings:
+        assert f.severity == RULES[rule][0]
+        assert f.line is not None and f.message and f.fix
+
+
+def test_layout_with_virtual_stage_flag_is_refused():
+    flags = _with({}, extra=[("--pipeline-model-parallel-layout", "Et*2|t*2|t*2|t*2L"), ("--num-virtual-stages-per-pipeline-rank", "2")])
+    assert [f.rule for f in check_megatron_args(parse_megatron_args(_script(flags)))] == ["MEG011"]
+
+
+def test_findings_name_the_numbers_and_lines():
+    text = _script(_with({"--num-layers": "9"}))
+    (f,) = check_megatron_args(parse_megatron_args(text))
+    assert f.rule == "MEG003" and "9" in f.message and "pp = 2" in f.message
+    assert f.line == _line_of(text, "--num-layers")
+    (g,) = check_megatron_args(parse_megatron_args(_script(_with({"--global-batch-size": "15"}))))
+    assert "15" in g.message and "2" in g.message
+
+
+def test_world_size_argument_overrides_the_script():
+    a = parse_megatron_args(_script(BASE, world=8))
+    assert [f.rule for f in check_megatron_args(a, world_size=10)] == ["MEG002"]
+    assert [f.rule for f in check_megatron_args(a, world_size=12)] == ["MEG015"]  # dp 3 does not divide 16
+    assert check_megatron_args(a, world_size=16) == []
+
+
+def test_uneven_and_interleaved_examples_pass():
+    ok = [
+        _with({"--num-layers": "10", "--pipeline-model-parallel-size": "4"}, extra=[("--decoder-first-pipeline-num-layers", "1"), ("--decoder-last-pipeline-num-layers", "3")]),
+        _with({"--num-layers": "14", "--pipeline-model-parallel-size": "4"}, extra=[("--pipeline-model-parallel-layout", "Et|(tt|)*6,tL")]),  # engines.md's example
+        _with({"--num-layers": "16", "--pipeline-model-parallel-size": "4"}, extra=[("--num-virtual-stages-per-pipeline-rank", "2")]),
+        _with({"--num-layers": "7"}, extra=[("--account-for-embedding-in-pipeline-split", None)]),
+    ]
+    for flags in ok:
+        world = 2 * int(dict(flags)["--pipeline-model-parallel-size"])
+        findings = check_megatron_args(parse_megatron_args(_script(flags, world)))
+        assert findings == [], [str(f) for f in findings]
+
+
+# --------------------------------------------------------------------------- megatron-core agrees
+
+
+def _core_config(args: MegatronArgs):
+    """TransformerConfig built from the flags the way Megatron-LM's core_transformer_config_from_args does."""
+    import torch
+    from megatron.core.transformer import TransformerConfig
+
+    def i(name, default=None):
+        return args.int(name, default)
+
+    pp = i("--pipeline-model-parallel-size", 1)
+    tp = i("--tensor-model-parallel-size", 1)
+    layout = args.value("--pipeline-model-parallel-layout")
+    vp = None
+    if layout is not None:
+        vp = len(parse_layout(layout)) // pp
+    elif args.has("--num-virtual-stages-per-pipeline-rank"):
+        vp = i("--num-virtual-stages-per-pipeline-rank")
+    vp = vp if vp and vp > 1 else None
+    dtype = torch.bfloat16 if args.has("--bf16") else torch.half if args.has("--fp16") else torch.float32
+    swiglu = args.has("--swiglu")
+    bias = not args.has("--disable-bias-linear")
+    gran = "selective" if args.has("--recompute-activations") else args.value("--recompute-granularity")
+    return TransformerConfig(
+        num_layers=i("--num-layers"),
+        hidden_size=i("--hidden-size"),
+        num_attention_heads=i("--num-attention-heads"),
+        num_query_groups=i("--num-query-groups") if args.has("--group-query-attention") else None,
+        ffn_hidden_size=i("--ffn-hidden-size"),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=i("--context-parallel-size", 1),
+        virtual_pipeline_model_parallel_size=vp,
+        pipeline_model_parallel_layout=layout,
+        num_layers_in_first_pipeline_stage=i("--decoder-first-pipeline-num-layers"),
+        num_layers_in_last_pipeline_stage=i("--decoder-last-pipeline-num-layers"),
+        account_for_embedding_in_pipeline_split=args.has("--account-for-embedding-in-pipeline-split"),
+        account_for_loss_in_pipeline_split=args.has("--account-for-loss-in-pipeline-split"),
+        sequence_parallel=args.has("--sequence-parallel") and tp > 1,  # validate_args drops it at tp = 1
+        bf16=args.has("--bf16"),
+        fp16=args.has("--fp16"),
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        recompute_granularity=gran,
+        recompute_method=args.value("--recompute-method"),
+        recompute_num_layers=i("--recompute-num-layers"),
+        normalization=args.value("--normalization") or "LayerNorm",
+        gated_linear_unit=swiglu,
+        activation_func=torch.nn.functional.silu if swiglu else torch.nn.functional.gelu,
+        add_bias_linear=bias,
+        bias_activation_fusion=bias or swiglu,  # validate_args turns bias_gelu_fusion off without biases
+        attention_dropout=float(args.value("--attention-dropout") or 0.1),
+        hidden_dropout=float(args.value("--hidden-dropout") or 0.1),
+        apply_rope_fusion=False,  # Megatron-LM's default needs Transformer Engine, absent on this CPU machine
+        batch_p2p_comm=not (vp and not args.has("--no-overlap-p2p-communication")),
+    )
+
+
+def _core_stage_layers(config) -> list[int]:
+    """Decoder layers per stage as megatron-core's get_num_layers_to_build computes them."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    pp = config.pipeline_model_parallel_size
+    vp = config.virtual_pipeline_model_parallel_size
+    out = []
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(vp)
+    try:
+        for c in range(vp or 1):
+            for r in range(pp):
+                parallel_state.set_pipeline_model_parallel_rank(r)
+                out.append(get_num_layers_to_build(config, vp_stage=c if vp else None, pp_rank=r))
+    finally:
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
+        parallel_state.set_pipeline_model_parallel_rank(None)
+    return out
+
+
+@pytest.mark.parametrize("rule", ["MEG003", "MEG004", "MEG005", "MEG007", "MEG008", "MEG009", "MEG010", "MEG011", "MEG013", "MEG014", "MEG020"])
+def test_transformer_config_refuses_what_the_rule_refuses(rule):
+    """Rules that megatron-core's TransformerConfig (or its layer-count function) enforces: it raises on the failing example."""
+    flags, world, export, _ = RULE_CASES[rule]
+    args = parse_megatron_args(_script(flags, world, export))
+    with pytest.raises((ValueError, AssertionError)):
+        cfg = _core_config(args)
+        _core_stage_layers(cfg)
+
+
+def test_transformer_config_accepts_the_base_example():
+    cfg = _core_config(parse_megatron_args(_script(BASE)))
+    assert _core_stage_layers(cfg) == [4, 4]
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def test_layout_string_matches_megatron_example():
+    assert layout_string([1, 2, 2, 2, 2, 2, 2, 1], 4) == "Et|(tt|)*6,tL"
+    assert parse_layout("Et|(tt|)*6,tL") == [["E", "t"]] + [["t", "t"]] * 6 + [["t", "L"]]
+    assert layout_string([5], 1) == "Et*5L"
+    assert layout_string([0, 3, 3, 0], 2) == "E|(ttt|)*2,L"
+
+
+def test_parse_layout_rejects_garbage():
+    for bad in ("Et*4|tX|L", "E(t|(t)*2)*2L", "Et*|L", "E t|L"):
+        with pytest.raises(LayoutError):
+            parse_layout(bad)
+
+
+_splits = st.integers(min_value=1, max_value=6).flatmap(
+    lambda pp: st.tuples(st.just(pp), st.integers(min_value=1, max_value=4).flatmap(lambda v: st.lists(st.integers(0, 12), min_size=pp * v, max_size=pp * v)))
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_splits)
+def test_layout_string_round_trips(case):
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    pp, counts = case
+    s = layout_string(counts, pp)
+    stages = parse_layout(s)
+    assert [st_.count("t") for st_ in stages] == counts
+    assert sum(st_.count("t") for st_ in stages) == sum(counts)
+    assert stages[0][0] == "E" and stages[-1][-1] == "L"
+    assert sum(st_.count("E") for st_ in stages) == 1 and sum(st_.count("L") for st_ in stages) == 1
+    # megatron-core parses it the same way and accepts it for a model of sum(counts) layers
+    core = PipelineParallelLayerLayout.parse_str_to_list(s)
+    assert [[t.name for t in stage] for stage in core] == [[{"E": "embedding", "t": "decoder", "L": "loss"}[c] for c in stage] for stage in stages]
+    PipelineParallelLayerLayout(s, pp).validate_layer_layout(num_layers=sum(counts), mtp_num_layers=None)
+    args = MegatronArgs("args", (Flag("--num-layers", (str(sum(counts)),), 1), Flag("--pipeline-model-parallel-size", (str(pp),), 2), Flag("--pipeline-model-parallel-layout", (s,), 3)))
+    assert not [f for f in check_megatron_args(args) if f.rule in ("MEG006", "MEG007", "MEG008", "MEG009", "MEG010", "MEG011")]
+
+
+def _args(pairs) -> MegatronArgs:
+    return MegatronArgs("args", tuple(Flag(n, () if v is None else (v,), k + 1) for k, (n, v) in enumerate(pairs)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_splits.filter(lambda c: sum(c[1]) > 0 and (c[0] >= 2 or len(c[1]) == 1)))
+def test_split_flags_build_the_planned_split_in_megatron_core(case):
+    pp, counts = case
+    flags = split_flags(counts, pp)
+    args = _args([("--num-layers", str(sum(counts))), ("--hidden-size", "64"), ("--num-attention-heads", "4"), ("--pipeline-model-parallel-size", str(pp))] + flags)
+    assert stage_layers(args) == counts
+    rules = {f.rule for f in check_megatron_args(args)} - {"MEG001"}
+    assert not rules, rules
+    assert _core_stage_layers(_core_config(args)) == counts
+
+
+def test_split_flags_prefers_the_simplest_form():
+    assert split_flags([4, 4, 4, 4], 4) == []
+    assert split_flags([2] * 8, 4) == [("--num-virtual-stages-per-pipeline-rank", "2")]
+    assert split_flags([3, 4, 4, 5], 4) == [("--decoder-first-pipeline-num-layers", "3"), ("--decoder-last-pipeline-num-layers", "5")]
+    assert split_flags([4, 4, 4, 2], 4) == [("--decoder-last-pipeline-num-layers", "2")]
+    assert split_flags([1, 2, 2, 1, 2, 2], 3) == [("--num-virtual-stages-per-pipeline-rank", "2"), ("--decoder-first-pipeline-num-layers", "2")]
+    assert split_flags([3, 4, 4, 4, 4, 4, 4, 4], 4) == [("--pipeline-model-parallel-layout", "Ettt|(t*4|)*6,t*4L")]
+
+
+def test_flag_table_is_megatron_core_v0_16_1():
+    table = flag_table()
+    assert len(table) > 600
+    assert table["--num-layers"].nargs == "1" and table["--num-layers"].type == "int"
+    assert table["--bf16"].nargs == "0"
+    assert "--no-overlap-p2p-communication" in table and "--overlap-p2p-communication" not in table
+
+
+# --------------------------------------------------------------------------- Megatron-LM itself (optional)
+
+
+def _megatron_lm_validate():
+    """Megatron-LM's parse_args + validate_args + core_transformer_config_from_args from MEGATRON_LM_PATH, or skip."""
+    root = os.environ.get("MEGATRON_LM_PATH")
+    if not root or not (Path(root) / "megatron" / "training" / "arguments.py").is_file():
+        pytest.skip("set MEGATRON_LM_PATH to a Megatron-LM checkout (tag core_v0.16.1) to run Megatron's own validate_args")
+    import importlib
+    import re
+    import types
+
+    sys.path.insert(0, root)
+    try:
+        importlib.import_module("regex")
+    except ImportError:  # only the GPT-2 BPE tokenizer module needs it at import time
+        sys.modules["regex"] = re
+    try:
+        importlib.import_module("triton")
+    except ImportError:  # batch-invariant kernels are imported by megatron.training.initialize
+        stub = types.ModuleType("megatron.core.transformer.custom_layers.batch_invariant_kernels")
+        stub.enable_batch_invariant_mode = lambda *a, **k: None
+        stub.is_batch_invariant_mode_enabled = lambda *a, **k: False
+        sys.modules[stub.__name__] = stub
+    try:
+        A = importlib.import_module("megatron.training.arguments")
+    except ModuleNotFoundError as e:  # Megatron-LM's training package needs a few extra pure-Python packages (six, ...)
+        pytest.skip(f"Megatron-LM's arguments.py does not import here: {e}")
+    A.get_device_arch_version = lambda: 9  # a Hopper GPU: the CUDA_DEVICE_MAX_CONNECTIONS rule applies
+
+    def validate(args: MegatronArgs, world: int) -> None:
+        argv = args.argv()
+        if args.value("--position-embedding-type") == "rope":
+            argv.append("--no-rope-fusion")  # Transformer Engine is not installed here
+        saved = (sys.argv, dict(os.environ))
+        os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+        os.environ.update({e.name: e.value for e in args.env if e.value is not None})
+        os.environ.update(WORLD_SIZE=str(world), RANK="0")
+        sys.argv = ["pretrain_gpt.py"] + argv
+        try:
+            ns = A.parse_args()
+            A.validate_args(ns)
+            A.core_transformer_config_from_args(ns)
+        finally:
+            sys.argv = saved[0]
+            os.environ.clear()
+            os.environ.update(saved[1])
+
+    return validate
+
+
+def test_rules_agree_with_megatron_lm():
+    validate = _megatron_lm_validate()
+    validate(parse_megatron_args(_script(BASE)), WORLD)
+    for rule, (flags, world, export, refused) in sorted(RULE_CASES.items()):
+        args = parse_megatron_args(_script(flags, world, export))
+        if refused:
+            with pytest.raises((AssertionError, ValueError, SystemExit)):
+                validate(args, world)
+        else:
+            validate(args, world)
+
+
+_SHELL_BITS = st.sampled_from(
+    list("ab-= \t\n\\'\"$(){}[]@*#|&;<>`:+?!019")
+    + ["--num-layers", "--pipeline-model-parallel-size", "torchrun", "pretrain_gpt.py", "ARR=(", "${ARR[@]}", "<<EOF\n", "EOF", "$((", "))", "export ", "${X:-", "}"]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_SHELL_BITS, max_size=40).map("".join))
+def test_parser_and_checks_never_crash(text):
+    for kind in ("script", "args"):
+        a = parse_megatron_args(text, kind)
+        for f in check_megatron_args(a, 8):
+            assert f.rule in RULES
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 16), st.integers(1, 64), st.sampled_from([1, 2, 4, 8]))
+def test_tensor_parallel_problems_match_the_rules(groups, per_group, ffn, tp):
+    """The search-side helper agrees with the MEG013/MEG014/MEG030 rules on the same sizes."""
+    from planner.megatron_args import tensor_parallel_problems
+
+    heads = groups * per_group
+    arch = {"num_attention_heads": heads, "num_query_groups": groups, "ffn_hidden_size": ffn}
+    args = _args(
+        [("--num-attention-heads", str(heads)), ("--group-query-attention", None), ("--num-query-groups", str(groups)), ("--ffn-hidden-size", str(ffn)), ("--tensor-model-parallel-size", str(tp))]
+    )
+    ruled = {f.rule for f in check_megatron_args(args)} & {"MEG013", "MEG014", "MEG030"}
+    assert bool(tensor_parallel_problems(arch, tp)) == bool(ruled)
