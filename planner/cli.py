@@ -291,6 +291,49 @@ def hardware_show(name: str, hardware_profile: Optional[List[Path]] = typer.Opti
 
 
 @app.command()
+def profile(
+    model: Path = typer.Argument(..., help="Model file defining build_model() and example_inputs()."),
+    device: str = typer.Option("cuda", "--device", help="cuda | cpu"),
+    out_path: Path = typer.Option(Path("profile.json"), "--out", "-o", help="Where to write the profile."),
+    micro_batch: int = typer.Option(1, "--micro-batch", "-b", help="Samples per micro-batch (profile at the planned one)."),
+    model_arg: Optional[List[str]] = ModelArg,
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 (default bf16 on cuda, fp32 on cpu)"),
+    leaf: Optional[List[str]] = Leaf,
+    tracer: str = typer.Option("auto", "--tracer", help="auto | fx | export"),
+    warmup: int = typer.Option(3, "--warmup", help="Warm-up runs per piece."),
+    repeats: int = typer.Option(10, "--repeats", help="Timed runs per piece (median and spread are recorded)."),
+    calibrate: bool = typer.Option(False, "--calibrate", help="Also measure matmul FLOP/s and memory bandwidth and write a hardware profile."),
+    hardware_out: Optional[Path] = typer.Option(None, "--hardware-out", help="Where --calibrate writes the hardware profile YAML."),
+) -> None:
+    """Measure every distinct piece's forward and backward time on this machine's device (for `plan --profile`)."""
+    from planner.errors import UsageError
+    from planner.fileio import write_text_atomic
+    from planner.model.load import parse_model_args
+    from planner.model.profile import profile_model, profile_to_hardware_yaml, suggested_hardware_key, write_profile
+
+    with _errors():
+        if hardware_out is not None and not calibrate:
+            raise UsageError("--hardware-out needs --calibrate (the hardware profile comes from the calibration).")
+        with progress_reporter(True) as report:
+            doc = profile_model(model, parse_model_args(model_arg), device, micro_batch, dtype, leaf, tracer, warmup=warmup, repeats=repeats, calibrate=calibrate, progress=report)
+        write_profile(out_path, doc)
+        hw_path = None
+        if calibrate:
+            hw_path = hardware_out or out_path.with_name(suggested_hardware_key(doc) + ".yaml")
+            write_text_atomic(hw_path, profile_to_hardware_yaml(doc))
+    table = Table(title=f"{model.name} on {doc['device']['name']} ({doc['dtype']}, micro-batch {doc['micro_batch']})")
+    for col, just in (("#", "right"), ("piece", "left"), ("same as", "right"), ("fwd ms [min-max]", "right"), ("bwd ms [min-max]", "right"), ("peak MiB", "right")):
+        table.add_column(col, justify=just)
+    for p in doc["pieces"]:
+        f, b = p.get("fwd_s"), p.get("bwd_s")
+        span = lambda x: f"{x['median'] * 1e3:.3f} [{x['min'] * 1e3:.3f}-{x['max'] * 1e3:.3f}]" if x else ""
+        peak = p.get("peak_bytes")
+        table.add_row(str(p["index"]), p["name"], "" if p.get("same_as") is None else str(p["same_as"]), span(f), span(b), f"{peak / 2**20:,.1f}" if peak else "")
+    out.print(table)
+    out.print(f"wrote {out_path}" + (f" and {hw_path}" if hw_path else ""))
+
+
+@app.command()
 def explain(plan_dir: Path = typer.Argument(..., help="A plan directory (or its plan.json) written by `planner plan --out`.")) -> None:
     """Print the summary of an existing plan without re-planning."""
     from planner.report import explain as explain_plan

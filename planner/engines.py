@@ -16,8 +16,9 @@ Facts (checked against the engines' sources; see README "Engine rules"):
   last stage; it runs 1F1B or interleaved 1F1B (virtual stages), tensor and
   sequence parallelism, the distributed optimizer (6 + 12/d bytes per
   parameter) and fp32 main gradients (18 bytes per parameter without it).
-  Interleaving needs the number of micro-batches to be a multiple of pp, and
-  pp > 2 unless p2p communication overlap is on (engines.md).
+  Interleaving needs the number of micro-batches to be a multiple of pp and at
+  least pp (in core_v0.16.1 point-to-point overlap is on by default, so pp = 2
+  interleaves too; only ``--no-overlap-p2p-communication`` needs pp > 2).
 * torch.distributed.pipelining (``torch``) runs GPipe, 1F1B, Interleaved1F1B,
   InterleavedZeroBubble and ZBVZeroBubble over PipelineStage modules, so any
   cut is expressible; 1F1B needs micro-batches >= stages, interleaved schedules
@@ -109,8 +110,6 @@ def state_recipe_for(engine: str, precision: str, zero: int, distributed_optimiz
 def schedule_rules(engine: str, schedule: str, pp: int, m: int, v: int) -> list[str]:
     """Why (engine, schedule, pp, micro-batches, v) cannot run; empty when it can."""
     problems = schedule_constraints(schedule, pp, m, v, engine)
-    if engine == "megatron" and schedule == "interleaved" and pp <= 2:
-        problems.append("Megatron's interleaved schedule needs pp > 2 (without --overlap-p2p-communication)")
     if m < pp and schedule != "gpipe":
         problems.append(f"{m} micro-batches cannot fill {pp} pipeline stages: each step would idle most ranks (need at least {pp})")
     return problems

@@ -95,6 +95,12 @@ def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | Non
         sub_block_cuts=True,
         progress=progress,
     )
+    if req.engine == "megatron":
+        from planner.megatron_args import architecture_problem
+
+        problem = architecture_problem(analysis.costs.architecture, Path(req.model_file).name)
+        if problem:
+            raise UsageError(*problem)
     measured, profile_notes = {}, []
     if req.profile:
         from planner.model.profile import match_profile
@@ -239,6 +245,13 @@ def _nothing_fits(costs: ModelCosts, cluster, req: PlanRequest, result: SearchRe
         closest = f" The closest layout, {r.layout.short()}, is {short:.1f} GiB short per GPU: {r.reason}."
     elif result.rejected:
         closest = f" For example {result.rejected[0].layout.short()}: {result.rejected[0].reason}."
+    if not mem_rejects:
+        reasons = sorted({r.reason for r in result.rejected})[:3]
+        return (
+            f"No layout of {human_count(costs.total_params)} parameters can run on {cluster.spec} ({cluster.world_size} GPUs) "
+            f"with engine {req.engine}: " + "; ".join(reasons) + ".",
+            "Relax the pins (--pp, --micro-batch, --schedule, ...) or change --global-batch.",
+        )
     msg = f"No layout of {human_count(costs.total_params)} parameters fits on {cluster.spec} ({cluster.world_size} GPUs) with engine {req.engine}.{closest}"
     hints = []
     if req.recompute not in (None, "full"):

@@ -122,3 +122,17 @@ def test_tied_head_is_counted_once():
     c = analyze(EX / "gpt2.py", {"preset": "gpt2"}, micro_batch=1, dtype="bf16").costs
     assert [g.layers for g in c.tied] == [(0, c.n - 1)]
     assert c.total_params == 124_439_808  # GPT-2 small with 1024 positions
+
+
+def test_repeated_blocks_are_costed_once(monkeypatch):
+    """Identical blocks share a structural signature: cost_piece runs once per distinct piece, not per block."""
+    import planner.model.cost as cost
+
+    calls = []
+    real = cost.cost_piece
+    monkeypatch.setattr(cost, "cost_piece", lambda *a, **k: calls.append(1) or real(*a, **k))
+    c = analyze(EX / "llama.py", {"preset": "llama-tiny"}, 1, "fp32").costs
+    # embedding, attention, feed-forward, norm, head: 5 distinct of 11 pieces
+    assert c.n == 11 and len(calls) == 5
+    attn = [l for l in c.layers if l.kind == "attention"]
+    assert len({(l.flops_fwd, l.saved_bytes) for l in attn}) == 1

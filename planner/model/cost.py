@@ -259,24 +259,40 @@ def cost_piece(
     return cost, detached
 
 
-def _signature(module: nn.Module, inputs: tuple[torch.Tensor, ...], prefix: str | None) -> tuple:
-    """Structure of a piece: graph ops, module classes and settings, parameter and input shapes."""
+def piece_structure(mod, block: str | None) -> tuple:
+    """Structure of one piece module with its block's path removed: graph ops (values entering the piece by
+    position), module classes and their scalar settings, parameter and buffer shapes and dtypes.
+
+    Equal for the pieces of repeated blocks, so they are costed (and profiled) once.
+    """
 
     def norm(name: str) -> str:
-        return name.replace(prefix, "#", 1) if prefix and name.startswith(prefix) else name
+        if block and (name == block or name.startswith(block + ".")):
+            return "#" + name[len(block):]
+        return name
 
-    gm = module.gm
-    ops = []
+    gm = mod.gm
+    ops, k = [], 0
     for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            ops.append(("placeholder", k))
+            k += 1
+            continue
         target = node.target if isinstance(node.target, str) else getattr(node.target, "__qualname__", repr(node.target))
-        ops.append((node.op, norm(str(target)), len(node.args)))
+        ops.append((node.op, norm(str(target)), len(node.args), tuple(sorted(node.kwargs))))
     mods = []
     for name, m in gm.named_modules():
         settings = tuple(sorted((k, v) for k, v in vars(m).items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))))
         mods.append((norm(name), type(m).__qualname__, settings))
-    params = tuple((norm(n), tuple(p.shape), p.dtype, p.requires_grad) for n, p in gm.named_parameters())
+    params = tuple((norm(n), tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in gm.named_parameters())
+    buffers = tuple((norm(n), tuple(b.shape), str(b.dtype)) for n, b in gm.named_buffers())
+    return tuple(ops), tuple(mods), params, buffers
+
+
+def _signature(module: nn.Module, inputs: tuple[torch.Tensor, ...], block: str | None) -> tuple:
+    """A piece's structure plus the shapes, dtypes and grad flags of its inputs: equal pieces cost the same."""
     ins = tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in inputs)
-    return (tuple(ops), tuple(mods), params, ins)
+    return (piece_structure(module, block), ins)
 
 
 def _loss_closure(model_file, batch_size: int) -> Callable[[Any], torch.Tensor]:
@@ -315,8 +331,7 @@ def cost_layers(
     for i, piece in enumerate(lg.pieces):
         mod = lg.stage_module(i, i + 1)
         args = tuple(values[v] for v in lg.boundaries[i])
-        prefix = (piece.block + ".") if piece.block else None
-        sig = _signature(mod, args, prefix) + ((i == lg.n - 1),)
+        sig = _signature(mod, args, piece.block) + ((i == lg.n - 1),)
         hit = cache.get(sig)
         if hit is None:
             cost, out = cost_piece(mod, args, seq_len, micro_batch, loss if i == lg.n - 1 else None)

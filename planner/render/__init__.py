@@ -32,6 +32,11 @@ def shell_quote(value: Any) -> str:
     return shlex.quote(str(value))
 
 
+def one_line(text: Any) -> str:
+    """``text`` safe inside a ``#`` comment: line breaks spelled out, so nothing after them becomes code."""
+    return str(text).replace("\\", "\\\\").replace("\r", "\\r").replace("\n", "\\n")
+
+
 def environment() -> jinja2.Environment:
     """The jinja2 environment for all templates: strict undefined, ``shq`` filter for shell, ``tojson`` for JSON."""
     env = jinja2.Environment(
@@ -44,10 +49,12 @@ def environment() -> jinja2.Environment:
     )
     env.filters["shq"] = shell_quote
     env.filters["pyrepr"] = repr
+    env.filters["one_line"] = one_line
     return env
 
 
 def render_template(name: str, **context: Any) -> str:
+    """Render ``templates/<name>`` (pass text bound for ``#`` comments through :func:`one_line`)."""
     return environment().get_template(name).render(version=__version__, **context)
 
 

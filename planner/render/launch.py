@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Sequence
 
-from planner.render import render_template
+from planner.render import one_line, render_template
 from planner.solve.plan import Plan
 
 
@@ -43,19 +43,19 @@ def job_name(plan: Plan) -> str:
 
 def torchrun_script(plan: Plan, command: str, script: str, args: Sequence[str], env: Sequence[tuple[str, str]] = ()) -> str:
     nodes, nprocs = cluster_shape(plan)
-    return render_template("launch/torchrun.sh.j2", command=command, nodes=nodes, nprocs=nprocs, script=script, args=list(args), env=list(env))
+    return render_template("launch/torchrun.sh.j2", command=one_line(command), nodes=nodes, nprocs=nprocs, script=script, args=list(args), env=list(env))
 
 
 def slurm_script(plan: Plan, command: str) -> str:
     nodes, nprocs = cluster_shape(plan)
-    return render_template("launch/slurm.sh.j2", command=command, nodes=nodes, nprocs=nprocs, job_name=job_name(plan))
+    return render_template("launch/slurm.sh.j2", command=one_line(command), nodes=nodes, nprocs=nprocs, job_name=job_name(plan))
 
 
 def deepspeed_script(plan: Plan, command: str, script: str, args: Sequence[str], env: Sequence[tuple[str, str]] = ()) -> str:
     nodes, nprocs = cluster_shape(plan)
-    return render_template("launch/deepspeed.sh.j2", command=command, nodes=nodes, nprocs=nprocs, script=script, args=list(args), env=list(env))
+    return render_template("launch/deepspeed.sh.j2", command=one_line(command), nodes=nodes, nprocs=nprocs, script=script, args=list(args), env=list(env))
 
 
 def hostfile(plan: Plan, command: str) -> str:
     nodes, nprocs = cluster_shape(plan)
-    return render_template("launch/hostfile.j2", command=command, hosts=[f"worker-{i}" for i in range(nodes)], nprocs=nprocs)
+    return render_template("launch/hostfile.j2", command=one_line(command), hosts=[f"worker-{i}" for i in range(nodes)], nprocs=nprocs)

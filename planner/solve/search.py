@@ -159,11 +159,9 @@ def _tp_rules(costs: ModelCosts, tp: int, engine: str, gpus_per_node: int) -> li
     if not arch:
         out.append("tensor parallelism needs the model file's architecture() (heads, query groups)")
     else:
-        heads, groups = arch.get("num_attention_heads", 0), arch.get("num_query_groups") or arch.get("num_attention_heads", 0)
-        if heads % tp:
-            out.append(f"{heads} attention heads do not divide over tp = {tp}")
-        if groups % tp:
-            out.append(f"{groups} query groups do not divide over tp = {tp}")
+        from planner.megatron_args import tensor_parallel_problems
+
+        out.extend(tensor_parallel_problems(arch, tp))
     if gpus_per_node % tp:
         out.append(f"tp = {tp} does not fit in a node of {gpus_per_node} GPUs (tensor parallelism stays inside a node)")
     return out
