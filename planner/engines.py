@@ -43,6 +43,7 @@ class EngineRules:
     tensor_parallel: bool
     sub_block_cuts: bool
     description: str
+    recompute_modes: tuple[str, ...] = ("none", "full")
 
     @property
     def schedules(self) -> tuple[str, ...]:
@@ -64,6 +65,7 @@ ENGINES: dict[str, EngineRules] = {
         tensor_parallel=True,
         sub_block_cuts=False,
         description="Megatron-LM pretrain_gpt.py (1F1B or interleaved, tensor/sequence parallel, distributed optimizer)",
+        recompute_modes=("none", "selective", "full"),
     ),
     "torch": EngineRules(
         "torch",
@@ -98,9 +100,15 @@ def state_recipe_for(engine: str, precision: str, zero: int, distributed_optimiz
     if engine == "deepspeed":
         if precision == "bf16":
             # BF16_Optimizer partitions master and moments over dp at ZeRO 0 and 1; ZeRO 1 is rendered with
-            # data_types.grad_accum_dtype = fp32 (4-byte gradients), ZeRO 0 accumulates in bf16 (2 bytes)
+            # data_types.grad_accum_dtype = fp32 (4-byte gradients), ZeRO 0 accumulates in bf16 (2 bytes). The bf16
+            # gradients themselves are freed after accumulation only because the rendered config sets
+            # bf16.immediate_grad_update (measured: 6 bytes per parameter without it, 4 with it).
             return state_recipe(precision, optimizer, grad_bytes=4.0 if zero >= 1 else 2.0, zero=1)
-        return state_recipe(precision, optimizer, zero=zero)
+        recipe = state_recipe(precision, optimizer, zero=zero)
+        if precision == "fp32" and zero >= 1:
+            # ZeRO-1 keeps an fp32 copy of each rank's partition even for fp32 models (stage_1_and_2.py)
+            recipe = StateRecipe(recipe.weight_bytes, recipe.grad_bytes, 4.0, recipe.optimizer_bytes, True, recipe.shard_grads, recipe.shard_weights)
+        return recipe
     # torch: fp32 master parameters with bf16 autocast compute -> 4 + 4 + 8 (Adam)
     if precision in ("bf16", "fp16"):
         return StateRecipe(4.0, 4.0, 0.0, OPTIMIZER_STATE_BYTES[optimizer])

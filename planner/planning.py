@@ -47,6 +47,7 @@ class PlanRequest:
     mem_target: float = 0.85
     optimizer: str = "adam"
     profile: str | None = None
+    bounds: tuple[int, ...] | None = None  # fixed stage boundaries (piece indices); needs every layout dimension pinned
 
     def options(self, measured: dict | None = None) -> SearchOptions:
         return SearchOptions(
@@ -69,7 +70,21 @@ class PlanRequest:
         d = asdict(self)
         d["leaf"] = list(self.leaf)
         d["hardware_profiles"] = list(self.hardware_profiles)
+        if self.bounds is None:
+            d.pop("bounds")
+        else:
+            d["bounds"] = list(self.bounds)
         return d
+
+    @classmethod
+    def from_inputs(cls, inputs: dict[str, Any], **overrides: Any) -> "PlanRequest":
+        """The request recorded in a plan.json's ``inputs`` (unknown keys ignored), with ``overrides`` applied."""
+        fields = {k: inputs[k] for k in cls.__dataclass_fields__ if k in inputs}
+        for key in ("leaf", "hardware_profiles", "bounds"):
+            if fields.get(key) is not None:
+                fields[key] = tuple(fields[key])
+        fields.update(overrides)
+        return cls(**fields)
 
 
 def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | None = None):
@@ -106,7 +121,10 @@ def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | Non
         from planner.model.profile import match_profile
 
         measured, profile_notes = match_profile(req.profile, analysis, cluster)
-    result = search(analysis.costs, cluster, req.options(measured), progress=progress)
+    if req.bounds is not None:
+        result = _evaluate_pinned(analysis.costs, cluster, req, measured)
+    else:
+        result = search(analysis.costs, cluster, req.options(measured), progress=progress)
     if result.best is None:
         raise InfeasibleError(*_nothing_fits(analysis.costs, cluster, req, result))
     extra = {
@@ -115,6 +133,22 @@ def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | Non
     }
     plan = build_plan(analysis.costs, cluster, req, result, extra, notes=list(analysis.costs.notes) + profile_notes)
     return plan, analysis, result
+
+
+def _evaluate_pinned(costs: ModelCosts, cluster, req: PlanRequest, measured: dict) -> SearchResult:
+    """Price the one layout and stage split ``req`` pins completely (what `smoke` and `validate` re-price)."""
+    from planner.solve.search import Context, evaluate_layout
+
+    need = ("pp", "tp", "dp", "vp", "micro_batch", "global_batch", "schedule", "recompute", "zero")
+    missing = [k for k in need if getattr(req, k) is None]
+    if missing:
+        raise UsageError(f"fixed stage boundaries need the whole layout pinned; missing: {', '.join(missing)}.")
+    m = req.global_batch // (req.dp * req.micro_batch)
+    lay = Layout(req.engine, req.pp, req.tp, req.dp, req.vp, req.micro_batch, m, req.global_batch, req.schedule, req.recompute, req.zero, req.tp > 1)
+    ev = evaluate_layout(Context(costs, cluster, req.options(measured)), lay, costs.dtype, bounds=req.bounds)
+    if isinstance(ev, Rejection):
+        return SearchResult(None, [], [ev], 1, 1, req.global_batch)
+    return SearchResult(ev, [ev], [], 1, 1, req.global_batch)
 
 
 def _stage_plans(costs: ModelCosts, ev: Evaluation) -> list[StagePlan]:

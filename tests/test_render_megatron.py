@@ -32,11 +32,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _helpers():
-    """_core_config / _core_stage_layers from test_megatron_args (loaded by path: tests/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("_megatron_args_helpers", Path(__file__).with_name("test_megatron_args.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """megatron-core's view of the flags (planner.check.megatron_core)."""
+    from types import SimpleNamespace
+
+    from planner.check.megatron_core import core_config, core_stage_layers
+
+    return SimpleNamespace(_core_config=core_config, _core_stage_layers=core_stage_layers)
 
 
 def load(name: str) -> Plan:

@@ -259,7 +259,7 @@ def enumerate_layouts(costs: ModelCosts, cluster, opts: SearchOptions, global_ba
     gpn = min(g.gpus_per_node for g in cluster.groups)
     tps = [opts.tp] if opts.tp else [t for t in divisors(gpn) if t == 1 or rules.tensor_parallel]
     has_core = any(l.core_saved_bytes > 0 for l in costs.layers)
-    recomputes = [opts.recompute] if opts.recompute else [r for r in RECOMPUTE_MODES if r != "selective" or has_core]
+    recomputes = [opts.recompute] if opts.recompute else [r for r in rules.recompute_modes if r != "selective" or has_core]
     zeros = [opts.zero] if opts.zero is not None else list(rules.zero_levels)
     schedules = [opts.schedule] if opts.schedule else list(SEARCHED_SCHEDULES[engine])
     out: list[Layout] = []
@@ -340,6 +340,8 @@ def evaluate_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int]
     costs, cluster, opts = ctx.costs, ctx.cluster, ctx.opts
     problems = schedule_rules(lay.engine, lay.schedule, lay.pp, lay.num_microbatches, lay.vp) if lay.pp > 1 else []
     problems += zero_rules(lay.engine, lay.zero, lay.pp)
+    if lay.recompute not in ENGINES[lay.engine].recompute_modes:
+        problems.append(f"{lay.engine} has no {lay.recompute} recomputation (it runs {', '.join(ENGINES[lay.engine].recompute_modes)})")
     problems += _tp_rules(costs, lay.tp, lay.engine, ctx.min_gpus_per_node)
     if problems:
         return Rejection(lay, "; ".join(problems))
