@@ -1,0 +1,516 @@
+"""What the rendered torch.distributed.pipelining script (``train_pipeline.py``) imports.
+
+The script holds the readable outline of a training run; the pieces that are
+the same for every plan live here:
+
+- :func:`parse_args`: the training-script contract's flags.
+- :func:`init_distributed`: the process groups. Global rank =
+  ``(pipeline_rank * dp + dp_index) * tp + tp_index``; one pipeline group per
+  data-parallel replica, one data-parallel group per pipeline rank.
+- :class:`StageModule` / :class:`PlannedStage`: a planned stage as the module a
+  ``PipelineStage`` runs (mixed precision by autocast, optional recomputation
+  with ``torch.utils.checkpoint``).
+- :func:`make_schedule` and :func:`check_schedule`: the torch schedule class
+  named in plan.json, checked action by action against the planner's own IR.
+- :class:`GradientSync`: tied-parameter sums across stages, the data-parallel
+  average (an explicit all-reduce of every local gradient, not DDP), fp16
+  overflow checks.
+
+Gradient scaling: schedules are built with ``scale_grads=False`` and the
+gradients divided once by ``num_microbatches * dp`` after the reductions, so a
+parameter used by two stages of one rank (a tied embedding under a V schedule)
+is scaled once, not once per stage as torch's per-stage scaling would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
+from torch.utils.checkpoint import checkpoint
+
+from planner.render.torchpp import planned_layout
+from planner.runners.reference import PRECISIONS, LossScaler, autocast
+from planner.runtime import PlannedModel
+from planner.solve.schedules import SCHEDULE_INFO, build_schedule, to_torch_order
+
+
+class ScheduleMismatch(RuntimeError):
+    """torch's schedule (or plan.json) does not run the order the planner planned."""
+
+
+class PlanChanged(RuntimeError):
+    """plan.json is not the plan the script was rendered for."""
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+def parse_args(argv: Sequence[str] | None, default_plan: str | Path) -> argparse.Namespace:
+    """The training-script contract's flags (``--local_rank``/``--local-rank`` from launchers accepted)."""
+    p = argparse.ArgumentParser(description="Pipeline-parallel training with torch.distributed.pipelining, as planned.")
+    p.add_argument("--plan", default=str(default_plan), help="plan.json (default: the one beside this script)")
+    p.add_argument("--model", default=None, help="the model file (default: the path it had when the script was rendered)")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps")
+    p.add_argument("--seed", type=int, default=0, help="seed of model init and data (identical weights on every rank)")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--precision", choices=PRECISIONS, default="auto", help="auto: plan dtype on GPU, fp32 on CPU")
+    p.add_argument("--no-dropout", action="store_true", help="disable dropout (for exact loss comparisons)")
+    p.add_argument("--losses-out", default=None, help='write {"losses": [...]} here (rank holding the last stage, replica 0)')
+    p.add_argument("--stats-out", default=None, help="per-rank JSON stats; {rank} is replaced by the global rank")
+    p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def read_plan(path: str | Path, expected: dict[str, Any]) -> dict[str, Any]:
+    """plan.json, refused when its layout or stages differ from ``expected`` (what the script was rendered for)."""
+    plan = json.loads(Path(path).read_text())
+    found = planned_layout(plan)
+    if found != expected:
+        diff = sorted(k for k in expected.keys() | found.keys() if expected.get(k) != found.get(k))
+        raise PlanChanged(
+            f"{path} is not the plan this script was rendered for (differs in: {', '.join(diff)}). "
+            "Re-render the plan directory with `planner plan ... --engine torch --out DIR`."
+        )
+    return plan
+
+
+# ----------------------------------------------------------------------------- topology
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where a global rank sits: rank = (pipe_rank * dp + dp_index) * tp + tp_index."""
+
+    pp: int
+    dp: int
+    tp: int
+    rank: int
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    @property
+    def pipe_rank(self) -> int:
+        return self.rank // (self.dp * self.tp)
+
+    @property
+    def dp_index(self) -> int:
+        return (self.rank // self.tp) % self.dp
+
+    def global_rank(self, pipe_rank: int, dp_index: int, tp_index: int = 0) -> int:
+        return (pipe_rank * self.dp + dp_index) * self.tp + tp_index
+
+    def pipeline_groups(self) -> list[list[int]]:
+        """Global ranks of each data-parallel replica's pipeline, in pipeline order."""
+        return [[self.global_rank(r, d) for r in range(self.pp)] for d in range(self.dp)]
+
+    def data_parallel_groups(self) -> list[list[int]]:
+        """Global ranks holding the same pipeline rank, one list per pipeline rank."""
+        return [[self.global_rank(r, d) for d in range(self.dp)] for r in range(self.pp)]
+
+
+@dataclass
+class Distributed:
+    topo: Topology
+    device: torch.device
+    pp_group: Any
+    dp_group: Any
+
+
+def init_distributed(plan: dict[str, Any], device: torch.device) -> Distributed:
+    """Join the job started by torchrun (RANK, WORLD_SIZE, LOCAL_RANK) and build the pp and dp groups."""
+    lay = plan["layout"]
+    if int(lay["tp"]) != 1:
+        raise ValueError(f"plan.json has tp={lay['tp']}; torch.distributed.pipelining runs without tensor parallelism here")
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    topo = Topology(int(lay["pp"]), int(lay["dp"]), 1, rank)
+    if world != topo.world_size:
+        raise ValueError(f"the plan needs {topo.world_size} processes (pp {topo.pp} x dp {topo.dp}), this job has {world}")
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+    pp_group, _ = dist.new_subgroups_by_enumeration(topo.pipeline_groups())
+    dp_group, _ = dist.new_subgroups_by_enumeration(topo.data_parallel_groups())
+    return Distributed(topo, device, pp_group, dp_group)
+
+
+def local_stage_ids(plan: dict[str, Any], pipe_rank: int) -> list[int]:
+    """Global indices of the stages plan.json places on ``pipe_rank``, in model order."""
+    return [j for j, s in enumerate(plan["stages"]) if int(s["rank"]) == pipe_rank]
+
+
+def recompute_mode(plan: dict[str, Any]) -> tuple[bool, str | None]:
+    """(checkpoint every piece?, a note to print): ``full`` -> True; ``selective`` has no generic equivalent -> False."""
+    mode = plan["layout"].get("recompute", "none")
+    if mode == "full":
+        return True, None
+    if mode == "selective":
+        return False, (
+            "plan.json asks for selective recomputation, which has no generic torch equivalent "
+            "(it is Megatron's attention-only recompute); running without recomputation: activation memory "
+            "will be higher than planned."
+        )
+    return False, None
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+class StageModule(nn.Module):
+    """One planned stage as a module: takes the values crossing its input cut, returns those of its output cut.
+
+    Mixed precision: the forward runs under autocast (bf16/fp16) over the fp32
+    master weights. ``recompute=True`` runs each piece under
+    ``torch.utils.checkpoint`` (non-reentrant): only the values crossing the
+    cuts between pieces are kept, the rest is recomputed in the backward.
+    ``clone_outputs=True`` (zero-bubble schedules) returns copies of the
+    tensors crossing the output cut: torch's input-gradient pass detaches a
+    stage's outputs in place (``stage_backward_input``), which breaks the later
+    weight-gradient pass when an output is also used inside the stage (a skip
+    connection read by a later layer of the same stage, or a value passed
+    through unchanged); the copy costs one cut's bytes per micro-batch in flight.
+    """
+
+    def __init__(
+        self,
+        planned: PlannedModel,
+        model: nn.Module,
+        stage: int,
+        precision: str,
+        device: torch.device,
+        recompute: bool = False,
+        clone_outputs: bool = False,
+    ):
+        super().__init__()
+        self.stage_index = stage
+        self.precision, self.device_type, self.recompute = precision, device.type, recompute
+        start, stop = planned.bounds[stage], planned.bounds[stage + 1]
+        self.piece_range = (start, stop)
+        self.clone_outputs = clone_outputs and stage < planned.num_stages - 1
+        if recompute:
+            self.pieces = nn.ModuleList(planned.piece(model, i) for i in range(start, stop))
+        else:
+            self.body = planned.stage(model, stage)
+
+    def forward(self, *args: Any) -> Any:
+        with autocast(self.precision, torch.device(self.device_type)):
+            if not self.recompute:
+                out = self.body(*args)
+            else:
+                out = args
+                for piece in self.pieces:
+                    values = out if isinstance(out, tuple) else (out,)
+                    out = checkpoint(piece, *values, use_reentrant=False)
+        if self.clone_outputs:
+            out = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in out) if isinstance(out, tuple) else out.clone()
+        return out
+
+
+def splits_backward(schedule: str) -> bool:
+    """True for schedules that split the backward into input- and weight-gradient passes (zero bubble)."""
+    return SCHEDULE_INFO[schedule].split_backward
+
+
+class PlannedStage(PipelineStage):
+    """A ``PipelineStage`` whose start-up shape inference leaves no trace in the model.
+
+    On the first step torch runs each stage once on placeholder inputs to learn
+    the shapes it will send and receive (under a forked RNG). Here those
+    placeholders are zeros, not uninitialised memory (integer indices stay in
+    range, no NaNs), and the stage's buffers (BatchNorm running statistics)
+    are put back afterwards, so training starts from the state a
+    single-process run has. (Overrides private hooks of torch 2.13's
+    PipelineStage; on a torch without them the stage behaves as torch's own.)
+    """
+
+    _saved_buffers: dict[str, torch.Tensor] | None = None
+
+    def _to_tensor(self, arg: Any) -> torch.Tensor:
+        t = super()._to_tensor(arg)
+        if not isinstance(arg, torch.Tensor):
+            with torch.no_grad():
+                t.zero_()
+        return t
+
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        self._saved_buffers = {name: b.detach().clone() for name, b in self.submod.named_buffers()}
+        return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _post_metadata_inference_cleanup(self) -> None:
+        super()._post_metadata_inference_cleanup()
+        saved, self._saved_buffers = self._saved_buffers, None
+        if not saved:
+            return
+        with torch.no_grad():  # after the inference backward: nothing saved for autograd still needs these
+            for name, b in self.submod.named_buffers():
+                if name in saved and not torch.equal(b, saved[name]):
+                    b.copy_(saved[name])
+
+
+def place_on_device(model: nn.Module, modules: Sequence[nn.Module], device: torch.device) -> None:
+    """Move this rank's stages to ``device`` and release the weights of every other stage.
+
+    Parameters keep their identity (``Module.to`` moves them in place), so a
+    weight shared by two local stages stays one parameter.
+    """
+    local = {id(p) for m in modules for p in m.parameters()}
+    for m in modules:
+        m.to(device)
+    with torch.no_grad():
+        for p in model.parameters():
+            if id(p) not in local:
+                p.data = torch.empty(0, dtype=p.dtype)
+
+
+def unique_parameters(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """Trainable parameters of the local stages, each once, in a deterministic order."""
+    seen: set[int] = set()
+    out: list[nn.Parameter] = []
+    for m in modules:
+        for p in m.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+# ----------------------------------------------------------------------------- schedule
+
+
+def schedule_class(name: str) -> type:
+    """The torch schedule class that runs planner schedule ``name`` (planner.solve.schedules.SCHEDULE_INFO)."""
+    info = SCHEDULE_INFO.get(name)
+    if info is None or info.torch_class is None or "torch" not in info.engines:
+        raise ScheduleMismatch(f"schedule {name!r} is not run by torch.distributed.pipelining")
+    return getattr(torch_schedules, info.torch_class)
+
+
+class LossFunction:
+    """The model file's loss for the schedule: optional target, times the fp16 loss scale."""
+
+    def __init__(self, planned: PlannedModel, has_target: bool, scaler: LossScaler):
+        self.planned, self.has_target, self.scaler = planned, has_target, scaler
+
+    def __call__(self, output: Any, target: Any) -> torch.Tensor:
+        loss = self.planned.loss(output, target if self.has_target else None)
+        return loss * self.scaler.scale if self.scaler.enabled else loss
+
+
+def make_schedule(name: str, stages: Sequence[PipelineStage], num_microbatches: int, loss_fn: Callable) -> Any:
+    """The torch schedule object over this rank's stages (gradients left unscaled: see the module docstring)."""
+    cls = schedule_class(name)
+    if issubclass(cls, torch_schedules.PipelineScheduleSingle):
+        if len(stages) != 1:
+            raise ScheduleMismatch(f"{cls.__name__} runs one stage per rank, plan.json puts {len(stages)} on this rank")
+        return cls(stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(list(stages), n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def torch_compute_order(order: dict[int, list[Any]] | None, rank: int) -> list[str]:
+    """One rank's compute actions of a torch ``pipeline_order`` spelled like ``3F0`` (overlapped pairs split)."""
+    row: list[str] = []
+    for a in (order or {}).get(rank, []):
+        if a is None:
+            continue
+        if getattr(a, "sub_actions", None):
+            row += [str(x) for x in a.sub_actions]
+        elif a.is_compute_op:
+            row.append(str(a))
+    return row
+
+
+def _shift_forwards(actions: list[str]) -> list[str]:
+    out = []
+    for a in actions:
+        stage, kind, mb = _split_action(a)
+        out.append(f"{stage}{kind}{mb + 1}" if kind == "F" else a)
+    return out
+
+
+def _split_action(a: str) -> tuple[int, str, int]:
+    i = next(k for k, c in enumerate(a) if not c.isdigit())
+    return int(a[:i]), a[i], int(a[i + 1 :])
+
+
+def check_schedule(schedule: Any, stages: Sequence[PipelineStage], plan: dict[str, Any]) -> dict[int, list[str]]:
+    """Compare torch's schedule with the planner's IR; raise ScheduleMismatch on any difference.
+
+    Checks: plan.json's stage placement equals the IR's; the placement torch
+    uses for communication equals it; every pipeline rank's compute actions in
+    torch's ``pipeline_order`` (all ranks are in it, so every rank reaches the
+    same verdict) equal the IR's, action by action. torch 2.13's Schedule1F1B
+    numbers the last rank's forwards from 1 in ``pipeline_order`` only (its
+    runtime runs 0..m-1, as tests/test_schedules.py checks); that shift is
+    accepted there. Returns the planned actions per rank.
+    """
+    lay = plan["layout"]
+    pp, m, vp = int(lay["pp"]), int(lay["num_microbatches"]), int(lay["vp"])
+    ir = build_schedule(lay["schedule"], pp, m, vp)
+    ranks = [int(s["rank"]) for s in plan["stages"]]
+    if ranks != list(ir.stage_to_rank):
+        raise ScheduleMismatch(
+            f"plan.json places stages on pipeline ranks {ranks}, but schedule {lay['schedule']!r} with pp={pp}, "
+            f"vp={vp} places them on {list(ir.stage_to_rank)}"
+        )
+    for st in stages:
+        torch_map = [st.stage_index_to_group_rank[j] for j in range(st.num_stages)]
+        if torch_map != ranks:
+            raise ScheduleMismatch(f"torch's {type(schedule).__name__} places stages on ranks {torch_map}, the plan on {ranks}")
+    planned = to_torch_order(ir)
+    order = getattr(schedule, "pipeline_order", None)
+    for rank in range(pp):
+        expected, actual = planned[rank], torch_compute_order(order, rank)
+        if actual == expected:
+            continue
+        if type(schedule) is torch_schedules.Schedule1F1B and rank == pp - 1 and actual == _shift_forwards(expected):
+            continue
+        first = next((i for i, (a, b) in enumerate(zip(actual, expected)) if a != b), min(len(actual), len(expected)))
+        raise ScheduleMismatch(
+            f"torch's {type(schedule).__name__} would run on pipeline rank {rank}: {' '.join(actual) or '(nothing)'}; "
+            f"the plan ({lay['schedule']}, pp={pp}, m={m}, vp={vp}) runs: {' '.join(expected)} "
+            f"(first difference at action {first}). Refusing to train a schedule that was not planned."
+        )
+    return planned
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+class GradientSync:
+    """After a schedule step: sum tied-parameter gradients across the ranks holding them, average over dp.
+
+    Tied parameters (``PlannedModel.tied_parameters``): stages on one rank
+    share the parameter object, so their gradients already add up; across
+    pipeline ranks each rank holds a copy and the copies' gradients are summed
+    by an all-reduce within the data-parallel replica. Then every local
+    gradient is summed over the data-parallel group (one flattened all-reduce)
+    and divided by ``num_microbatches * dp * loss_scale``.
+    """
+
+    def __init__(self, planned: PlannedModel, model: nn.Module, plan: dict[str, Any], env: Distributed, params: Sequence[nn.Parameter]):
+        self.env, self.params = env, list(params)
+        lay = plan["layout"]
+        self.divisor = int(lay["num_microbatches"]) * env.topo.dp
+        stage_rank = [int(s["rank"]) for s in plan["stages"]]
+        self.tied: list[tuple[str, nn.Parameter, Any]] = []
+        self.tied_names: list[tuple[str, list[int]]] = []
+        for name, users in planned.tied_parameters(model):
+            ranks = sorted({stage_rank[s] for s in users})
+            self.tied_names.append((name, ranks))
+            if len(ranks) < 2:
+                continue  # one rank holds every user: one parameter object, gradients already summed
+            lists = [[env.topo.global_rank(r, d) for r in ranks] for d in range(env.topo.dp)]
+            group, _ = dist.new_subgroups_by_enumeration(lists)  # every rank takes part in creating groups
+            if env.topo.pipe_rank in ranks:
+                self.tied.append((name, model.get_parameter(name), group))
+
+    def reduce(self, loss_scale: float = 1.0) -> None:
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for _, p, group in self.tied:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
+        grads = [p.grad for p in self.params]
+        if self.env.topo.dp > 1 and grads:
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.env.dp_group)
+            for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
+        for g in grads:
+            g.div_(self.divisor * loss_scale)
+
+    def found_inf(self) -> bool:
+        """True if any rank's gradients hold inf/NaN (fp16 overflow): every rank then skips the step."""
+        flag = torch.tensor([0.0 if all(torch.isfinite(p.grad).all() for p in self.params) else 1.0], device=self.env.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def step_loss(losses: list[torch.Tensor], env: Distributed, loss_scale: float) -> float:
+    """Mean loss over the global batch from the micro-batch losses of one replica (ranks holding the last stage)."""
+    local = sum(float(l.detach()) for l in losses) / (len(losses) * loss_scale)
+    if env.topo.dp == 1:
+        return local
+    t = torch.tensor([local], dtype=torch.float64, device=env.device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=env.dp_group)
+    return float(t.item()) / env.topo.dp
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def run_main(main: Callable[[], int]) -> int:
+    """Run the script's ``main``: a plan that does not fit the script or the model exits 2 with one clear line."""
+    from planner.errors import PlannerError
+    from planner.runtime import PlanMismatch
+
+    try:
+        return main()
+    except (PlanChanged, ScheduleMismatch, PlanMismatch, PlannerError) as e:
+        rank = os.environ.get("RANK", "0")
+        print(f"error (rank {rank}): {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+class StepTimer:
+    """Wall-clock time of each step (the device synchronised at both ends), seconds."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times = device, []
+
+    @contextlib.contextmanager
+    def step(self):
+        self._sync()
+        t0 = time.perf_counter()
+        yield
+        self._sync()
+        self.times.append(time.perf_counter() - t0)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def write_json(path: str | Path, data: dict[str, Any]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def write_stats(pattern: str, env: Distributed, stage_ids: Sequence[int], plan: dict[str, Any], times: Sequence[float]) -> None:
+    """The contract's per-rank stats file (``{rank}`` in ``pattern`` replaced by the global rank)."""
+    peak = torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda" else None
+    write_json(
+        pattern.replace("{rank}", str(env.topo.rank)),
+        {
+            "rank": env.topo.rank,
+            "pipe_rank": env.topo.pipe_rank,
+            "dp_index": env.topo.dp_index,
+            "stages": list(stage_ids),
+            "pieces": [list(plan["stages"][j]["pieces"]) for j in stage_ids],
+            "step_times_s": [round(t, 6) for t in times],
+            "peak_memory_bytes": peak,
+        },
+    )
