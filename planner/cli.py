@@ -334,6 +334,41 @@ def profile(
 
 
 @app.command()
+def smoke(
+    plan_dir: Path = typer.Argument(..., help="A plan directory written by `planner plan --out`."),
+    steps: int = typer.Option(3, "--steps", help="Training steps to run."),
+    ranks: Optional[int] = typer.Option(None, "--ranks", help="Processes to launch (default: the plan's, up to 4 on CPU or the visible GPUs)."),
+    timeout: float = typer.Option(600.0, "--timeout", help="Seconds before the run is declared hung and killed."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+    model_arg: Optional[List[str]] = typer.Option(None, "--model-arg", help="Scale the model down, e.g. --model-arg dim=256 (recorded in smoke.json)."),
+    tolerance: float = typer.Option(1e-5, "--tolerance", help="Relative loss difference allowed against the single-process run (fp32)."),
+    megatron_path: Optional[Path] = typer.Option(None, "--megatron-path", help="Megatron-LM checkout (GPU machines) to run pretrain_gpt.py."),
+    keep: bool = typer.Option(False, "--keep", help="Keep the scaled plan and the per-rank logs (their path is printed)."),
+) -> None:
+    """Run a rendered plan for real at a scale this machine can run, and check it computes what a single process does."""
+    from planner.check.smoke import smoke as run_smoke
+    from planner.model.load import parse_model_args
+
+    _check_choice("--device", device, ("auto", "cpu", "cuda"))
+    with _errors():
+        result = run_smoke(plan_dir, steps, ranks, timeout, device, parse_model_args(model_arg), tolerance, str(megatron_path) if megatron_path else None, keep=keep)
+    lay = result.layout
+    out.print(f"[bold]smoke[/] {result.engine} on {result.ranks} {result.device} rank(s): pp{lay['pp']} dp{lay['dp']} v{lay['vp']} {lay['schedule']} mb{lay['micro_batch']}x{lay['num_microbatches']}, {result.steps} steps")
+    for note in result.scale_down:
+        out.print(f"  scaled down: {note}")
+    for c in result.checks:
+        mark = "[green]ok[/]  " if c.ok else "[red]FAIL[/]"
+        first, *rest = c.detail.splitlines() or [""]
+        out.print(f"{mark} {c.name}: {first}")
+        for line in rest:
+            out.print(f"       {line}", markup=False, highlight=False)
+    if result.kept:
+        out.print(f"kept the scaled plan and logs in {result.kept}")
+    out.print(f"wrote {plan_dir / 'smoke.json'}")
+    raise typer.Exit(0 if result.ok else 1)
+
+
+@app.command()
 def explain(plan_dir: Path = typer.Argument(..., help="A plan directory (or its plan.json) written by `planner plan --out`.")) -> None:
     """Print the summary of an existing plan without re-planning."""
     from planner.report import explain as explain_plan

@@ -1,0 +1,501 @@
+"""`planner smoke DIR`: run a rendered plan for real, at a scale this machine can run, and check it.
+
+The run keeps the plan's structure: engine, schedule, virtual stages, micro-batch
+size and micro-batch count, and (when the ranks allow) the pipeline depth and the
+exact stage boundaries. What has to shrink is shrunk explicitly, printed and
+recorded in smoke.json: fewer data-parallel replicas first, then fewer pipeline
+stages (the planner then re-splits the pieces), an fp32 copy of the plan on CPU
+(exact comparison), and model arguments given with --model-arg (a smaller hidden
+size or sequence). The scaled plan is rendered with the same renderer into
+DIR/smoke/ and launched with torchrun on this machine (gloo on CPU, NCCL on GPUs).
+
+Checks: every rank exits 0 within the timeout (on a timeout or a crash the whole
+process group is killed, and the failing rank and the tail of its log are
+shown); every loss is finite; the losses equal a single-process, non-pipelined
+run of the same model, seed and data (planner.runners.reference) within a
+relative tolerance (1e-5 in fp32): the proof that the partition and the schedule
+compute the same thing. On GPUs, each rank's measured peak memory and step time
+are compared with the plan's prediction.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from planner.errors import InfeasibleError, PlannerError, UsageError
+from planner.fileio import dumps_json, write_text_atomic
+from planner.solve.plan import Plan, load_plan
+
+SCRIPTS = {"deepspeed": "train_deepspeed.py", "torch": "train_pipeline.py"}
+MAX_CPU_RANKS = 4
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class SmokeResult:
+    plan_dir: str
+    engine: str
+    device: str
+    ranks: int
+    steps: int
+    scale_down: list[str]
+    layout: dict[str, Any]
+    checks: list[Check] = field(default_factory=list)
+    losses: list[float] | None = None
+    reference_losses: list[float] | None = None
+    max_relative_difference: float | None = None
+    ranks_stats: list[dict[str, Any]] = field(default_factory=list)
+    predicted: dict[str, Any] = field(default_factory=dict)
+    trained: bool = True
+    wall_s: float = 0.0
+    kept: str | None = None  # where the scaled plan and its logs were kept (--keep)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ok"] = self.ok
+        d["checks"] = [c.to_dict() for c in self.checks]
+        return d
+
+
+# --------------------------------------------------------------------------- scale-down
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cuda_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def scaled_request(plan: Plan, plan_dir: Path, ranks: int, device: str, model_args: dict[str, Any]):
+    """The PlanRequest that reproduces ``plan`` on ``ranks`` local ranks, and the notes saying what changed."""
+    from planner.planning import PlanRequest
+
+    lay = plan.layout
+    notes: list[str] = []
+    inputs = dict(plan.inputs)
+    model_file = plan_dir / inputs["model_file"] if not Path(inputs["model_file"]).is_absolute() else Path(inputs["model_file"])
+    if not model_file.is_file():
+        model_file = Path(inputs["model_file"])  # recorded relative to where `planner plan` ran
+    if lay.tp > 1:
+        raise UsageError(f"smoke runs tp = 1 plans only (this one has tp = {lay.tp}): tensor parallelism runs inside Megatron-LM.")
+    pp, dp = lay.pp, lay.dp
+    if pp * dp > ranks:
+        if pp <= ranks and ranks % pp == 0:
+            dp = ranks // pp
+        else:
+            dp = 1
+            pp = _largest_pp(lay, ranks)
+        if dp != lay.dp:
+            notes.append(f"data-parallel replicas {lay.dp} -> {dp}")
+        if pp != lay.pp:
+            notes.append(f"pipeline stages {lay.pp} -> {pp} per rank set (the planner re-splits the pieces over {pp} ranks)")
+    world = pp * dp
+    gb = lay.micro_batch * lay.num_microbatches * dp
+    if gb != lay.global_batch:
+        notes.append(f"global batch {lay.global_batch} -> {gb} (same micro-batch {lay.micro_batch} x {lay.num_microbatches} micro-batches per replica)")
+    dtype = plan.inputs.get("dtype", "bf16")
+    if device == "cpu" and dtype != "fp32":
+        notes.append(f"precision {dtype} -> fp32 (CPU; exact comparison with the single-process run)")
+        dtype = "fp32"
+    args = dict(inputs.get("model_args") or {})
+    if model_args:
+        notes.append("model arguments " + ", ".join(f"{k}={args.get(k, '(default)')} -> {v}" for k, v in sorted(model_args.items())))
+        args.update(model_args)
+    bounds = None
+    if pp == lay.pp:
+        bounds = tuple([s.pieces[0] for s in plan.stages] + [plan.stages[-1].pieces[1]])
+    gpus = f"{world}xcpu" if device == "cpu" else f"{world}x{plan.stages[0].device}"
+    if gpus != plan.inputs.get("gpus"):
+        notes.append(f"cluster {plan.inputs.get('gpus')} -> {gpus} (this machine)")
+    req = PlanRequest.from_inputs(
+        inputs,
+        model_file=str(model_file),
+        model_args=args,
+        gpus=gpus,
+        gpus_per_node=None,
+        inter_node_gbps=None,
+        dtype=dtype,
+        global_batch=gb,
+        pp=pp,
+        tp=1,
+        dp=dp,
+        vp=lay.vp,
+        micro_batch=lay.micro_batch,
+        schedule=lay.schedule,
+        recompute=lay.recompute,
+        zero=lay.zero,
+        mem_target=1.0,
+        profile=None,
+        bounds=bounds,
+    )
+    return req, notes
+
+
+def _largest_pp(lay, ranks: int) -> int:
+    for pp in range(min(lay.pp, ranks), 0, -1):
+        if lay.schedule == "zbv" or lay.vp > 1 or pp > 1:
+            return pp
+    return 1
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _rank_logs(log_dir: Path) -> dict[int, str]:
+    """Per-rank output written by torchrun --log-dir --redirects 3 (stdout + stderr)."""
+    out: dict[int, str] = {}
+    for f in sorted(log_dir.rglob("std*.log")):
+        try:
+            rank = int(f.parent.name)
+        except ValueError:
+            continue
+        out[rank] = out.get(rank, "") + f.read_text(errors="replace")
+    return out
+
+
+def _tail(text: str, lines: int = 15) -> str:
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (torchrun starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting to be reaped does not count)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _kill_group(proc: subprocess.Popen) -> bool:
+    """Stop the launcher and every worker it started; True when nothing of them is left running."""
+    pids = [proc.pid] + _descendants(proc.pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.killpg(os.getpgid(pid), sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            proc.poll()
+            if not any(_alive(p) for p in pids):
+                return True
+            time.sleep(0.1)
+    proc.poll()
+    return not any(_alive(p) for p in pids)
+
+
+def launch(run_dir: Path, script: str, ranks: int, args: list[str], env: dict[str, str], timeout: float, log_dir: Path) -> tuple[int | None, dict[int, str], bool]:
+    """Run ``script`` in ``run_dir`` with torchrun on ``ranks`` local processes, logs in ``log_dir``;
+    returns (exit code, or None on timeout; per-rank logs; whether nothing was left running)."""
+    shutil.rmtree(log_dir, ignore_errors=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(ranks),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        "--log-dir",
+        str(log_dir),
+        "--redirects",
+        "3",
+        script,
+        *args,
+    ]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
+    proc = subprocess.Popen(cmd, cwd=run_dir, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        code: int | None = proc.returncode
+        clean = True
+    except subprocess.TimeoutExpired:
+        code = None
+        clean = _kill_group(proc)
+        out = b""
+    logs = _rank_logs(log_dir)
+    if out:
+        logs[-1] = out.decode(errors="replace")
+    return code, logs, clean
+
+
+# --------------------------------------------------------------------------- the smoke run
+
+
+def smoke(
+    plan_dir: str | Path,
+    steps: int = 3,
+    ranks: int | None = None,
+    timeout: float = 600.0,
+    device: str = "auto",
+    model_args: dict[str, Any] | None = None,
+    tolerance: float = 1e-5,
+    megatron_path: str | None = None,
+    seed: int = 0,
+    keep: bool = False,
+) -> SmokeResult:
+    """Run the plan in ``plan_dir`` (see the module docstring); writes plan_dir/smoke.json and returns the result."""
+    plan_dir = Path(plan_dir)
+    plan = load_plan(plan_dir)
+    engine = plan.layout.engine
+    cuda = _cuda_count()
+    if device == "auto":
+        device = "cuda" if cuda else "cpu"
+    if device == "cuda" and not cuda:
+        raise UsageError("--device cuda, but no CUDA device is visible.", "Run with --device cpu (gloo) or on a GPU machine.")
+    if engine == "megatron":
+        result = _megatron_smoke(plan, plan_dir, device, megatron_path, timeout)
+        write_text_atomic(plan_dir / "smoke.json", dumps_json(result.to_dict()))
+        return result
+    if engine not in SCRIPTS:
+        raise UsageError(f"smoke does not know engine {engine!r}.")
+    world = plan.layout.pp * plan.layout.dp * plan.layout.tp
+    limit = cuda if device == "cuda" else MAX_CPU_RANKS
+    ranks = ranks or min(world, limit)
+    if ranks < 1:
+        raise UsageError("--ranks must be at least 1.")
+    if device == "cuda" and ranks > cuda:
+        raise UsageError(f"--ranks {ranks} but only {cuda} CUDA devices are visible.")
+    req, notes = scaled_request(plan, plan_dir, ranks, device, dict(model_args or {}))
+    from planner.planning import plan_model
+    from planner.render import write_plan_dir
+
+    work = Path(tempfile.mkdtemp(prefix="planner-smoke-"))
+    try:
+        layout_kept = req.pp == plan.layout.pp and req.dp == plan.layout.dp and not model_args
+        if layout_kept and (plan_dir / SCRIPTS[engine]).is_file():
+            # the committed files themselves run (precision is a flag of the scripts)
+            small, run_dir = plan, plan_dir
+        else:
+            try:
+                small, _, _ = plan_model(req)
+            except InfeasibleError as e:
+                raise UsageError(f"The scaled-down plan does not fit this machine: {e.message}", "Shrink the model with --model-arg (e.g. a smaller hidden size).") from e
+            run_dir = work / "plan"
+            write_plan_dir(run_dir, small, command="planner smoke " + str(plan_dir))
+            notes.append("ran a re-rendered copy of the scaled plan (the committed scripts need the plan's own cluster)")
+        result = _run(plan_dir, small, req, notes, run_dir, work, engine, device, steps, seed, timeout, tolerance)
+        if keep:
+            result.kept = str(work)
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+    write_text_atomic(plan_dir / "smoke.json", dumps_json(result.to_dict()))
+    return result
+
+
+def _run(plan_dir: Path, small: Plan, req, notes: list[str], run_dir: Path, work: Path, engine: str, device: str, steps: int, seed: int, timeout: float, tolerance: float) -> SmokeResult:
+    """Launch the plan in ``run_dir`` (outputs and logs go to ``work``) and check it (see the module docstring)."""
+    lay = small.layout
+    ranks_used = lay.pp * lay.dp
+    result = SmokeResult(
+        plan_dir=str(plan_dir),
+        engine=engine,
+        device=device,
+        ranks=ranks_used,
+        steps=steps,
+        scale_down=notes,
+        layout=lay.to_dict(),
+        predicted={"step_time_s": small.predicted.step_time_s, "ranks": [r.to_dict() for r in small.ranks]},
+    )
+    env = {}
+    if engine == "deepspeed" and device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    args = [
+        "--plan",
+        "plan.json",
+        "--model",
+        str(Path(req.model_file).resolve()),
+        "--steps",
+        str(steps),
+        "--seed",
+        str(seed),
+        "--device",
+        device,
+        "--precision",
+        "fp32" if device == "cpu" else "auto",
+        "--no-dropout",
+        "--losses-out",
+        str(work / "losses.json"),
+        "--stats-out",
+        str(work / "stats-{rank}.json"),
+    ]
+    start = time.monotonic()
+    code, logs, clean = launch(run_dir, SCRIPTS[engine], ranks_used, args, env, timeout, work / "logs")
+    result.wall_s = time.monotonic() - start
+    finished = {int(f.stem.split("-")[1]) for f in work.glob("stats-*.json")}
+    if code is None:
+        hung = sorted(set(range(ranks_used)) - finished)
+        detail = f"no result within {timeout:.0f} s; ranks {hung or 'all'} did not finish; process group killed" + ("" if clean else " (some processes survived)")
+        for r in hung[:2]:
+            detail += f"\n--- rank {r} log (tail) ---\n{_tail(logs.get(r) or '(no output)')}"
+        result.checks.append(Check("ranks exit 0 within the timeout", False, detail))
+    elif code != 0:
+        failing = [r for r, text in sorted(logs.items()) if r >= 0 and ("Traceback" in text or "Error" in text)]
+        r = failing[0] if failing else -1
+        detail = f"torchrun exited {code}; failing rank {r if r >= 0 else '(unknown)'}"
+        detail += f"\n--- rank {r} log (tail) ---\n{_tail(logs.get(r, logs.get(-1, '(no output)')))}"
+        result.checks.append(Check("ranks exit 0 within the timeout", False, detail))
+    else:
+        result.checks.append(Check("ranks exit 0 within the timeout", True, f"{ranks_used} ranks finished in {result.wall_s:.1f} s"))
+    if code == 0:
+        _loss_checks(result, work, small, req, steps, seed, device, tolerance)
+        _stats_checks(result, work, small, device)
+    return result
+
+
+def _loss_checks(result: SmokeResult, work: Path, small: Plan, req, steps: int, seed: int, device: str, tolerance: float) -> None:
+    losses_file = work / "losses.json"
+    if not losses_file.is_file():
+        result.checks.append(Check("losses written", False, "the rank holding the last stage wrote no losses.json"))
+        return
+    losses = [float(x) for x in json.loads(losses_file.read_text())["losses"]]
+    result.losses = losses
+    finite = all(math.isfinite(x) for x in losses) and len(losses) == steps
+    result.checks.append(Check("every loss finite", finite, f"{len(losses)} steps: " + ", ".join(f"{x:.6g}" for x in losses)))
+    from planner.runners.reference import reference_losses
+    from planner.runtime import load_planned_model
+
+    plan_dict = small.to_dict()
+    planned = load_planned_model(plan_dict, req.model_file)
+    ref = reference_losses(planned, plan_dict, steps, seed, 1e-4, device, "fp32" if device == "cpu" else "auto")
+    result.reference_losses = ref
+    diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref)]
+    result.max_relative_difference = max(diffs) if diffs else None
+    tol = tolerance if device == "cpu" else max(tolerance, 2e-2)
+    ok = bool(diffs) and len(diffs) == len(ref) and max(diffs) <= tol
+    result.checks.append(
+        Check(
+            "losses equal a single-process run",
+            ok,
+            f"max relative difference {max(diffs) if diffs else float('nan'):.2e} (tolerance {tol:.0e}; reference "
+            + ", ".join(f"{x:.6g}" for x in ref)
+            + ")",
+        )
+    )
+
+
+def _stats_checks(result: SmokeResult, work: Path, small: Plan, device: str) -> None:
+    stats = []
+    for f in sorted(work.glob("stats-*.json"), key=lambda p: int(p.stem.split("-")[1])):
+        stats.append(json.loads(f.read_text()))
+    result.ranks_stats = stats
+    if device != "cuda" or not stats:
+        return
+    lines = []
+    for s in stats:
+        rank = s.get("rank", 0)
+        pipe = rank // max(small.layout.dp, 1)
+        pred = small.ranks[pipe].memory_bytes["total"] if pipe < len(small.ranks) else None
+        meas = s.get("peak_memory_bytes")
+        if pred and meas:
+            lines.append(f"rank {rank}: peak memory {meas / 2**30:.2f} GiB measured vs {pred / 2**30:.2f} GiB predicted ({(pred - meas) / meas:+.0%})")
+    times = [_steady(s.get("step_times_s")) for s in stats]
+    if times:
+        meas = max(times)
+        pred = small.predicted.step_time_s
+        lines.append(f"step time {meas:.3f} s measured vs {pred:.3f} s predicted ({(pred - meas) / meas:+.0%})")
+    result.checks.append(Check("prediction vs measurement (information)", True, "\n".join(lines)))
+
+
+def _steady(times) -> float:
+    """Median step time without the first (warm-up) step."""
+    import statistics
+
+    t = list(times or [])
+    t = t[1:] if len(t) > 1 else t
+    return statistics.median(t) if t else math.nan
+
+
+def _megatron_smoke(plan: Plan, plan_dir: Path, device: str, megatron_path: str | None, timeout: float) -> SmokeResult:
+    """Megatron cannot train on CPU: check the rendered flags with megatron-core and the validate rules instead."""
+    from planner.megatron_args import check_megatron_args, parse_megatron_args
+
+    lay = plan.layout
+    result = SmokeResult(str(plan_dir), "megatron", device, lay.pp * lay.tp * lay.dp, 0, [], lay.to_dict(), trained=False)
+    script = plan_dir / "pretrain_gpt.sh"
+    if not script.is_file():
+        raise UsageError(f"{script} is missing.", "Render the plan with `planner plan ... --engine megatron --out DIR`.")
+    args = parse_megatron_args(script.read_text(), "script")
+    findings = [f for f in check_megatron_args(args, lay.pp * lay.tp * lay.dp) if f.severity == "error"]
+    result.checks.append(Check("flags pass Megatron's argument rules", not findings, "; ".join(f"{f.rule}: {f.message}" for f in findings) or "no errors"))
+    from planner.check.megatron_core import transformer_config_check
+
+    ok, detail = transformer_config_check(args)
+    result.checks.append(Check("megatron-core TransformerConfig accepts the flags", ok, detail))
+    if device == "cuda" and megatron_path:
+        env = {**os.environ, "MEGATRON_LM_PATH": str(megatron_path)}
+        proc = subprocess.Popen(["bash", str(script)], cwd=plan_dir, env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            code = None
+        result.trained = code == 0
+        result.checks.append(Check("pretrain_gpt.py runs", code == 0, f"exit {code}" if code is not None else f"timeout after {timeout:.0f} s"))
+    else:
+        result.checks.append(
+            Check(
+                "training run",
+                True,
+                "no training was run: Megatron-LM's schedules need CUDA" + ("" if device == "cuda" else " (this machine has none)")
+                + ("" if megatron_path else "; pass --megatron-path with a Megatron-LM checkout on a GPU machine to run pretrain_gpt.py"),
+            )
+        )
+    return result

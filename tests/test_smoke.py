@@ -1,0 +1,126 @@
+"""`planner smoke`: the CI path (plan -> render -> smoke on CPU) and deliberately broken plans.
+
+Each run launches real processes with torchrun and gloo (15-25 s each on 2 cores).
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from planner.cli import app
+
+ROOT = Path(__file__).resolve().parent.parent
+runner = CliRunner()
+
+
+def plan_dir(tmp_path: Path, engine: str, gpus: str, *pins: str) -> Path:
+    out = tmp_path / f"plan-{engine}"
+    r = runner.invoke(
+        app,
+        ["plan", str(ROOT / "examples/gpt2.py"), "--model-arg", "preset=gpt2-tiny", "--gpus", gpus, "--engine", engine, "--out", str(out), "--quiet", *pins],
+    )
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def smoke(d: Path, *args: str):
+    r = runner.invoke(app, ["smoke", str(d), "--steps", "2", *args])
+    doc = json.loads((d / "smoke.json").read_text()) if (d / "smoke.json").is_file() else None
+    return r, doc
+
+
+def test_deepspeed_pipe2_x_data2_matches_single_process(tmp_path):
+    d = plan_dir(tmp_path, "deepspeed", "4xcpu", "--pp", "2", "--dp", "2")
+    r, doc = smoke(d)
+    assert r.exit_code == 0, r.output
+    assert doc["ok"] and doc["ranks"] == 4 and doc["layout"]["pp"] == 2 and doc["layout"]["dp"] == 2
+    assert doc["max_relative_difference"] <= 1e-5
+    assert len(doc["losses"]) == 2 and doc["losses"] == pytest.approx(doc["reference_losses"], rel=1e-5)
+
+
+def test_scale_down_is_explicit_and_recorded(tmp_path):
+    """A plan for more ranks than allowed runs with fewer data-parallel replicas, and says so."""
+    d = plan_dir(tmp_path, "deepspeed", "4xcpu", "--pp", "2", "--dp", "2")
+    r, doc = smoke(d, "--ranks", "2")
+    assert r.exit_code == 0, r.output
+    assert doc["ranks"] == 2 and doc["layout"]["dp"] == 1 and doc["layout"]["pp"] == 2
+    assert any("data-parallel replicas 2 -> 1" in n for n in doc["scale_down"])
+    assert "data-parallel replicas 2 -> 1" in r.output
+
+
+def _inject(d: Path, script: str, code: str) -> None:
+    """Insert ``code`` into a rendered training script right after its imports (a deliberately broken plan)."""
+    path = d / script
+    text = path.read_text()
+    marker = "\nimport "
+    i = text.index(marker)
+    path.write_text(text[:i] + "\nimport os as _o, time as _t\n" + code + "\n" + text[i:])
+
+
+def test_crashing_rank_is_named_with_its_log(tmp_path):
+    d = plan_dir(tmp_path, "deepspeed", "2xcpu", "--pp", "2")
+    _inject(d, "train_deepspeed.py", "if _o.environ.get('RANK') == '1':\n    raise RuntimeError('injected failure on rank 1')")
+    r, doc = smoke(d)
+    assert r.exit_code == 1
+    check = doc["checks"][0]
+    assert not check["ok"] and "failing rank 1" in check["detail"] and "injected failure on rank 1" in check["detail"]
+
+
+def test_hanging_rank_times_out_and_nothing_is_left_running(tmp_path):
+    d = plan_dir(tmp_path, "deepspeed", "2xcpu", "--pp", "2")
+    _inject(d, "train_deepspeed.py", "if _o.environ.get('RANK') == '1':\n    _o.environ['PLANNER_HANG'] = '1'\n    _t.sleep(3600)")
+    r, doc = smoke(d, "--timeout", "25")
+    assert r.exit_code == 1
+    check = doc["checks"][0]
+    assert not check["ok"] and "no result within 25 s" in check["detail"] and "process group killed" in check["detail"]
+    assert "some processes survived" not in check["detail"]
+    # no worker of this run is left: none has the run's plan directory as its working directory
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cwd = os.readlink(proc / "cwd")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        assert not (cwd == str(d) and state not in ("Z", "X")), f"process {proc.name} still runs in {d}"
+
+
+def test_edited_stage_boundary_is_refused(tmp_path):
+    """plan.json edited after rendering: the scripts refuse to train a split they were not rendered for."""
+    d = plan_dir(tmp_path, "deepspeed", "2xcpu", "--pp", "2")
+    plan = json.loads((d / "plan.json").read_text())
+    cut = plan["stages"][0]["pieces"][1]
+    plan["stages"][0]["pieces"][1] = cut + 1
+    plan["stages"][1]["pieces"][0] = cut + 1
+    (d / "plan.json").write_text(json.dumps(plan))
+    r, doc = smoke(d)
+    assert r.exit_code == 1
+    detail = doc["checks"][0]["detail"]
+    assert not doc["checks"][0]["ok"] and ("plan.json" in detail or "stage" in detail)
+
+
+def test_megatron_smoke_checks_flags_without_training(tmp_path):
+    out = tmp_path / "meg"
+    r = runner.invoke(app, ["plan", str(ROOT / "examples/llama.py"), "--model-arg", "preset=llama-tiny", "--gpus", "4xA100", "--engine", "megatron", "--out", str(out), "--quiet", "--micro-batch", "1"])
+    assert r.exit_code == 0, r.output
+    r, doc = smoke(out, "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    assert doc["trained"] is False
+    names = [c["name"] for c in doc["checks"]]
+    assert "flags pass Megatron's argument rules" in names and "megatron-core TransformerConfig accepts the flags" in names
+    assert "no training was run" in r.output
+
+
+@pytest.mark.parametrize("pins", [("--schedule", "zbv"), ("--schedule", "interleaved", "--vp", "2")], ids=["zbv", "interleaved"])
+def test_torch_two_ranks_matches_single_process(tmp_path, pins):
+    d = plan_dir(tmp_path, "torch", "2xcpu", "--pp", "2", *pins)
+    r, doc = smoke(d)
+    assert r.exit_code == 0, r.output
+    assert doc["ok"] and doc["layout"]["schedule"] == pins[1] and doc["ranks"] == 2
+    assert doc["max_relative_difference"] <= 1e-5
