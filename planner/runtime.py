@@ -101,7 +101,7 @@ def load_planned_model(plan: dict[str, Any] | str | Path, model_path: str | Path
     meta = mf.build_meta(dtype)
     lg = build_layer_graph(
         meta,
-        mf.inputs_meta(1, dtype),
+        mf.inputs_meta(2, dtype),  # two samples: BatchNorm over (N, C) refuses a batch of one in training mode
         None,
         leaf_classes=inputs.get("leaf", []),
         tracer=inputs.get("tracer_used", inputs.get("tracer", "auto")),

@@ -139,7 +139,7 @@ def scaled_request(plan: Plan, plan_dir: Path, ranks: int, device: str, model_ar
     if pp == lay.pp:
         bounds = tuple([s.pieces[0] for s in plan.stages] + [plan.stages[-1].pieces[1]])
     gpus = f"{world}xcpu" if device == "cpu" else f"{world}x{plan.stages[0].device}"
-    if gpus != plan.inputs.get("gpus"):
+    if gpus.lower() != str(plan.inputs.get("gpus", "")).lower():
         notes.append(f"cluster {plan.inputs.get('gpus')} -> {gpus} (this machine)")
     req = PlanRequest.from_inputs(
         inputs,
