@@ -10,17 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from planner.errors import UsageError
-from planner.render import render_template
+from planner.render import one_line, render_template
 from planner.render.launch import cluster_shape, model_path_for, slurm_script, torchrun_script
 from planner.solve.plan import Plan
 from planner.solve.schedules import SCHEDULE_INFO
 
 SCRIPT = "train_pipeline.py"
 
-
-def one_line(text: str) -> str:
-    """``text`` safe inside a ``#`` comment: line breaks spelled out, so nothing after them becomes code."""
-    return text.replace("\\", "\\\\").replace("\r", "\\r").replace("\n", "\\n")
 
 
 def planned_layout(plan: dict) -> dict:
@@ -76,12 +72,11 @@ def _recompute_note(plan: Plan) -> str:
 def render_torch(plan: Plan, command: str, out_dir: Path | None = None) -> dict[str, str]:
     """The torch engine's files of the plan directory as {relative path: text} (deterministic)."""
     torch_class = check_renderable(plan)
-    command = one_line(command)
     lay = plan.layout
     model_path = model_path_for(plan, out_dir)
     nodes, nprocs = cluster_shape(plan)
     ctx = dict(
-        command=command,
+        command=one_line(command),
         layout_short=one_line(lay.short()),
         schedule=lay.schedule,
         torch_class=torch_class,
