@@ -369,6 +369,27 @@ def smoke(
 
 
 @app.command()
+def validate(
+    paths: List[Path] = typer.Argument(..., help="Plan directories or single files (ds_config JSON, Megatron launch script or args file, plan.json)."),
+    gpus: Optional[str] = typer.Option(None, "--gpus", help="Cluster the configs will run on (default: the one recorded in plan.json)."),
+    model: Optional[Path] = typer.Option(None, "--model", help="Model file: enables the memory re-estimate and the drift check."),
+    model_arg: Optional[List[str]] = ModelArg,
+    pp: Optional[int] = typer.Option(None, "--pp", help="Pipeline stages of a lone DeepSpeed config (set in its training script)."),
+    fmt: str = typer.Option("text", "--format", help="text | json | github (workflow annotations)"),
+    strict: bool = typer.Option(False, "--strict", help="Fail on warnings too."),
+) -> None:
+    """Check committed configs: engine rules, batch arithmetic, unknown keys, memory fit and drift from a fresh render."""
+    from planner.check.validate import validate_paths
+    from planner.model.load import parse_model_args
+
+    _check_choice("--format", fmt, ("text", "json", "github"))
+    with _errors():
+        code, text = validate_paths(paths, gpus=gpus, model=model, strict=strict, fmt=fmt, pp=pp, model_args=parse_model_args(model_arg) if model_arg else None)
+    sys.stdout.write(text)  # plain: messages contain [brackets] that rich would read as markup
+    raise typer.Exit(code)
+
+
+@app.command()
 def explain(plan_dir: Path = typer.Argument(..., help="A plan directory (or its plan.json) written by `planner plan --out`.")) -> None:
     """Print the summary of an existing plan without re-planning."""
     from planner.report import explain as explain_plan

@@ -7,16 +7,14 @@ torch-free.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from planner import __version__
 from planner.errors import InfeasibleError, UsageError
 from planner.records import ModelCosts
 from planner.solve.memory import GiB
-from planner.solve.plan import Alternative, Layout, Plan, Predicted, RankMemory, StagePlan
+from planner.solve.plan import Alternative, Layout, Plan, RankMemory, StagePlan
 from planner.solve.search import Evaluation, Rejection, SearchOptions, SearchResult, search
 
 
@@ -184,8 +182,6 @@ def build_plan(costs: ModelCosts, cluster, req: PlanRequest, result: SearchResul
     alts: list[Alternative] = [Alternative(e.layout, e.predicted) for e in result.ranked[1:6]]
     alts += [Alternative(r.layout, None, r.reason) for r in informative_rejections(result.rejected, 5)]
     devices = sorted({d for d in best.devices})
-    from planner import hardware
-
     dev_info = {}
     for key in devices:
         dev = next(cluster.device_of(r) for r in range(cluster.world_size) if cluster.device_of(r).key == key)
@@ -295,7 +291,7 @@ def _nothing_fits(costs: ModelCosts, cluster, req: PlanRequest, result: SearchRe
         if _fits(costs, cluster, replace(req, micro_batch=1)):
             hints.append("--micro-batch 1 would fit")
     if req.mem_target < 1.0 and _fits(costs, cluster, replace(req, mem_target=1.0)):
-        hints.append(f"--mem-target 1.0 would fit (no headroom: risky)")
+        hints.append("--mem-target 1.0 would fit (no headroom: risky)")
     if cluster.homogeneous and len(cluster.groups) == 1:
         g = cluster.groups[0]
         for k in (2, 4, 8, 16, 32):

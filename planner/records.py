@@ -9,7 +9,7 @@ so the solver rescales them with :meth:`ModelCosts.scaled`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 

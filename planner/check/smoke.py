@@ -30,11 +30,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from planner.errors import InfeasibleError, PlannerError, UsageError
+from planner.errors import InfeasibleError, UsageError
 from planner.fileio import dumps_json, write_text_atomic
 from planner.solve.plan import Plan, load_plan
 

@@ -23,7 +23,6 @@ shapes) are costed once.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 

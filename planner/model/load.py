@@ -72,7 +72,7 @@ class ModelFile:
         except Exception as e:  # user code: report where it failed
             raise UsageError(
                 f"{self.path.name}: {name}() raised {type(e).__name__}: {e} ({_user_frame(e, self.path)}).",
-                f"Fix the model file or the --model-arg values; the model-file contract is in the README.",
+                "Fix the model file or the --model-arg values; the model-file contract is in the README.",
             ) from e
 
     def has(self, name: str) -> bool:

@@ -34,6 +34,7 @@ from planner.engines import zero_rules
 from planner.errors import UsageError
 from planner.fileio import dumps_json
 from planner.render import one_line, render_template
+from planner.runners.contract import planned_layout
 from planner.render.launch import cluster_shape, deepspeed_script, hostfile, model_path_for, slurm_script, torchrun_script
 from planner.solve.plan import Plan
 
@@ -113,15 +114,6 @@ def ds_config(plan: Plan) -> dict[str, Any]:
         },
     }
     return precision_config(cfg, plan.inputs.get("dtype", "bf16"))
-
-
-def planned_layout(plan: dict[str, Any]) -> dict[str, Any]:
-    """The parts of plan.json (a dict) the script depends on; it refuses a plan.json whose values differ."""
-    lay = plan["layout"]
-    keys = ("engine", "pp", "dp", "tp", "vp", "micro_batch", "num_microbatches", "global_batch", "recompute", "zero")
-    out: dict[str, Any] = {k: lay[k] for k in keys}
-    out["stage_pieces"] = [[int(x) for x in s["pieces"]] for s in plan["stages"]]
-    return out
 
 
 def _stage_lines(plan: Plan) -> list[str]:

@@ -11,26 +11,13 @@ from pathlib import Path
 
 from planner.errors import UsageError
 from planner.render import one_line, render_template
+from planner.runners.contract import planned_layout
 from planner.render.launch import cluster_shape, model_path_for, slurm_script, torchrun_script
 from planner.solve.plan import Plan
 from planner.solve.schedules import SCHEDULE_INFO
 
 SCRIPT = "train_pipeline.py"
 
-
-
-def planned_layout(plan: dict) -> dict:
-    """The parts of plan.json (a dict) the training script's behaviour depends on.
-
-    Rendered into the script as ``PLANNED``; the script compares plan.json with
-    it at start-up (planner.runners.torchpp.read_plan) and refuses a plan.json edited since.
-    """
-    lay = plan["layout"]
-    keys = ("engine", "schedule", "pp", "dp", "tp", "vp", "micro_batch", "num_microbatches", "global_batch", "recompute")
-    out: dict = {k: lay[k] for k in keys}
-    out["stage_ranks"] = [int(s["rank"]) for s in plan["stages"]]
-    out["stage_pieces"] = [[int(x) for x in s["pieces"]] for s in plan["stages"]]
-    return out
 
 
 def check_renderable(plan: Plan) -> str:

@@ -39,47 +39,21 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
-from planner.render.deepspeed import planned_layout, precision_config
-from planner.runners.reference import PRECISIONS
+from planner.render.deepspeed import precision_config
+from planner.runners.contract import PlanChanged, contract_parser, read_plan  # noqa: F401 (the rendered script calls ds.read_plan)
 from planner.runtime import PlannedModel
 
 SHM_COMM_OP = "deepspeed_shm_comm"
-
-
-class PlanChanged(RuntimeError):
-    """plan.json or ds_config.json is not what the script was rendered for."""
 
 
 # ----------------------------------------------------------------------------- start-up
 
 
 def parse_args(argv: Sequence[str] | None, here: Path) -> argparse.Namespace:
-    """The training-script contract's flags (``--local_rank``/``--local-rank`` from launchers accepted)."""
-    p = argparse.ArgumentParser(description="Pipeline-parallel training with DeepSpeed's PipelineEngine, as planned.")
-    p.add_argument("--plan", default=str(here / "plan.json"), help="plan.json (default: the one beside this script)")
-    p.add_argument("--model", default=None, help="the model file (default: plan.json's inputs.model_file)")
+    """The training-script contract's flags, plus ``--ds-config``."""
+    p = contract_parser("Pipeline-parallel training with DeepSpeed's PipelineEngine, as planned.", here / "plan.json")
     p.add_argument("--ds-config", default=str(here / "ds_config.json"), help="DeepSpeed config (default: the one beside this script)")
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps")
-    p.add_argument("--seed", type=int, default=0, help="seed of model init and data (identical weights on every rank)")
-    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--precision", choices=PRECISIONS, default="auto", help="auto: plan dtype on GPU, fp32 on CPU")
-    p.add_argument("--no-dropout", action="store_true", help="disable dropout (for exact loss comparisons)")
-    p.add_argument("--losses-out", default=None, help='write {"losses": [...]} here (last stage, data-parallel rank 0)')
-    p.add_argument("--stats-out", default=None, help="per-rank JSON stats; {rank} is replaced by the global rank")
-    p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
-
-
-def read_plan(path: str | Path, expected: dict[str, Any]) -> dict[str, Any]:
-    """plan.json, refused when its layout or stage split differs from ``expected`` (what the script was rendered for)."""
-    plan = json.loads(Path(path).read_text())
-    found = planned_layout(plan)
-    diff = sorted(k for k in set(found) | set(expected) if found.get(k) != expected.get(k))
-    if diff:
-        detail = ", ".join(f"{k}: {found.get(k)!r} (rendered for {expected.get(k)!r})" for k in diff)
-        raise PlanChanged(f"{path} is not the plan this script was rendered for ({detail}); re-run `planner plan ... --out`.")
-    return plan
 
 
 def read_config(path: str | Path, plan: dict[str, Any], precision: str) -> dict[str, Any]:

@@ -25,10 +25,10 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.nn as nn
 
+from planner.runners.contract import PRECISIONS  # noqa: F401 (the scripts' --precision choices)
 from planner.runtime import PlannedModel
 
 STEP_SEED_STRIDE = 100003  # data seed of step s: seed * STEP_SEED_STRIDE + s
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 

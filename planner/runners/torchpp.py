@@ -41,8 +41,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.utils.checkpoint import checkpoint
 
-from planner.render.torchpp import planned_layout
-from planner.runners.reference import PRECISIONS, LossScaler, autocast
+from planner.runners.contract import PlanChanged, contract_parser, read_plan  # noqa: F401 (the rendered script calls rt.read_plan)
+from planner.runners.reference import LossScaler, autocast
 from planner.runtime import PlannedModel
 from planner.solve.schedules import SCHEDULE_INFO, build_schedule, to_torch_order
 
@@ -51,41 +51,12 @@ class ScheduleMismatch(RuntimeError):
     """torch's schedule (or plan.json) does not run the order the planner planned."""
 
 
-class PlanChanged(RuntimeError):
-    """plan.json is not the plan the script was rendered for."""
-
-
 # ----------------------------------------------------------------------------- arguments
 
 
 def parse_args(argv: Sequence[str] | None, default_plan: str | Path) -> argparse.Namespace:
-    """The training-script contract's flags (``--local_rank``/``--local-rank`` from launchers accepted)."""
-    p = argparse.ArgumentParser(description="Pipeline-parallel training with torch.distributed.pipelining, as planned.")
-    p.add_argument("--plan", default=str(default_plan), help="plan.json (default: the one beside this script)")
-    p.add_argument("--model", default=None, help="the model file (default: the path it had when the script was rendered)")
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps")
-    p.add_argument("--seed", type=int, default=0, help="seed of model init and data (identical weights on every rank)")
-    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--precision", choices=PRECISIONS, default="auto", help="auto: plan dtype on GPU, fp32 on CPU")
-    p.add_argument("--no-dropout", action="store_true", help="disable dropout (for exact loss comparisons)")
-    p.add_argument("--losses-out", default=None, help='write {"losses": [...]} here (rank holding the last stage, replica 0)')
-    p.add_argument("--stats-out", default=None, help="per-rank JSON stats; {rank} is replaced by the global rank")
-    p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
-
-
-def read_plan(path: str | Path, expected: dict[str, Any]) -> dict[str, Any]:
-    """plan.json, refused when its layout or stages differ from ``expected`` (what the script was rendered for)."""
-    plan = json.loads(Path(path).read_text())
-    found = planned_layout(plan)
-    if found != expected:
-        diff = sorted(k for k in expected.keys() | found.keys() if expected.get(k) != found.get(k))
-        raise PlanChanged(
-            f"{path} is not the plan this script was rendered for (differs in: {', '.join(diff)}). "
-            "Re-render the plan directory with `planner plan ... --engine torch --out DIR`."
-        )
-    return plan
+    """The training-script contract's flags."""
+    return contract_parser("Pipeline-parallel training with torch.distributed.pipelining, as planned.", default_plan).parse_args(argv)
 
 
 # ----------------------------------------------------------------------------- topology

@@ -28,10 +28,9 @@ with the sources of their defaults in their docstrings.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass
 
-from planner.records import Layer, ModelCosts
+from planner.records import ModelCosts
 
 GiB = 2**30
 

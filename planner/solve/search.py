@@ -22,15 +22,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from planner.engines import ENGINES, SEARCHED_SCHEDULES, schedule_rules, state_recipe_for, zero_rules
-from planner.errors import InfeasibleError, UsageError
+from planner.errors import UsageError
 from planner.records import ModelCosts
 from planner.solve import partition as part
-from planner.solve.memory import GiB, RuntimeOverhead, StateRecipe, activation_bytes_per_microbatch, checkpoint_starts, stage_params
+from planner.solve.memory import GiB, RuntimeOverhead, checkpoint_starts, stage_params
 from planner.solve.plan import Layout, Predicted
 from planner.solve.schedules import SCHEDULE_INFO, build_schedule
 from planner.solve.simulate import SimResult, StageMemory, StageTimes, simulate
@@ -657,7 +657,7 @@ def model_flops_per_step(costs: ModelCosts, global_batch: int) -> float:
 
 
 def _predicted(ctx: Context, lay: Layout, step: float, sim: SimResult, dp_exposed: float, opt_time: float, peak: float, devices) -> Predicted:
-    costs, cluster = ctx.costs, ctx.cluster
+    costs = ctx.costs
     world = lay.pp * lay.tp * lay.dp
     flops = model_flops_per_step(costs, lay.global_batch)
     per_gpu = flops / step / world

@@ -198,7 +198,7 @@ def _compile(schedule: Schedule) -> _Compiled:
     problems = validate_schedule(schedule)
     if problems:
         raise ValueError(f"malformed schedule {schedule.name!r}: " + "; ".join(problems[:5]))
-    S, m, p = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
+    S, m = schedule.num_stages, schedule.num_microbatches
     s2r = schedule.stage_to_rank
     codes = []
     counts = []
@@ -414,7 +414,6 @@ def _peak_bytes(comp: _Compiled, memory: StageMemory, S: int) -> list[float]:
 
 def _deadlock_message(schedule: Schedule, comp: _Compiled, ptr: list[int], stuck: list[int], done) -> str:
     S, m = schedule.num_stages, schedule.num_microbatches
-    SM = S * m
 
     def blocked_on(r: int) -> str:
         a = schedule.actions[r][ptr[r]]

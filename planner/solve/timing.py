@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
-from planner.records import Layer, ModelCosts, scale_layer
+from planner.records import ModelCosts
 
 TP_COLLECTIVES = {"attention": (1, 1), "mlp": (1, 1), "block": (2, 2), "embedding": (1, 0), "head": (0, 1)}
 
@@ -117,7 +117,6 @@ def analytical_times(
     """
     n = len(costs.layers)
     coll = [float(tp_collective_time)] * n if isinstance(tp_collective_time, (int, float)) else list(tp_collective_time)
-    from planner import hardware
 
     fwd, bi, bw, rc = [], [], [], []
     for k, l in enumerate(costs.layers):

@@ -1,0 +1,383 @@
+"""`planner validate` (planner/check): the corpus of good and bad configs, DeepSpeed's own verdicts and key lists,
+rendered plans validating clean, cross-file checks, drift, and the output formats."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from planner.check.deepspeed_rules import DEEPSPEED_VERSION, extract_key_table, format_table, known_keys, table_path
+from planner.check.deepspeed_rules import RULES as DS_RULES
+from planner.check.deepspeed_rules import BatchError, DSContext, check_ds_config, deepspeed_batch, partition_balanced, partition_uniform
+from planner.check.findings import exit_code, format_findings, rules
+from planner.check.validate import Options, classify, read_command, validate, validate_paths
+from planner.errors import PlannerError, UsageError
+
+ROOT = Path(__file__).resolve().parent.parent
+FIX = ROOT / "tests" / "fixtures" / "validate"
+CASES: dict = json.loads((FIX / "cases.json").read_text())["cases"]
+
+
+def _options(o: dict) -> Options:
+    model = str(ROOT / o["model"]) if o.get("model") else None
+    return Options(gpus=o.get("gpus"), model=model, model_args=o.get("model_args"), pp=o.get("pp"))
+
+
+def _rules(findings, with_info: bool = False) -> set[str]:
+    return {f.rule for f in findings if with_info or f.severity != "info"}
+
+
+# --------------------------------------------------------------------------- the corpus
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_corpus_case_reports_exactly_its_rules(name):
+    case = CASES[name]
+    report = validate([FIX / name], _options(case["options"]))
+    assert _rules(report.findings) == set(case["rules"]), "\n".join(map(str, report.findings))
+    for f in report.findings:
+        assert f.rule in rules() and f.severity == rules()[f.rule][0]
+        assert f.line is None or f.line >= 1
+        assert f.message and f.fix
+
+
+def test_corpus_covers_every_rule_with_a_bad_config():
+    bad = {n: c for n, c in CASES.items() if n.startswith("bad/")}
+    assert len(bad) >= 25
+    assert sorted(p.relative_to(FIX).as_posix() for p in FIX.glob("*/*") if p.is_file()) == sorted(CASES)  # nothing unlisted
+    single = {c["rules"][0] for c in bad.values() if len(c["rules"]) == 1}
+    want = {r for r, (sev, _) in DS_RULES.items() if sev != "info"} | {"MEM001"}
+    assert want <= single, want - single
+    assert len({r for r in single if r.startswith("MEG")}) >= 15
+
+
+def test_seed_recommendation_zero3_with_pipeline_is_refused_with_every_problem():
+    """The config of /work/shared/seeds/001_4ac20428d8bce549.txt section 4 (ZeRO-3 + offload + a pipeline section)."""
+    path = FIX / "bad" / "seed_zero3_pipeline.json"
+    text = path.read_text()
+    for opts in (Options(gpus="8xA100", pp=4), Options()):
+        found = {(f.rule, f.line): f for f in validate([path], opts).findings}
+        line = lambda key: 1 + text[: text.index(f'"{key}"')].count("\n")  # noqa: E731
+        zero3 = found[("DS002", line("stage"))]
+        assert "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism" in zero3.message and "PipelineEngine.__init__" in zero3.message
+        ckpt = found[("DS005", line("activation_checkpointing"))]
+        assert "activation_checkpoint_interval" in ckpt.message and "silently ignores" in ckpt.message
+        part = found[("DS007", line("partition_method"))]
+        assert "PipelineModule" in part.message
+    # without --gpus the batch arithmetic is explained, not guessed
+    assert "DS013" in _rules(validate([path], Options()).findings, with_info=True)
+
+
+def test_lone_config_batch_without_pp_considers_every_pipeline_depth():
+    cfg = {"train_batch_size": 96, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8}
+    text = json.dumps(cfg, indent=2)
+    ok = check_ds_config(text, DSContext("c.json", world_size=8)).findings  # dp 3 is impossible on 8 GPUs
+    assert [f.rule for f in ok] == ["DS001"] and "no pipeline depth" in ok[0].message
+    cfg["train_batch_size"] = 64  # dp 2: pp 4
+    notes = check_ds_config(json.dumps(cfg), DSContext("c.json", world_size=8)).findings
+    assert [(f.rule, f.severity) for f in notes] == [("DS013", "info")] and "data-parallel size of 2" in notes[0].message
+
+
+# --------------------------------------------------------------------------- DeepSpeed's own sources and verdicts
+
+
+def test_shipped_key_table_matches_installed_deepspeed():
+    deepspeed = pytest.importorskip("deepspeed")
+    assert deepspeed.__version__ == DEEPSPEED_VERSION, (
+        f"DeepSpeed {deepspeed.__version__} is installed, the table is for {DEEPSPEED_VERSION}: update DEEPSPEED_VERSION and run "
+        "`python -m planner.check.deepspeed_rules --write`"
+    )
+    assert format_table(extract_key_table()) == table_path().read_text(), "stale table: run `python -m planner.check.deepspeed_rules --write`"
+
+
+def test_key_policies_match_what_deepspeed_config_does(monkeypatch):
+    """Keys the table calls strict are refused by DeepSpeedConfig; keys it calls loose pass silently; fields all known."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    table = known_keys()
+    assert set(DeepSpeedZeroConfig.model_fields) <= set(table.sections["zero_optimization"])
+    base = {"train_batch_size": 8}
+    for section in ("zero_optimization", "fp16", "bf16", "zero_optimization.offload_optimizer"):
+        assert table.policy[section] == "forbid"
+        cfg = json.loads(json.dumps(base))
+        node = cfg
+        for part in section.split("."):
+            node = node.setdefault(part, {})
+        node["not_a_key"] = 1
+        with pytest.raises(Exception, match="not_a_key|[Ee]xtra"):
+            DeepSpeedConfig(cfg)
+    for section in ("", "pipeline", "activation_checkpointing"):
+        assert table.policy[section] == "ignore"
+        cfg = json.loads(json.dumps(base))
+        (cfg.setdefault(section, {}) if section else cfg)["not_a_key"] = 1
+        DeepSpeedConfig(cfg)  # accepted: that is why validate reports it
+    assert {k for k, i in table.sections["pipeline"].items() if i.kind == "unread"} == {"stages", "partition", "seed_layers"}
+
+
+def test_batch_verdicts_agree_with_deepspeed_config(monkeypatch):
+    """Ours says DS001 iff DeepSpeedConfig raises, for N data-parallel ranks (dist patched as engines.md says)."""
+    pytest.importorskip("deepspeed")
+    import deepspeed.runtime.config as ds_config
+
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)
+    values = {"tbs": (None, 0, 8, 12, 16, 24, 48), "micro": (None, 0, 1, 2, 3, 4), "gas": (None, 0, 1, 2, 4)}
+    checked = disagreements = refused = 0
+    for world in (1, 2, 3, 4, 8):
+        monkeypatch.setattr(ds_config.dist, "get_world_size", lambda *a, _w=world, **k: _w)
+        for tbs in values["tbs"]:
+            for micro in values["micro"]:
+                for gas in values["gas"]:
+                    cfg = {k: v for k, v in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", gas)) if v is not None}
+                    try:
+                        ds = ds_config.DeepSpeedConfig(dict(cfg))
+                        theirs = (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps)
+                    except (AssertionError, ZeroDivisionError, TypeError, ValueError):
+                        theirs = None
+                    ours_findings = check_ds_config(json.dumps(cfg), DSContext("c.json", world_size=world, pp=1, pp_source="test")).findings
+                    ours_error = any(f.rule == "DS001" for f in ours_findings)
+                    try:
+                        ours = deepspeed_batch(cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu"), cfg.get("gradient_accumulation_steps"), world)
+                    except BatchError:
+                        ours = None
+                    checked += 1
+                    refused += theirs is None
+                    if ours_error != (theirs is None) or ours != theirs:
+                        disagreements += 1
+                        print("disagree", world, cfg, ours, theirs, ours_findings)
+    assert checked == 5 * 7 * 6 * 5 and disagreements == 0
+    assert 200 < refused < checked - 200  # both verdicts are exercised
+
+
+def test_partition_methods_match_deepspeed():
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime import utils as ds_utils
+
+    rng = random.Random(0)
+    for _ in range(40):
+        n, parts = rng.randint(1, 24), rng.randint(1, 8)
+        weights = [rng.choice([0, 1, 5, 100, 12352, 33856]) for _ in range(n)]
+        assert partition_balanced(weights, parts) == list(ds_utils.partition_balanced(weights, parts))
+        assert partition_uniform(n, parts) == list(ds_utils.partition_uniform(n, parts))
+
+
+# --------------------------------------------------------------------------- plan directories
+
+
+@lru_cache(maxsize=None)
+def _plan(model: str, engine: str, gpus: str, **pins):
+    from planner.planning import PlanRequest, plan_model
+
+    return plan_model(PlanRequest(model_file=model, model_args={"preset": "gpt2-tiny"}, gpus=gpus, engine=engine, **pins))[0]
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("model") / "gpt2.py"
+    shutil.copy(ROOT / "examples" / "gpt2.py", path)
+    return str(path)
+
+
+def _plan_dir(root: Path, model: str, engine: str, name: str | None = None, command: str | None = None, **pins) -> Path:
+    from planner.render import write_plan_dir
+
+    out = root / (name or engine)
+    plan = _plan(model, engine, "4xA100", pp=2, **pins)
+    write_plan_dir(out, plan, command or f"planner plan {model} --model-arg preset=gpt2-tiny --gpus 4xA100 --engine {engine} --pp 2 --out {out}")
+    return out
+
+
+@pytest.mark.parametrize("engine", ["deepspeed", "megatron", "torch"])
+def test_untouched_render_passes_with_drift_check(tmp_path, model_file, engine):
+    d = _plan_dir(tmp_path, model_file, engine)
+    report = validate([d], Options(model=model_file))
+    assert _rules(report.findings, with_info=True) == set(), "\n".join(map(str, report.findings))
+    plan = _plan(model_file, engine, "4xA100", pp=2)
+    assert [round(t) for t in report.memory[0].rank_total_bytes] == [r.memory_bytes["total"] for r in plan.ranks]
+
+
+def test_hand_edited_ds_config_fails_with_a_diff(tmp_path, model_file):
+    d = _plan_dir(tmp_path, model_file, "deepspeed")
+    cfg = d / "ds_config.json"
+    cfg.write_text(cfg.read_text().replace('"activation_checkpoint_interval": 0', '"activation_checkpoint_interval": 1'))
+    assert _rules(validate([d], Options()).findings) == {"PLAN001"}
+    code, text = validate_paths([d], model=model_file)
+    assert code == 1
+    assert "DRIFT001" in text and '-    "activation_checkpoint_interval": 1,' in text and '+    "activation_checkpoint_interval": 0,' in text
+    drift = [f for f in validate([d], Options(model=model_file)).findings if f.rule == "DRIFT001"]
+    assert len(drift) == 1 and drift[0].file.endswith("ds_config.json")
+    assert cfg.read_text().splitlines()[drift[0].line - 1].strip().startswith('"activation_checkpoint_interval": 1')
+
+
+def test_hand_edited_megatron_flag_fails_with_a_diff(tmp_path, model_file):
+    d = _plan_dir(tmp_path, model_file, "megatron")
+    script = d / "pretrain_gpt.sh"
+    text = script.read_text()
+    assert "--micro-batch-size 8\n" in text
+    script.write_text(text.replace("--micro-batch-size 8\n", "--micro-batch-size 4\n"))
+    findings = validate([d], Options(model=model_file)).findings
+    assert _rules(findings) == {"PLAN002", "DRIFT001"}, "\n".join(map(str, findings))
+    drift = next(f for f in findings if f.rule == "DRIFT001")
+    assert "-  --micro-batch-size 4" in drift.detail and "+  --micro-batch-size 8" in drift.detail
+    plan002 = next(f for f in findings if f.rule == "PLAN002")
+    assert script.read_text().splitlines()[plan002.line - 1].strip() == "--micro-batch-size 4"
+
+
+def test_changed_model_file_fails_and_asks_to_replan(tmp_path):
+    model = tmp_path / "model.py"
+    shutil.copy(ROOT / "examples" / "gpt2.py", model)
+    d = _plan_dir(tmp_path, str(model), "torch")
+    assert validate([d], Options(model=str(model))).findings == []
+    model.write_text(model.read_text() + "\n# a harmless edit\n")
+    findings = validate([d], Options(model=str(model))).findings
+    assert "DRIFT002" in _rules(findings)
+    assert "re-plan" in next(f for f in findings if f.rule == "DRIFT002").fix
+
+
+def test_drift_reads_the_escaped_command_back_from_the_headers(tmp_path, monkeypatch):
+    """A hostile model path and a command with quotes, $(...), a newline and backslashes survive the round trip."""
+    monkeypatch.chdir(tmp_path)
+    model = Path("my model's \"dir\"/$(touch x)/model.py")
+    model.parent.mkdir(parents=True)
+    shutil.copy(ROOT / "examples" / "gpt2.py", model)
+    command = f"planner plan {model} --out 'dir'\nrm -rf / \\ end"
+    d = _plan_dir(Path("plans"), str(model), "deepspeed", command=command)
+    assert read_command(d)[1] == command
+    assert validate([d], Options(model=str(model))).findings == []
+    assert not (tmp_path / "x").exists()
+
+
+def test_plan_json_rules(tmp_path, model_file):
+    d = _plan_dir(tmp_path, model_file, "torch")
+    assert validate([d], Options(gpus="8xA100")).findings and _rules(validate([d], Options(gpus="8xA100")).findings) == {"PLAN004"}
+    plan = json.loads((d / "plan.json").read_text())
+    plan["layout"]["zero"] = 2
+    (d / "plan.json").write_text(json.dumps(plan, indent=2))
+    assert _rules(validate([d], Options()).findings) == {"PLAN003"}
+    plan["schema_version"] = 99
+    (d / "plan.json").write_text(json.dumps(plan, indent=2))
+    assert _rules(validate([d], Options()).findings) == {"PLAN005"}
+
+
+def test_memory_failure_names_the_stage_and_overflow(tmp_path, model_file):
+    d = _plan_dir(tmp_path, model_file, "deepspeed")
+    cfg = json.loads((d / "ds_config.json").read_text())
+    cfg["train_micro_batch_size_per_gpu"] = 1 << 20
+    cfg["train_batch_size"] = (1 << 20) * cfg["gradient_accumulation_steps"] * 2
+    (d / "ds_config.json").write_text(json.dumps(cfg, indent=2))
+    mem = [f for f in validate([d], Options()).findings if f.rule == "MEM001"]
+    assert mem and all(re.search(r"pipeline rank \d \(stage \d: pieces \[\d+, \d+\).*GiB more than the [\d.]+ GiB", f.message) for f in mem)
+    assert "the stage split of plan.json" in mem[0].message
+
+
+def test_directory_of_plan_directories(tmp_path, model_file):
+    root = tmp_path / "plans"
+    _plan_dir(root, model_file, "deepspeed")
+    _plan_dir(root, model_file, "megatron")
+    shutil.copy(FIX / "bad" / "ds005_pipline.json", root / "extra_ds_config.json")
+    report = validate([root], Options(model=model_file))
+    assert _rules(report.findings) == {"DS005"}
+    assert {Path(p).name for p in report.checked} >= {"plan.json", "ds_config.json", "pretrain_gpt.sh", "extra_ds_config.json"}
+
+
+# --------------------------------------------------------------------------- every rendered plan validates clean
+
+
+@pytest.mark.parametrize("engine", ["deepspeed", "megatron", "torch"])
+@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(
+    preset=st.sampled_from([("gpt2", "gpt2-tiny"), ("llama", "llama-tiny")]),
+    gpus=st.sampled_from(["2xcpu", "4xcpu", "8xcpu", "2xA100", "4xA100", "8xA100"]),
+    pp=st.sampled_from([None, 1, 2, 4]),
+    micro_batch=st.sampled_from([None, 1, 2, 4]),
+    recompute=st.sampled_from([None, "none", "full"]),
+    schedule=st.sampled_from([None, "gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]),
+)
+def test_rendered_plans_validate_clean(tmp_path_factory, engine, preset, gpus, pp, micro_batch, recompute, schedule):
+    from planner.planning import PlanRequest, plan_model
+    from planner.render import write_plan_dir
+
+    model = str(ROOT / "examples" / f"{preset[0]}.py")
+    if engine != "torch":
+        schedule = None
+    req = PlanRequest(model_file=model, model_args={"preset": preset[1]}, gpus=gpus, engine=engine, pp=pp, micro_batch=micro_batch, recompute=recompute, schedule=schedule)
+    try:
+        plan = plan_model(req)[0]
+    except PlannerError:
+        assume(False)  # pins no layout satisfies
+    out = tmp_path_factory.mktemp("rendered") / "plan"
+    write_plan_dir(out, plan, f"planner plan {model} --gpus {gpus} --engine {engine} --out {out}")
+    report = validate([out], Options(model=model))
+    assert [f for f in report.findings if f.severity != "info"] == [], "\n".join(map(str, report.findings))
+    assert report.memory, "memory was not checked"
+    assert [round(t) for t in report.memory[0].rank_total_bytes] == [r.memory_bytes["total"] for r in plan.ranks]
+
+
+# --------------------------------------------------------------------------- formats, exit codes, usage errors
+
+
+GITHUB = re.compile(r"^::(error|warning|notice) file=([^,:]+)(?:,line=(\d+))?,title=([A-Z]+\d{3})::(.+)$")
+
+
+def test_github_annotations_parse_and_json_is_valid():
+    paths = [FIX / "bad" / "seed_zero3_pipeline.json", FIX / "bad" / "meg029_flag_twice.args", FIX / "bad" / "ds006_stray_key.json"]
+    code, text = validate_paths(paths, gpus="8xA100", fmt="github")
+    assert code == 1
+    lines = [l for l in text.splitlines() if l.startswith("::")]
+    assert len(lines) >= 5
+    for line in lines:
+        m = GITHUB.match(line)
+        assert m, line
+        assert Path(m.group(2).replace("%3A", ":").replace("%2C", ",")).is_file()
+        assert "\n" not in m.group(5)
+    assert {GITHUB.match(l).group(1) for l in lines} >= {"error", "warning"}
+    code, text = validate_paths(paths, gpus="8xA100", fmt="json")
+    data = json.loads(text)
+    assert {d["rule"] for d in data} >= {"DS002", "MEG029", "DS006"}
+    assert all(set(d) == {"rule", "severity", "file", "line", "message", "fix", "detail"} for d in data)
+
+
+def test_exit_codes_and_strict():
+    warn = FIX / "bad" / "ds006_stray_key.json"
+    assert validate_paths([warn], gpus="4xA100", pp=2)[0] == 0
+    assert validate_paths([warn], gpus="4xA100", pp=2, strict=True)[0] == 1
+    assert validate_paths([FIX / "good" / "ds_pipeline.json"], gpus="8xA100", pp=2, strict=True)[0] == 0
+    assert exit_code([]) == 0
+
+
+def test_usage_errors(tmp_path):
+    with pytest.raises(UsageError):
+        validate_paths([tmp_path / "missing"])
+    other = tmp_path / "notes.json"
+    other.write_text('{"hello": 1}')
+    with pytest.raises(UsageError, match="not a DeepSpeed config"):
+        validate_paths([other])
+    with pytest.raises(UsageError):
+        validate_paths([FIX / "good" / "ds_pipeline.json"], fmt="xml")
+    with pytest.raises(PlannerError):
+        validate_paths([FIX / "good" / "ds_pipeline.json"], gpus="3xNoSuchGPU")
+    with pytest.raises(UsageError, match="--pp"):
+        validate_paths([FIX / "good" / "ds_pipeline.json"], gpus="8xA100", pp=3)
+
+
+def test_recognition_by_content_not_name(tmp_path):
+    ds = tmp_path / "whatever.conf"
+    ds.write_text((FIX / "bad" / "ds005_pipline.json").read_text())
+    meg = tmp_path / "train_args"
+    meg.write_text((FIX / "good" / "megatron.args").read_text())
+    assert classify(ds, ds.read_text()) == "deepspeed"
+    assert classify(meg, meg.read_text()) == "megatron-args"
+    assert classify(FIX / "good" / "megatron_launch.sh", (FIX / "good" / "megatron_launch.sh").read_text()) == "megatron-script"
+    slurm = tmp_path / "launch_slurm.sh"
+    slurm.write_text("#!/bin/bash\n#SBATCH --nodes=1\nsrun bash -c './pretrain_gpt.sh'\n")
+    assert classify(slurm, slurm.read_text()) is None
+    assert format_findings([], "text").strip().startswith("0 error(s)")
