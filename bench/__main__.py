@@ -6,8 +6,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
-import sys
 import time
 from pathlib import Path
 

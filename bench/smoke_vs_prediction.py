@@ -8,7 +8,6 @@ machine (``planner plan --profile``).
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 from pathlib import Path
