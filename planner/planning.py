@@ -129,6 +129,8 @@ def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | Non
         "model_file_sha256": analysis.model_file.sha256,
         "tracer_used": analysis.layer_graph.tracer,
     }
+    if measured and result.best.layout.tp > 1:
+        profile_notes.append(f"the measured times apply to tp = 1; this tp = {result.best.layout.tp} layout is timed analytically")
     plan = build_plan(analysis.costs, cluster, req, result, extra, notes=list(analysis.costs.notes) + profile_notes)
     return plan, analysis, result
 

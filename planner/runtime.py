@@ -99,12 +99,16 @@ def load_planned_model(plan: dict[str, Any] | str | Path, model_path: str | Path
     mf = load_model_file(path, inputs.get("model_args", {}))
     dtype = torch_dtype(inputs.get("dtype", "bf16"))
     meta = mf.build_meta(dtype)
+    tracer = inputs.get("tracer_used", inputs.get("tracer", "auto"))
+    # two samples: BatchNorm over (N, C) refuses a batch of one in training mode; torch.export graphs are
+    # static, so they are traced at the micro-batch the scripts run
+    batch = plan["layout"]["micro_batch"] if tracer == "export" else 2
     lg = build_layer_graph(
         meta,
-        mf.inputs_meta(2, dtype),  # two samples: BatchNorm over (N, C) refuses a batch of one in training mode
+        mf.inputs_meta(batch, dtype),
         None,
         leaf_classes=inputs.get("leaf", []),
-        tracer=inputs.get("tracer_used", inputs.get("tracer", "auto")),
+        tracer=tracer,
         sub_block_cuts=inputs.get("sub_block_cuts", True),
     )
     names = [p.name for p in lg.pieces]

@@ -93,6 +93,33 @@ def test_fx_only_tracer_reports_the_module():
     assert "(Net)" in out and "rootbranch.py line 14" in out
 
 
+def test_fx_failure_falls_back_to_torch_export():
+    """A root-level shape branch defeats fx; torch.export traces it, and the note says so."""
+    r = run("inspect", MODELS / "shaperoot.py", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["totals"]["tracer"] == "export"
+    assert [l["name"] for l in doc["layers"]] == ["layers.0", "layers.1", "layers.2"]
+    assert any("torch.export" in n for n in doc["notes"])
+    assert all(l["flops_fwd"] == 2 * 8 * 8 for l in doc["layers"])
+
+
+def test_export_tracer_costs_match_fx():
+    """Both tracers split gpt2-tiny into the same pieces with the same FLOPs and saved bytes."""
+    docs = []
+    for tracer in ("fx", "export"):
+        r = run("inspect", ROOT / "examples/gpt2.py", "--model-arg", "preset=gpt2-tiny", "--tracer", tracer, "--json")
+        assert r.exit_code == 0, r.output
+        docs.append(json.loads(r.stdout))
+    fx, ex = docs
+    # the same pieces; export folds the position lookup (it depends on no input) into whichever piece reads it
+    assert [l["name"] for l in fx["layers"]][1:] == [l["name"] for l in ex["layers"]][1:]
+    for a, b in zip(fx["layers"], ex["layers"]):
+        assert a["flops_fwd"] == b["flops_fwd"] and a["flops_bwd"] == b["flops_bwd"]
+        assert a["saved_bytes"] == pytest.approx(b["saved_bytes"], rel=0.02)
+    assert [c["bytes"] for c in fx["cuts"]] == [c["bytes"] for c in ex["cuts"]]
+
+
 def test_export_fallback_traces_kwargs_forward(tmp_path):
     """A forward(**kwargs) model that fx cannot trace goes through torch.export automatically."""
     f = tmp_path / "kw.py"

@@ -124,3 +124,14 @@ def test_torch_two_ranks_matches_single_process(tmp_path, pins):
     assert r.exit_code == 0, r.output
     assert doc["ok"] and doc["layout"]["schedule"] == pins[1] and doc["ranks"] == 2
     assert doc["max_relative_difference"] <= 1e-5
+
+
+def test_model_traced_with_torch_export_trains_in_a_pipeline(tmp_path):
+    """A model only torch.export can trace (a root-level shape branch) runs pipelined and matches one process."""
+    out = tmp_path / "export"
+    r = runner.invoke(app, ["plan", str(Path(__file__).parent / "models/shaperoot.py"), "--gpus", "2xcpu", "--engine", "torch", "--pp", "2", "--out", str(out), "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "plan.json").read_text())["inputs"]["tracer_used"] == "export"
+    r, doc = smoke(out)
+    assert r.exit_code == 0, r.output
+    assert doc["max_relative_difference"] <= 1e-5

@@ -172,6 +172,10 @@ def _export_trace(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.Grap
     except Exception as e:  # noqa: BLE001
         raise TraceFailure(None, _where(e), e) from e
     gm = ep.module()
+    # input-shape guards re-check the example shapes at every call: the planner runs other batch sizes
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and "guard" in str(node.target) and not node.users:
+            gm.graph.erase_node(node)
     # Route attention and dropout through their Python APIs so costing sees them as the GPU runs them.
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in _REWRITES:
@@ -325,10 +329,14 @@ class PiecesModule(nn.Module):
                 for dep in node.all_input_nodes:
                     copy(dep)
                 env[node] = graph.node_copy(node, lambda x: env[x])
+        self.out_spec = None
         if stop == lg.n:
             out_node = next(n for n in lg.gm.graph.nodes if n.op == "output")
             graph.output(fx.map_arg(out_node.args[0], lambda x: copy(x)))
             self.returns_model_output = True
+            # torch.export graphs return flat outputs; their pytree spec restores the model's own structure
+            info = getattr(lg.gm.graph._codegen, "pytree_info", None)
+            self.out_spec = getattr(info, "out_spec", None)
         else:
             graph.output(tuple(env[v] for v in lg.boundaries[stop]))
             self.returns_model_output = False
@@ -340,6 +348,8 @@ class PiecesModule(nn.Module):
         if len(args) == 1 and isinstance(args[0], (tuple, list)) and self.num_inputs != 1:
             args = tuple(args[0])
         out = self.gm(*args)
+        if self.out_spec is not None:
+            return torch.utils._pytree.tree_unflatten(list(out), self.out_spec)
         if not self.returns_model_output and len(out) == 1:
             return out[0]
         return out
@@ -460,6 +470,8 @@ def build_layer_graph(
                 raise _trace_error(e, None, model) from e.cause
     if gm is None:
         try:
+            # a static graph: it runs at the traced micro-batch size only (costs scale linearly from it;
+            # the training scripts re-trace at the planned micro-batch)
             gm = _export_trace(model, inputs)
             used = "export"
             if fx_error is not None:
@@ -473,7 +485,11 @@ def build_layer_graph(
         raise _meta_error(e, model) from e
     batch_dims: dict[fx.Node, int | None] = {}
     if inputs_2x is not None:
-        metas2 = _propagate(gm, inputs_2x)
+        if used == "export":  # a static graph: trace again at twice the batch and match nodes by name
+            by_name = {n.name: m for n, m in _propagate(_export_trace(model, inputs_2x), inputs_2x).items()}
+            metas2 = {n: by_name.get(n.name) for n in metas}
+        else:
+            metas2 = _propagate(gm, inputs_2x)
         for node, m in metas.items():
             m2 = metas2.get(node)
             dim = None

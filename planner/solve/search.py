@@ -369,6 +369,10 @@ def evaluate_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int]
     per_param = w + g + o
     params_m, other_m, act, wgrad = ctx.memory(b, tp, lay.recompute, sp)
     static = params_m * per_param + other_m
+    if lay.engine == "torch" and SCHEDULE_INFO[lay.schedule].split_backward:
+        # torch's input-gradient pass detaches a stage's outputs in place, so the rendered stages send copies:
+        # one more output cut per micro-batch in flight (planner.runners.torchpp.StageModule)
+        act = act + ctx.cut_bytes(b, tp, sp)[0][None, :]
     held, pending = _order_peaks(sched.name, p, m_order, v) if p > 1 else ((1,), (0,))
     if sched.name == "gpipe":
         held = (m,) * S
