@@ -3,7 +3,7 @@
 Three predictions for the same plan: the bundled ``cpu`` profile (placeholder
 numbers), a profile calibrated on this machine (``planner profile --calibrate``:
 measured matmul FLOP/s and copy bandwidth), and per-piece times measured on this
-machine (``planner plan --profile``).
+machine (``planner plan --profile``), both measured on one thread, as each rank runs.
 """
 
 from __future__ import annotations
@@ -25,8 +25,16 @@ def run() -> dict:
     from planner.planning import PlanRequest, plan_model
     from planner.render import write_plan_dir
 
+    import torch
+
     work = Path(tempfile.mkdtemp(prefix="planner-bench-smoke-"))
-    prof = profile_model(MODEL, ARGS, "cpu", PINS["micro_batch"], "fp32", warmup=2, repeats=5, calibrate=True)
+    # each of the 2 ranks runs on one core (OMP_NUM_THREADS=1): measure and calibrate the same way
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        prof = profile_model(MODEL, ARGS, "cpu", PINS["micro_batch"], "fp32", warmup=2, repeats=5, calibrate=True)
+    finally:
+        torch.set_num_threads(threads)
     write_profile(work / "profile.json", prof)
     hw = work / "cpu-calibrated.yaml"
     write_text_atomic(hw, profile_to_hardware_yaml(prof))
