@@ -270,5 +270,3 @@ def _scale_tensor(t: TensorInfo, f: float) -> TensorInfo:
     shape[t.batch_dim] = int(round(shape[t.batch_dim] * f))
     return replace(t, shape=tuple(shape), bytes=int(round(t.bytes * f)))
 
-
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from planner.records import ModelCosts
 
 GiB = 2**30
@@ -105,27 +107,6 @@ class RuntimeOverhead:
     fragmentation: float = 0.05
 
 
-@dataclass(frozen=True)
-class StageMemory:
-    """One stage's memory on one rank, by component (bytes)."""
-
-    weights: float
-    grads: float
-    optimizer: float
-    activations: float
-    buffers: float
-    overhead: float
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations + self.buffers + self.overhead
-
-    def to_dict(self) -> dict[str, int]:
-        d = {k: int(round(getattr(self, k))) for k in ("weights", "grads", "optimizer", "activations", "buffers", "overhead")}
-        d["total"] = sum(d.values())
-        return d
-
-
 def activation_bytes_per_microbatch(costs: ModelCosts, start: int, stop: int, recompute: str) -> float:
     """Bytes one micro-batch leaves saved in pieces [start, stop) until its backward (per recompute mode)."""
     layers = costs.layers[start:stop]
@@ -148,19 +129,6 @@ def checkpoint_starts(costs: ModelCosts, start: int, stop: int) -> list[int]:
     return starts
 
 
-def working_set_bytes(costs: ModelCosts, start: int, stop: int, recompute: str) -> float:
-    """Transient bytes during one piece's backward: under full recompute one unit's rebuilt activations, else the largest operator output."""
-    layers = costs.layers[start:stop]
-    if not layers:
-        return 0.0
-    transient = float(max(l.max_op_bytes for l in layers))
-    if recompute != "full":
-        return transient
-    units = checkpoint_starts(costs, start, stop) + [stop]
-    rebuilt = max(sum(l.saved_bytes for l in costs.layers[a:b]) for a, b in zip(units, units[1:]))
-    return float(rebuilt) + transient
-
-
 def stage_params(costs: ModelCosts, start: int, stop: int, tp: int = 1) -> float:
     """Parameters one rank of a stage holds: shardable weights split over ``tp``, the rest replicated."""
     total = 0.0
@@ -174,27 +142,53 @@ def stage_params(costs: ModelCosts, start: int, stop: int, tp: int = 1) -> float
     return total
 
 
-def stage_memory(
-    costs: ModelCosts,
-    start: int,
-    stop: int,
-    held_activation_bytes: float,
-    recipe: StateRecipe,
-    dp: int = 1,
-    tp: int = 1,
-    recompute: str = "none",
-    overhead: RuntimeOverhead = RuntimeOverhead(),
-) -> StageMemory:
-    """Memory of the rank running pieces [start, stop) (costs already sharded for ``tp`` activations).
+def range_matrices(costs: ModelCosts, tp: int, recompute: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(parameters, other static bytes, activation bytes, pending-W bytes) of every piece range [a, b) as (n+1)^2 matrices.
 
-    ``held_activation_bytes`` is the peak of activations this rank holds (the
-    simulator's per-rank peak, or bytes-per-micro-batch x held count).
+    Other static bytes: point-to-point buffers, buffers the pieces read, and the working set. Only the upper triangle is meaningful.
     """
-    params = stage_params(costs, start, stop, tp)
-    w, g, o = recipe.per_param(dp)
-    buffers = 2.0 * (costs.cuts[start].bytes + costs.cuts[stop].bytes)  # receive + send buffers, forward and backward
-    buffers += working_set_bytes(costs, start, stop, recompute)
-    buffers += sum(l.buffer_bytes for l in costs.layers[start:stop])
-    tensors = params * (w + g + o) + held_activation_bytes + buffers
-    over = overhead.context + overhead.communicator + overhead.fragmentation * tensors
-    return StageMemory(params * w, params * g, params * o, held_activation_bytes, buffers, over)
+    n = costs.n
+    L = costs.layers
+    prm = np.array([l.shardable_params / tp + (l.params - l.shardable_params) for l in L], dtype=float)
+    P = np.concatenate([[0.0], np.cumsum(prm)])
+    params = P[None, :] - P[:, None]
+    for grp in costs.tied:  # a shared weight inside one stage is held once
+        us = sorted(grp.layers)
+        for x, y in zip(us, us[1:]):
+            mask = np.zeros((n + 1, n + 1), dtype=bool)
+            mask[: x + 1, y + 1 :] = True
+            params -= mask * (grp.params / tp)
+    cut = np.array([c.bytes for c in costs.cuts], dtype=float)
+    buffers = 2.0 * (cut[:, None] + cut[None, :])
+    buf = np.array([l.buffer_bytes for l in L], dtype=float)
+    B = np.concatenate([[0.0], np.cumsum(buf)])
+    buffers += B[None, :] - B[:, None]
+    # working set: largest operator output in the range (+ one rebuilt unit under full recompute)
+    ws_piece = np.array([l.max_op_bytes for l in L], dtype=float)
+    if recompute == "full":
+        unit = np.zeros(n)
+        starts = checkpoint_starts(costs, 0, n) + [n]
+        for a, c in zip(starts, starts[1:]):
+            unit[a:c] = sum(l.saved_bytes for l in L[a:c])
+        ws_piece = ws_piece + unit
+    ws = np.zeros((n + 1, n + 1))
+    for a in range(n):
+        ws[a, a + 1 :] = np.maximum.accumulate(ws_piece[a:])
+    other = buffers + ws
+    # activations per micro-batch
+    if recompute == "full":
+        is_start = np.zeros(n + 1)
+        for k in checkpoint_starts(costs, 0, n):
+            is_start[k] = cut[k]
+        U = np.concatenate([[0.0], np.cumsum(is_start[:n])])  # U[k] = sum of unit-start bytes before k
+        act = cut[:, None] + (U[None, :] - U[np.minimum(np.arange(n + 1) + 1, n)][:, None])
+        act = np.maximum(act, 0.0)
+    else:
+        saved = np.array([l.saved_bytes - (l.core_saved_bytes if recompute == "selective" else 0) for l in L], dtype=float)
+        A = np.concatenate([[0.0], np.cumsum(saved)])
+        act = A[None, :] - A[:, None]
+    wfrac = np.array([l.flops_bwd_weight / l.flops_bwd if l.flops_bwd > 0 else 0.0 for l in L])
+    wsaved = np.array([l.saved_bytes for l in L], dtype=float) * wfrac
+    Wc = np.concatenate([[0.0], np.cumsum(wsaved)])
+    wgrad = Wc[None, :] - Wc[:, None]
+    return params, other, act, wgrad

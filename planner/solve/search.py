@@ -30,7 +30,7 @@ from planner.engines import ENGINES, SEARCHED_SCHEDULES, schedule_rules, state_r
 from planner.errors import UsageError
 from planner.records import ModelCosts
 from planner.solve import partition as part
-from planner.solve.memory import GiB, RuntimeOverhead, checkpoint_starts, stage_params
+from planner.solve.memory import GiB, RuntimeOverhead, range_matrices, stage_params
 from planner.solve.plan import Layout, Predicted
 from planner.solve.schedules import SCHEDULE_INFO, build_schedule
 from planner.solve.simulate import SimResult, StageMemory, StageTimes, simulate
@@ -205,7 +205,7 @@ class Context:
         """(parameters, other static bytes, activation bytes per micro-batch, pending-W bytes) per piece range."""
         key = (b, tp, recompute, sp)
         if key not in self._memory:
-            self._memory[key] = _memory_matrices(self.sharded(b, tp, sp), tp, recompute)
+            self._memory[key] = range_matrices(self.sharded(b, tp, sp), tp, recompute)
         return self._memory[key]
 
     def cut_bytes(self, b: int, tp: int, sp: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -581,58 +581,6 @@ def _simulate_extrapolated(name: str, p: int, m: int, v: int, times: StageTimes,
     busy = [b2 + (b2 - b1) / (m2 - m1) * (m - m2) for b1, b2 in zip(r1.busy, r2.busy)]
     bubble = 1.0 - sum(busy) / (p * step) if step > 0 else 0.0
     return replace(r2, step_time=step, busy=busy, bubble_fraction=bubble)
-
-
-def _memory_matrices(costs: ModelCosts, tp: int, recompute: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(parameters, other static bytes, activation bytes, pending-W bytes) of every piece range [a, b) as (n+1)^2 matrices.
-
-    Other static bytes: point-to-point buffers, buffers the pieces read, and the working set. Only the upper triangle is meaningful.
-    """
-    n = costs.n
-    L = costs.layers
-    prm = np.array([l.shardable_params / tp + (l.params - l.shardable_params) for l in L], dtype=float)
-    P = np.concatenate([[0.0], np.cumsum(prm)])
-    params = P[None, :] - P[:, None]
-    for grp in costs.tied:  # a shared weight inside one stage is held once
-        us = sorted(grp.layers)
-        for x, y in zip(us, us[1:]):
-            mask = np.zeros((n + 1, n + 1), dtype=bool)
-            mask[: x + 1, y + 1 :] = True
-            params -= mask * (grp.params / tp)
-    cut = np.array([c.bytes for c in costs.cuts], dtype=float)
-    buffers = 2.0 * (cut[:, None] + cut[None, :])
-    buf = np.array([l.buffer_bytes for l in L], dtype=float)
-    B = np.concatenate([[0.0], np.cumsum(buf)])
-    buffers += B[None, :] - B[:, None]
-    # working set: largest operator output in the range (+ one rebuilt unit under full recompute)
-    ws_piece = np.array([l.max_op_bytes for l in L], dtype=float)
-    if recompute == "full":
-        unit = np.zeros(n)
-        starts = checkpoint_starts(costs, 0, n) + [n]
-        for a, c in zip(starts, starts[1:]):
-            unit[a:c] = sum(l.saved_bytes for l in L[a:c])
-        ws_piece = ws_piece + unit
-    ws = np.zeros((n + 1, n + 1))
-    for a in range(n):
-        ws[a, a + 1 :] = np.maximum.accumulate(ws_piece[a:])
-    other = buffers + ws
-    # activations per micro-batch
-    if recompute == "full":
-        is_start = np.zeros(n + 1)
-        for k in checkpoint_starts(costs, 0, n):
-            is_start[k] = cut[k]
-        U = np.concatenate([[0.0], np.cumsum(is_start[:n])])  # U[k] = sum of unit-start bytes before k
-        act = cut[:, None] + (U[None, :] - U[np.minimum(np.arange(n + 1) + 1, n)][:, None])
-        act = np.maximum(act, 0.0)
-    else:
-        saved = np.array([l.saved_bytes - (l.core_saved_bytes if recompute == "selective" else 0) for l in L], dtype=float)
-        A = np.concatenate([[0.0], np.cumsum(saved)])
-        act = A[None, :] - A[:, None]
-    wfrac = np.array([l.flops_bwd_weight / l.flops_bwd if l.flops_bwd > 0 else 0.0 for l in L])
-    wsaved = np.array([l.saved_bytes for l in L], dtype=float) * wfrac
-    Wc = np.concatenate([[0.0], np.cumsum(wsaved)])
-    wgrad = Wc[None, :] - Wc[:, None]
-    return params, other, act, wgrad
 
 
 def _memory_reason(pb: part.PartitionProblem, devices, stage_rank, opts: SearchOptions, v: int, S: int, n: int) -> tuple[str, float | None, float | None]:

@@ -413,7 +413,7 @@ def _peak_bytes(comp: _Compiled, memory: StageMemory, S: int) -> list[float]:
 
 
 def _deadlock_message(schedule: Schedule, comp: _Compiled, ptr: list[int], stuck: list[int], done) -> str:
-    S, m = schedule.num_stages, schedule.num_microbatches
+    m = schedule.num_microbatches
 
     def blocked_on(r: int) -> str:
         a = schedule.actions[r][ptr[r]]
