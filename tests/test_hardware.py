@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from planner import hardware as hw
+from planner.hardware import profiles as hw_profiles
 from planner.errors import UsageError
 from planner.resources import hardware_profiles_dir
 
@@ -104,9 +105,9 @@ def test_reference_link_and_memory_numbers(profiles):
 def test_bundled_names_do_not_collide(profiles):
     owner: dict[str, str] = {}
     for key, p in profiles.items():
-        for n in {hw._norm(x) for x in (key, p.name, *p.aliases)}:
+        for n in {hw_profiles._norm(x) for x in (key, p.name, *p.aliases)}:
             assert owner.setdefault(n, key) == key, f"{n!r} is claimed by {owner[n]} and {key}"
-    assert not set(hw.AMBIGUOUS_DEFAULTS) & set(owner), "an ambiguous short name must not be an alias"
+    assert not set(hw_profiles.AMBIGUOUS_DEFAULTS) & set(owner), "an ambiguous short name must not be an alias"
 
 
 def test_flops_dtype_spellings_and_missing_dtype(profiles):
@@ -576,6 +577,26 @@ def test_matmul_efficiency_depends_on_op_size(profiles):
     assert effs == sorted(effs) and times == sorted(times) and len(set(times)) == len(times)
     # many small matmuls are slower than one large one with the same FLOPs
     assert hw.matmul_time(64e9, a100, "bf16", flops_per_op=1e9) > 1.3 * hw.matmul_time(64e9, a100, "bf16")
+
+
+def test_size_curves_are_profile_data(tmp_path, profiles):
+    """A profile's own efficiency curves replace the defaults (Calculon's A100 tiers) for that device alone."""
+    data = bundled_yaml()
+    data["efficiency"]["matmul_size_scale"] = [[1e9, 0.5], [1e10, 1.0]]
+    data["efficiency"]["memory_size_scale"] = [[1e6, 0.25], [1e8, 1.0]]
+    own = hw.load_profile(write_profile(tmp_path / "curved.yaml", data))
+    assert hw.matmul_efficiency_at(1e9, own) == pytest.approx(0.85 * 0.5)
+    assert hw.matmul_efficiency_at(10 ** 9.5, own) == pytest.approx(0.85 * 0.75)  # halfway in log(FLOPs)
+    assert hw.memory_efficiency_at(1e7, own) == pytest.approx(0.8 * 0.625)
+    assert hw.matmul_efficiency_at(1e9, profiles["a100-80gb"]) == pytest.approx(0.85 * 0.6 / 0.95)
+    rows = {r[0]: r for r in hw.describe_profile(own)}
+    assert "1e+09 FLOPs: 0.500" in rows["efficiency.matmul_size_scale"][1]
+
+
+@pytest.mark.parametrize("curve", [[[1e9, 0.5]], [[1e9, 0.5], [1e8, 1.0]], [[1e9, 1.5], [1e10, 1.0]], "fast", [[1e9, float("nan")], [1e10, 1]]])
+def test_size_curve_schema(tmp_path, curve):
+    msg = schema_error(tmp_path, lambda d: d["efficiency"].__setitem__("matmul_size_scale", curve))
+    assert "efficiency.matmul_size_scale" in msg
 
 
 # ----------------------------------------------------------------------------- CLI helpers
