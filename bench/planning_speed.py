@@ -21,6 +21,7 @@ ENGINES = ("megatron", "deepspeed")
 def measure(preset: str) -> dict:
     from planner import hardware
     from planner.model.analyze import analyze
+    from planner.engines import get_engine
     from planner.solve.search import SearchOptions, search
 
     t0 = time.perf_counter()
@@ -32,7 +33,7 @@ def measure(preset: str) -> dict:
         cluster = hardware.parse_gpus(gpus)
         for engine in ENGINES:
             t0 = time.perf_counter()
-            res = search(costs, cluster, SearchOptions(engine=engine))
+            res = search(costs, cluster, SearchOptions(engine=engine), get_engine(engine))
             rows.append(
                 {
                     "gpus": gpus,

@@ -99,6 +99,7 @@ def predict(run: Run) -> Prediction:
     """Price one published run with its layout pinned, on A100-80GB nodes of 8 (DGX A100, HDR InfiniBand)."""
     from planner import hardware
     from planner.solve.plan import Layout
+    from planner.engines import get_engine
     from planner.solve.search import Context, Rejection, SearchOptions, evaluate_layout
 
     costs = costs_for(run.preset)
@@ -106,7 +107,7 @@ def predict(run: Run) -> Prediction:
     schedule = "interleaved" if run.vp > 1 else "1f1b"
     opts = SearchOptions(engine="megatron", global_batch=run.global_batch, mem_target=1.0)
     lay = Layout("megatron", run.pp, run.tp, run.dp, run.vp, run.micro_batch, run.global_batch // (run.dp * run.micro_batch), run.global_batch, schedule, run.recompute, 0, run.sequence_parallel)
-    ev = evaluate_layout(Context(costs, cluster, opts), lay, costs.dtype)
+    ev = evaluate_layout(Context(costs, cluster, opts, get_engine("megatron")), lay, costs.dtype)
     a = costs.architecture
     reported = run.reported_step(a["num_layers"], a["hidden_size"], a["vocab_size"], a["seq_length"])
     cap = cluster.device_of(0).memory_bytes

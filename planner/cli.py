@@ -152,35 +152,6 @@ def inspect(
     out.print(f"traced with {a.layer_graph.tracer}; saved = activation bytes kept for backward per micro-batch; cut after = bytes crossing the cut after the piece (skip connections included)")
 
 
-def _plan_request(model, gpus, engine, model_arg, dtype, leaf, tracer, gpus_per_node, inter_node_gbps, hardware_profile, global_batch, pp, tp, dp, vp, micro_batch, schedule, recompute, zero, mem_target, profile):
-    from planner.model.load import parse_model_args
-    from planner.planning import PlanRequest
-
-    return PlanRequest(
-        model_file=str(model),
-        model_args=parse_model_args(model_arg),
-        gpus=gpus,
-        engine=engine,
-        dtype=dtype,
-        leaf=tuple(leaf or ()),
-        tracer=tracer,
-        gpus_per_node=gpus_per_node,
-        inter_node_gbps=inter_node_gbps,
-        hardware_profiles=tuple(str(p) for p in hardware_profile or ()),
-        global_batch=global_batch,
-        pp=pp,
-        tp=tp,
-        dp=dp,
-        vp=vp,
-        micro_batch=micro_batch,
-        schedule=schedule,
-        recompute=recompute,
-        zero=zero,
-        mem_target=mem_target,
-        profile=str(profile) if profile else None,
-    )
-
-
 @app.command()
 def plan(
     model: Path = typer.Argument(..., help="Model file defining build_model() and example_inputs()."),
@@ -210,10 +181,33 @@ def plan(
     profile: Optional[Path] = typer.Option(None, "--profile", help="Measured per-layer times from `planner profile`."),
 ) -> None:
     """Choose the layout and stage split, predict step time and memory, and write the configs."""
-    from planner.planning import plan_model
+    from planner.model.load import parse_model_args
+    from planner.planning import PlanRequest, plan_model
 
     with _errors():
-        req = _plan_request(model, gpus, engine, model_arg, dtype, leaf, tracer, gpus_per_node, inter_node_gbps, hardware_profile, global_batch, pp, tp, dp, vp, micro_batch, schedule, recompute, zero, mem_target, profile)
+        req = PlanRequest(
+            model_file=str(model),
+            model_args=parse_model_args(model_arg),
+            gpus=gpus,
+            engine=engine,
+            dtype=dtype,
+            leaf=tuple(leaf or ()),
+            tracer=tracer,
+            gpus_per_node=gpus_per_node,
+            inter_node_gbps=inter_node_gbps,
+            hardware_profiles=tuple(str(p) for p in hardware_profile or ()),
+            global_batch=global_batch,
+            pp=pp,
+            tp=tp,
+            dp=dp,
+            vp=vp,
+            micro_batch=micro_batch,
+            schedule=schedule,
+            recompute=recompute,
+            zero=zero,
+            mem_target=mem_target,
+            profile=str(profile) if profile else None,
+        )
         _check_choice("--recompute", recompute, ("none", "selective", "full"))
         if out_dir is not None:
             from planner.render import check_output_dir

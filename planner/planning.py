@@ -1,31 +1,40 @@
 """From a model file and a cluster to a Plan: load → trace → cost → search → Plan record.
 
 ``plan_model`` is what `planner plan` and `planner validate --model` call;
-``build_plan`` turns a search result into the schema-versioned Plan and is
-torch-free.
+``build_plan`` turns a search result into the schema-versioned Plan.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from planner import hardware
+from planner.engines import get_engine
 from planner.errors import InfeasibleError, UsageError
+from planner.hardware import Cluster
+from planner.model.analyze import analyze
+from planner.model.profile import match_profile
 from planner.records import ModelCosts
 from planner.solve.memory import GiB
 from planner.solve.plan import Alternative, Layout, Plan, RankMemory, StagePlan
-from planner.solve.search import Evaluation, Rejection, SearchOptions, SearchResult, search
+from planner.solve.rules import RejectKind
+from planner.solve.search import Context, Evaluation, Rejection, SearchOptions, SearchResult, evaluate_layout, search
+
+#: the SearchOptions fields that are the user's settings (recorded in plan.json); the others are search knobs
+RECORDED_SEARCH_FIELDS = ("engine", "global_batch", "pp", "tp", "dp", "vp", "micro_batch", "schedule", "recompute", "zero", "mem_target", "optimizer")
+_KNOBS = frozenset(f.name for f in fields(SearchOptions)) - frozenset(RECORDED_SEARCH_FIELDS)
 
 
 @dataclass(frozen=True)
-class PlanRequest:
-    """Everything `planner plan` was asked, as recorded in plan.json's ``inputs``."""
+class PlanRequest(SearchOptions):
+    """Everything `planner plan` was asked: the model and the cluster here, the engine, pins, memory target and
+    optimizer in :class:`SearchOptions` (keyword-only); recorded in plan.json's ``inputs``."""
 
     model_file: str
     model_args: dict[str, Any]
     gpus: str
-    engine: str = "deepspeed"
     dtype: str = "bf16"
     cost_micro_batch: int = 1
     leaf: tuple[str, ...] = ()
@@ -33,39 +42,12 @@ class PlanRequest:
     gpus_per_node: int | None = None
     inter_node_gbps: float | None = None
     hardware_profiles: tuple[str, ...] = ()
-    global_batch: int | None = None
-    pp: int | None = None
-    tp: int | None = None
-    dp: int | None = None
-    vp: int | None = None
-    micro_batch: int | None = None
-    schedule: str | None = None
-    recompute: str | None = None
-    zero: int | None = None
-    mem_target: float = 0.85
-    optimizer: str = "adam"
     profile: str | None = None
     bounds: tuple[int, ...] | None = None  # fixed stage boundaries (piece indices); needs every layout dimension pinned
 
-    def options(self, measured: dict | None = None) -> SearchOptions:
-        return SearchOptions(
-            engine=self.engine,
-            global_batch=self.global_batch,
-            pp=self.pp,
-            tp=self.tp,
-            dp=self.dp,
-            vp=self.vp,
-            micro_batch=self.micro_batch,
-            schedule=self.schedule,
-            recompute=self.recompute,
-            zero=self.zero,
-            mem_target=self.mem_target,
-            optimizer=self.optimizer,
-            measured=measured or {},
-        )
-
     def to_inputs(self) -> dict[str, Any]:
-        d = asdict(self)
+        own = {f.name for f in fields(PlanRequest)} - {f.name for f in fields(SearchOptions)}
+        d = {k: v for k, v in asdict(self).items() if k in own or k in RECORDED_SEARCH_FIELDS}
         d["leaf"] = list(self.leaf)
         d["hardware_profiles"] = list(self.hardware_profiles)
         if self.bounds is None:
@@ -77,21 +59,18 @@ class PlanRequest:
     @classmethod
     def from_inputs(cls, inputs: dict[str, Any], **overrides: Any) -> "PlanRequest":
         """The request recorded in a plan.json's ``inputs`` (unknown keys ignored), with ``overrides`` applied."""
-        fields = {k: inputs[k] for k in cls.__dataclass_fields__ if k in inputs}
+        known = {f.name for f in fields(cls)}
+        values = {k: inputs[k] for k in known - _KNOBS if k in inputs}
         for key in ("leaf", "hardware_profiles", "bounds"):
-            if fields.get(key) is not None:
-                fields[key] = tuple(fields[key])
-        fields.update(overrides)
-        return cls(**fields)
+            if values.get(key) is not None:
+                values[key] = tuple(values[key])
+        values.update(overrides)
+        return cls(**values)
 
 
 def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | None = None):
     """Plan ``req``: returns (Plan, Analysis, SearchResult). Raises InfeasibleError (exit 1) when nothing fits."""
-    from planner import hardware
-    from planner.engines import engine_rules
-    from planner.model.analyze import analyze
-
-    engine_rules(req.engine)  # unknown engine: a clear error before any work
+    engine = get_engine(req.engine)  # unknown engine: a clear error before any work
     cluster = hardware.parse_gpus(
         req.gpus,
         gpus_per_node=req.gpus_per_node,
@@ -108,21 +87,16 @@ def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | Non
         sub_block_cuts=True,
         progress=progress,
     )
-    if req.engine == "megatron":
-        from planner.megatron_args import architecture_problem
-
-        problem = architecture_problem(analysis.costs.architecture, Path(req.model_file).name)
-        if problem:
-            raise UsageError(*problem)
+    problem = engine.architecture_problem(analysis.costs.architecture, Path(req.model_file).name)
+    if problem:
+        raise UsageError(*problem)
     measured, profile_notes = {}, []
     if req.profile:
-        from planner.model.profile import match_profile
-
         measured, profile_notes = match_profile(req.profile, analysis, cluster)
     if req.bounds is not None:
-        result = _evaluate_pinned(analysis.costs, cluster, req, measured)
+        result = _evaluate_pinned(analysis.costs, cluster, replace(req, measured=measured))
     else:
-        result = search(analysis.costs, cluster, req.options(measured), progress=progress)
+        result = search(analysis.costs, cluster, replace(req, measured=measured), engine, progress=progress)
     if result.best is None:
         raise InfeasibleError(*_nothing_fits(analysis.costs, cluster, req, result))
     extra = {
@@ -135,17 +109,15 @@ def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | Non
     return plan, analysis, result
 
 
-def _evaluate_pinned(costs: ModelCosts, cluster, req: PlanRequest, measured: dict) -> SearchResult:
+def _evaluate_pinned(costs: ModelCosts, cluster: Cluster, req: PlanRequest) -> SearchResult:
     """Price the one layout and stage split ``req`` pins completely (what `smoke` and `validate` re-price)."""
-    from planner.solve.search import Context, evaluate_layout
-
     need = ("pp", "tp", "dp", "vp", "micro_batch", "global_batch", "schedule", "recompute", "zero")
     missing = [k for k in need if getattr(req, k) is None]
     if missing:
         raise UsageError(f"fixed stage boundaries need the whole layout pinned; missing: {', '.join(missing)}.")
     m = req.global_batch // (req.dp * req.micro_batch)
     lay = Layout(req.engine, req.pp, req.tp, req.dp, req.vp, req.micro_batch, m, req.global_batch, req.schedule, req.recompute, req.zero, req.tp > 1)
-    ev = evaluate_layout(Context(costs, cluster, req.options(measured)), lay, costs.dtype, bounds=req.bounds)
+    ev = evaluate_layout(Context(costs, cluster, req, get_engine(req.engine)), lay, costs.dtype, bounds=req.bounds)
     if isinstance(ev, Rejection):
         return SearchResult(None, [], [ev], 1, 1, req.global_batch)
     return SearchResult(ev, [ev], [], 1, 1, req.global_batch)
@@ -177,7 +149,7 @@ def _stage_plans(costs: ModelCosts, ev: Evaluation) -> list[StagePlan]:
     return out
 
 
-def build_plan(costs: ModelCosts, cluster, req: PlanRequest, result: SearchResult, extra_inputs: dict[str, Any], notes: list[str]) -> Plan:
+def build_plan(costs: ModelCosts, cluster: Cluster, req: PlanRequest, result: SearchResult, extra_inputs: dict[str, Any], notes: list[str]) -> Plan:
     """The Plan record for the best layout of ``result`` (torch-free)."""
     best = result.best
     assert best is not None
@@ -198,7 +170,7 @@ def build_plan(costs: ModelCosts, cluster, req: PlanRequest, result: SearchResul
             "inter_bandwidth": dev.inter_bandwidth,
             "sources": dict(dev.sources),
         }
-    opts = req.options()
+    opts = req
     model = {
         "pieces": [l.name for l in costs.layers],
         "kinds": [l.kind for l in costs.layers],
@@ -248,7 +220,7 @@ def informative_rejections(rejected: list[Rejection], k: int) -> list[Rejection]
     out: list[Rejection] = []
     for r in sorted(rejected, key=lambda r: (r.need_bytes is None, r.lower_bound)):
         key = r.reason if r.need_bytes is None else f"{r.layout.pp}/{r.layout.tp}/{r.layout.schedule}"
-        if key in seen or r.reason.startswith("needs at least the memory of"):
+        if key in seen or r.kind is RejectKind.DOMINATED:
             continue
         seen.add(key)
         out.append(r)
@@ -265,11 +237,9 @@ def human_count(x: float) -> str:
     return f"{x:.0f}"
 
 
-def _nothing_fits(costs: ModelCosts, cluster, req: PlanRequest, result: SearchResult) -> tuple[str, str]:
+def _nothing_fits(costs: ModelCosts, cluster: Cluster, req: PlanRequest, result: SearchResult) -> tuple[str, str]:
     """The message and the smallest change that would fit, for an InfeasibleError."""
-    from planner import hardware
-
-    mem_rejects = sorted((r for r in result.rejected if r.need_bytes is not None), key=lambda r: (r.overflow, r.lower_bound))
+    mem_rejects = sorted((r for r in result.rejected if r.kind.is_memory and r.need_bytes is not None), key=lambda r: (r.overflow, r.lower_bound))
     closest = ""
     if mem_rejects:
         r = mem_rejects[0]
@@ -308,7 +278,7 @@ def _nothing_fits(costs: ModelCosts, cluster, req: PlanRequest, result: SearchRe
     return msg, hint
 
 
-def _fits(costs: ModelCosts, cluster, req: PlanRequest) -> bool:
+def _fits(costs: ModelCosts, cluster: Cluster, req: PlanRequest) -> bool:
     """Whether any layout fits; only the leanest options are tried (micro-batch 1, full recompute, ZeRO) unless pinned."""
     lean = replace(
         req,
@@ -317,7 +287,6 @@ def _fits(costs: ModelCosts, cluster, req: PlanRequest) -> bool:
         zero=req.zero if req.zero is not None else (0 if req.engine == "torch" else 1),
     )
     try:
-        opts = replace(lean.options(), top_k=1)
-        return search(costs, cluster, opts).best is not None
+        return search(costs, cluster, replace(lean, top_k=1), get_engine(req.engine)).best is not None
     except UsageError:
         return False

@@ -23,6 +23,7 @@ from rich.text import Text
 from planner.report_svg import COMPONENT_COLOURS, COMPONENTS, memory_bars, memory_svg, timeline_svg
 from planner.solve.plan import Layout, Plan, Predicted, StagePlan, load_plan
 from planner.solve.schedules import SCHEDULE_INFO
+from planner.templating import render_template
 
 __all__ = [
     "print_summary",
@@ -488,7 +489,6 @@ def _report_context(plan: Plan, command: str) -> dict[str, Any]:
 
 def report_markdown(plan: Plan, command: str) -> str:
     """report.md: the chosen layout and why, the stages, memory per GPU, the alternatives and the assumptions."""
-    from planner.render import render_template
 
     return render_template("report/report.md.j2", **_report_context(plan, command))
 

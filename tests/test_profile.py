@@ -22,6 +22,7 @@ from planner.model.profile import (
     suggested_hardware_key,
     write_profile,
 )
+from planner.engines import get_engine
 from planner.solve.search import Context, SearchOptions
 from planner.solve.timing import analytical_times, with_measured
 
@@ -138,7 +139,7 @@ def test_match_profile_feeds_the_search(gpt2_doc, gpt2_file):
         assert b == pytest.approx(2 * rows[k]["bwd_s"]["median"], rel=1e-12)
     assert any("11 of 11 pieces" in n and "micro-batch 2 to 4" in n for n in notes)
 
-    ctx = Context(a.costs, cluster, SearchOptions(engine="torch", measured=measured))
+    ctx = Context(a.costs, cluster, SearchOptions(engine="torch", measured=measured), get_engine("torch"))
     for b, recompute in ((8, "none"), (2, "full")):
         t = ctx.times(b, 1, recompute, 0, "fp32")
         assert set(t.source) == {"measured"}

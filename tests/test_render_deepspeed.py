@@ -26,7 +26,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 
 from planner.errors import UsageError  # noqa: E402
-from planner.render.deepspeed import CONFIG, SCRIPT, ds_config, precision_config, render_deepspeed  # noqa: E402
+from planner.engines.deepspeed import precision_config  # noqa: E402
+from planner.render.deepspeed import CONFIG, SCRIPT, ds_config, render_deepspeed  # noqa: E402
 from planner.render.launch import model_path_for  # noqa: E402
 from planner.solve.plan import Plan  # noqa: E402
 
@@ -140,7 +141,7 @@ def test_deepspeed_picks_the_optimizer_wrapper_the_memory_model_assumes(dtype, z
     from deepspeed.runtime.engine import DeepSpeedEngine
     import deepspeed.runtime.zero.utils as zero_utils
 
-    from planner.engines import state_recipe_for
+    from planner.engines import get_engine
 
     plan = plan_obj("gpt2_pp2_dp2", layout={"zero": zero}, inputs={"dtype": dtype})
     conf = deepspeed_config(ds_config(plan), world=4, dp=2, monkeypatch=monkeypatch)
@@ -150,7 +151,7 @@ def test_deepspeed_picks_the_optimizer_wrapper_the_memory_model_assumes(dtype, z
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3, weight_decay=0.0)
     assert DeepSpeedEngine._do_optimizer_sanity_check(engine, opt) == wrapper
     accum = DeepSpeedEngine.get_data_types(engine)[1]
-    recipe = state_recipe_for("deepspeed", dtype, zero)
+    recipe = get_engine("deepspeed").state_recipe(dtype, zero)
     if dtype == "bf16":  # BF16_Optimizer: one accumulation buffer of grad_accum_dtype; master + moments partitioned
         assert torch.empty((), dtype=accum).element_size() == recipe.grad_bytes == grad_bytes
         assert recipe.shard_optimizer

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from planner.engines import get_engine
 from planner.solve.schedules import (
     ANALYSIS_ONLY,
     SCHEDULE_INFO,
@@ -27,12 +28,12 @@ from planner.solve.schedules import (
     build_schedule,
     interleaved_group_size,
     schedule_constraints,
-    schedules_for_engine,
     to_torch_order,
     validate_schedule,
 )
 
 ALL = list(SCHEDULES)
+TORCH = get_engine("torch")
 
 
 def _v_choices(name: str) -> list[int]:
@@ -148,41 +149,6 @@ def test_invalid_combinations_raise_with_the_rule(name, p, m, v, needle):
         build_schedule(name, p, m, v)
 
 
-def test_engine_rules():
-    # Megatron interleaving: m % p == 0 and m >= p; torch accepts more (flexible rounds).
-    assert schedule_constraints("interleaved", 4, 6, 2) == []
-    assert schedule_constraints("interleaved", 4, 6, 2, engine="torch") == []
-    megatron = schedule_constraints("interleaved", 4, 6, 2, engine="megatron")
-    assert any("multiple of p" in x for x in megatron)
-    assert any("m >= p" in x for x in schedule_constraints("interleaved", 4, 3, 2, engine="megatron"))
-    assert schedule_constraints("interleaved", 4, 8, 2, engine="megatron") == []
-    # torch Schedule1F1B needs m >= p; DeepSpeed and Megatron do not.
-    assert schedule_constraints("1f1b", 4, 3) == []
-    assert any("m >= p" in x for x in schedule_constraints("1f1b", 4, 3, engine="torch"))
-    assert schedule_constraints("1f1b", 4, 3, engine="deepspeed") == []
-    # torch's zero-bubble class checks rounds even with one stage per rank.
-    assert schedule_constraints("zb-h1", 4, 9) == []
-    assert schedule_constraints("zb-h1", 4, 9, engine="torch") != []
-    # engines that do not run a schedule say so
-    assert any("does not run" in x for x in schedule_constraints("zbv", 4, 8, 2, engine="deepspeed"))
-    assert any("does not run" in x for x in schedule_constraints("pipedream", 4, 8, 1, engine="torch"))
-    assert schedules_for_engine("deepspeed") == ("1f1b",)
-    assert set(schedules_for_engine("megatron")) == {"1f1b", "interleaved"}
-    with pytest.raises(ValueError):
-        schedules_for_engine("colossal")
-    assert any("unknown engine" in x for x in schedule_constraints("1f1b", 2, 2, 1, engine="colossal"))
-
-
-def test_every_engine_rule_set_is_stricter_than_the_schedule_rules():
-    for name in ALL:
-        for engine in ("torch", "megatron", "deepspeed"):
-            for p in (1, 2, 3, 4):
-                for m in range(1, 10):
-                    for v in _v_choices(name):
-                        if not schedule_constraints(name, p, m, v, engine=engine):
-                            assert not schedule_constraints(name, p, m, v)
-
-
 def test_interleaved_group_size():
     assert interleaved_group_size(4, 8) == 4  # m % p == 0: Megatron's default group of p
     assert interleaved_group_size(4, 3) == 3  # m < p: one round
@@ -260,7 +226,7 @@ def _megatron_interleaved(p: int, m: int, v: int, r: int) -> list[tuple[str, int
 
 @pytest.mark.parametrize("p,m,v", [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (4, 12, 3), (3, 9, 4), (8, 16, 2)])
 def test_interleaved_equals_megatron_rules(p, m, v):
-    assert schedule_constraints("interleaved", p, m, v, engine="megatron") == []
+    assert get_engine("megatron").runtime_schedule_problems("interleaved", p, m, v) == []
     s = build_schedule("interleaved", p, m, v)
     for r in range(p):
         assert [(a.kind, a.stage, a.microbatch) for a in s.actions[r]] == _megatron_interleaved(p, m, v, r)
@@ -334,7 +300,7 @@ def test_matches_torch_pipeline_order(torch_sched, name, cls_name, vs):
     for p in (1, 2, 3, 4, 6):
         for m in (1, 2, 3, 4, 5, 6, 8, 9, 10, 12, 16):
             for v in vs:
-                if schedule_constraints(name, p, m, v, engine="torch"):
+                if TORCH.runtime_schedule_problems(name, p, m, v):
                     continue
                 sched = _torch_multi(torch_sched, cls_name, p, m, v)
                 mine = to_torch_order(build_schedule(name, p, m, v))

@@ -612,15 +612,15 @@ def _costs(run: _Run, ctx: _Ctx, rel: str, line: int, dtype: str):
 
 def _memory(run: _Run, ctx: _Ctx, rel: str, line: int, layout, bounds: tuple, split: str, costs) -> None:
     """Price ``layout`` with ``bounds`` (planner.solve.search.evaluate_layout) and report ranks that do not fit."""
-    from planner.solve.search import Context, Evaluation, SearchOptions, evaluate_layout
+    from planner.engines import get_engine
+    from planner.solve.search import Context, Evaluation, SearchOptions, price_layout
 
     plan = ctx.plan
     optimizer = (plan.inputs.get("optimizer") if plan is not None else None) or "adam"
     target = float((plan.inputs.get("mem_target") if plan is not None else None) or 0.85)
-    # a memory target far above 1 so that evaluate_layout prices the layout instead of rejecting it; capacity is compared here
-    opts = SearchOptions(engine=layout.engine, optimizer=optimizer, mem_target=1e9)
-    try:
-        ev = evaluate_layout(Context(costs, ctx.cluster, opts), layout, costs.dtype, bounds=bounds)
+    opts = SearchOptions(engine=layout.engine, optimizer=optimizer)
+    try:  # priced, not judged: capacity and the memory target are compared here
+        ev = price_layout(Context(costs, ctx.cluster, opts, get_engine(layout.engine)), layout, costs.dtype, bounds=bounds)
     except PlannerError as e:
         run.add("MEM003", rel, line, f"memory not checked: {e.message}", e.hint or "check the hardware and the model")
         return

@@ -10,52 +10,31 @@ byte-identical files.
 
 from __future__ import annotations
 
-import shlex
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
-
-import jinja2
+from typing import Callable
 
 from planner import __version__
 from planner.errors import UsageError
 from planner.fileio import dumps_json, replace_dir_atomic, write_text_atomic
-from planner.resources import templates_dir
+from planner.render.deepspeed import render_deepspeed
+from planner.render.megatron import render_megatron
+from planner.render.torchpp import render_torch
+from planner.report import report_files
 from planner.solve.plan import Plan
+from planner.templating import one_line, render_template, shell_quote
+
+__all__ = ["MARKER", "RENDERERS", "check_output_dir", "one_line", "render_files", "render_template", "shell_quote", "write_plan_dir"]
 
 MARKER = ".planner"
 
-
-def shell_quote(value: Any) -> str:
-    """Quote any value for POSIX shell: the result is one word, never expanded."""
-    return shlex.quote(str(value))
-
-
-def one_line(text: Any) -> str:
-    """``text`` safe inside a ``#`` comment: line breaks spelled out, so nothing after them becomes code."""
-    return str(text).replace("\\", "\\\\").replace("\r", "\\r").replace("\n", "\\n")
-
-
-def environment() -> jinja2.Environment:
-    """The jinja2 environment for all templates: strict undefined, ``shq`` filter for shell, ``tojson`` for JSON."""
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(templates_dir())),
-        undefined=jinja2.StrictUndefined,
-        keep_trailing_newline=True,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        autoescape=False,
-    )
-    env.filters["shq"] = shell_quote
-    env.filters["pyrepr"] = repr
-    env.filters["one_line"] = one_line
-    return env
-
-
-def render_template(name: str, **context: Any) -> str:
-    """Render ``templates/<name>`` (pass text bound for ``#`` comments through :func:`one_line`)."""
-    return environment().get_template(name).render(version=__version__, **context)
+#: engine name -> its renderer: (plan, command, out_dir) -> {relative path: text}
+RENDERERS: dict[str, Callable[[Plan, str, "Path | None"], dict[str, str]]] = {
+    "deepspeed": render_deepspeed,
+    "megatron": render_megatron,
+    "torch": render_torch,
+}
 
 
 def is_planner_dir(path: Path) -> bool:
@@ -74,31 +53,17 @@ def check_output_dir(path: str | Path, force: bool) -> None:
         )
 
 
-def _engine_renderer(engine: str) -> Callable[[Plan, str, "Path | None"], dict[str, str]]:
-    if engine == "deepspeed":
-        from planner.render.deepspeed import render_deepspeed as fn
-    elif engine == "megatron":
-        from planner.render.megatron import render_megatron as fn
-    elif engine == "torch":
-        from planner.render.torchpp import render_torch as fn
-    else:
-        raise UsageError(f"no renderer for engine {engine!r}")
-    return fn
-
-
 def render_files(plan: Plan, command: str, out_dir: Path | None = None) -> dict[str, str]:
     """Every file of the plan directory as {relative path: text} (deterministic).
 
     ``out_dir`` is where the files will live (for paths the scripts need); it defaults to the working directory.
     """
     files: dict[str, str] = {"plan.json": dumps_json(plan.to_dict()), MARKER: f"planner {__version__}\n"}
-    files.update(_engine_renderer(plan.layout.engine)(plan, command, out_dir))
-    try:
-        from planner.report import report_files
-    except ImportError:  # report not available
-        report_files = None
-    if report_files is not None:
-        files.update(report_files(plan, command))
+    renderer = RENDERERS.get(plan.layout.engine)
+    if renderer is None:
+        raise UsageError(f"no renderer for engine {plan.layout.engine!r}", f"Plan with one of: {', '.join(RENDERERS)}.")
+    files.update(renderer(plan, command, out_dir))
+    files.update(report_files(plan, command))
     return files
 
 

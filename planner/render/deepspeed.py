@@ -26,14 +26,13 @@ There is no ``optimizer`` section: the script passes ``torch.optim.AdamW``
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
-from planner.engines import zero_rules
+from planner.engines.deepspeed import ENGINE, precision_config
 from planner.errors import UsageError
 from planner.fileio import dumps_json
-from planner.render import one_line, render_template
+from planner.templating import one_line, render_template
 from planner.runners.contract import planned_layout
 from planner.render.launch import cluster_shape, deepspeed_script, hostfile, model_path_for, slurm_script, torchrun_script
 from planner.solve.plan import Plan
@@ -57,7 +56,7 @@ def check_renderable(plan: Plan) -> None:
         problems.append(f"DeepSpeed's pipeline engine has no virtual stages (vp={lay.vp})")
     if lay.schedule != "1f1b":
         problems.append(f"DeepSpeed's pipeline engine runs 1F1B only, not {lay.schedule!r}")
-    problems += zero_rules("deepspeed", lay.zero, lay.pp)
+    problems += ENGINE.zero_problems(lay.zero, lay.pp)
     if len(plan.stages) != lay.pp:
         problems.append(f"plan.json has {len(plan.stages)} stages for pp={lay.pp}")
     if lay.micro_batch * lay.num_microbatches * lay.dp != lay.global_batch:
@@ -66,32 +65,6 @@ def check_renderable(plan: Plan) -> None:
         )
     if problems:
         raise UsageError(f"Cannot render this plan for DeepSpeed: {'; '.join(problems)}.", "Re-plan with --engine deepspeed.")
-
-
-def precision_config(config: dict[str, Any], precision: str) -> dict[str, Any]:
-    """``config`` with the precision sections for ``precision`` (fp32, bf16 or fp16); other keys unchanged.
-
-    bf16 at ZeRO >= 1 adds fp32 gradient accumulation; DeepSpeed refuses it at
-    ZeRO 0 (``_do_optimizer_sanity_check``: NotImplementedError for a bf16
-    model with fp32 accumulation and ZeRO off), where BF16_Optimizer
-    accumulates in bf16.
-    """
-    cfg = copy.deepcopy(config)
-    bf16 = cfg.pop("bf16", None) or {}
-    fp16 = cfg.pop("fp16", None) or {}
-    data_types = {k: v for k, v in (cfg.pop("data_types", None) or {}).items() if k != "grad_accum_dtype"}
-    zero = int(cfg.get("zero_optimization", {}).get("stage", 0))
-    if precision == "bf16":
-        cfg["bf16"] = {"immediate_grad_update": True, **bf16, "enabled": True}
-        if zero >= 1:
-            data_types["grad_accum_dtype"] = "fp32"
-    elif precision == "fp16":
-        cfg["fp16"] = {**fp16, "enabled": True}
-    elif precision != "fp32":
-        raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
-    if data_types:
-        cfg["data_types"] = data_types
-    return cfg
 
 
 def ds_config(plan: Plan) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Sequence
 
-from planner.render import one_line, render_template
+from planner.templating import one_line, render_template
 from planner.solve.plan import Plan
 
 

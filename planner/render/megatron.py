@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 from planner.errors import UsageError
 from planner.megatron_args import MEGATRON_VERSION, architecture_problem, check_megatron_args, errors, parse_megatron_args, split_flags, stage_layers
-from planner.render import one_line, render_template
+from planner.templating import one_line, render_template
 from planner.render.launch import cluster_shape, job_name
 from planner.solve.plan import Plan
 

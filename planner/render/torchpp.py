@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from planner.errors import UsageError
-from planner.render import one_line, render_template
+from planner.templating import one_line, render_template
 from planner.runners.contract import planned_layout
 from planner.render.launch import cluster_shape, model_path_for, slurm_script, torchrun_script
 from planner.solve.plan import Plan
@@ -26,7 +26,7 @@ def check_renderable(plan: Plan) -> str:
     if lay.engine != "torch":
         raise UsageError(f"render_torch got a plan for engine {lay.engine!r}.", "Plan with --engine torch.")
     info = SCHEDULE_INFO.get(lay.schedule)
-    if info is None or info.torch_class is None or "torch" not in info.engines:
+    if info is None or info.torch_class is None:
         raise UsageError(f"torch.distributed.pipelining does not run schedule {lay.schedule!r}.", "Pick one with --schedule: gpipe, 1f1b, interleaved, zb-h1, zbv.")
     if lay.tp != 1:
         raise UsageError(f"the torch engine runs without tensor parallelism; the plan has tp={lay.tp}.", "Plan with --tp 1 or use --engine megatron.")

@@ -39,7 +39,7 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
-from planner.render.deepspeed import precision_config
+from planner.engines.deepspeed import precision_config
 from planner.runners.contract import PlanChanged, contract_parser, read_plan  # noqa: F401 (the rendered script calls ds.read_plan)
 from planner.runtime import PlannedModel
 

@@ -271,7 +271,7 @@ def unique_parameters(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
 def schedule_class(name: str) -> type:
     """The torch schedule class that runs planner schedule ``name`` (planner.solve.schedules.SCHEDULE_INFO)."""
     info = SCHEDULE_INFO.get(name)
-    if info is None or info.torch_class is None or "torch" not in info.engines:
+    if info is None or info.torch_class is None:
         raise ScheduleMismatch(f"schedule {name!r} is not run by torch.distributed.pipelining")
     return getattr(torch_schedules, info.torch_class)
 

@@ -78,11 +78,9 @@ __all__ = [
     "SCHEDULES",
     "SCHEDULE_INFO",
     "ANALYSIS_ONLY",
-    "ENGINES",
     "KINDS",
     "build_schedule",
     "schedule_constraints",
-    "schedules_for_engine",
     "validate_schedule",
     "to_torch_order",
     "interleaved_group_size",
@@ -91,10 +89,6 @@ __all__ = [
 
 KINDS = ("F", "B", "I", "W")
 """Action kinds: forward, full backward, backward-input, backward-weight."""
-
-ENGINES = ("torch", "megatron", "deepspeed")
-"""Engines whose rules :func:`schedule_constraints` knows."""
-
 
 @dataclass(frozen=True, slots=True)
 class Action:
@@ -184,7 +178,6 @@ class ScheduleInfo:
 
     Attributes:
         description: one line for humans.
-        engines: engines that run it (empty for analysis-only schedules).
         torch_class: the ``torch.distributed.pipelining.schedules`` class whose
             order this schedule reproduces, or None.
         analysis_only: True if no target engine runs it.
@@ -193,7 +186,6 @@ class ScheduleInfo:
     """
 
     description: str
-    engines: tuple[str, ...]
     torch_class: str | None
     analysis_only: bool = False
     placement: str = "loop"
@@ -203,43 +195,36 @@ class ScheduleInfo:
 SCHEDULE_INFO: dict[str, ScheduleInfo] = {
     "gpipe": ScheduleInfo(
         "GPipe: all forwards, then all backwards (fill-drain); holds m microbatches of activations. torch ScheduleGPipe.",
-        ("torch",),
         "ScheduleGPipe",
     ),
     "1f1b": ScheduleInfo(
         "1F1B / PipeDream-Flush: warm-up forwards then one forward one backward; stage i holds min(m, p-i) microbatches. "
         "DeepSpeed TrainSchedule, Megatron without interleaving, torch Schedule1F1B.",
-        ("torch", "megatron", "deepspeed"),
         "Schedule1F1B",
     ),
     "interleaved": ScheduleInfo(
         "Interleaved 1F1B (virtual pipeline, v chunks per rank, stage s on rank s % p): bubble / v, v x more P2P. "
         "Megatron --num-virtual-stages-per-pipeline-rank, torch ScheduleInterleaved1F1B.",
-        ("torch", "megatron"),
         "ScheduleInterleaved1F1B",
     ),
     "looped-bfs": ScheduleInfo(
         "Breadth-first looped schedule: each local stage runs all its forwards, backwards in reverse. torch ScheduleLoopedBFS.",
-        ("torch",),
         "ScheduleLoopedBFS",
     ),
     "zb-h1": ScheduleInfo(
         "ZB-H1 zero bubble (Qi et al. 2023): 1F1B with backward split into I and W, W deferred into the bubbles; "
         "1F1B's activation peak. torch ScheduleInterleavedZeroBubble with one stage per rank.",
-        ("torch",),
         "ScheduleInterleavedZeroBubble",
         split_backward=True,
     ),
     "interleaved-zb": ScheduleInfo(
         "Interleaved zero bubble (ZB1P, v >= 2 chunks per rank, looped placement). torch ScheduleInterleavedZeroBubble.",
-        ("torch",),
         "ScheduleInterleavedZeroBubble",
         split_backward=True,
     ),
     "zbv": ScheduleInfo(
         "ZB-V zero bubble: 2 chunks per rank in V placement, I/W split; near-zero bubble when F = B = W. "
         "torch ScheduleZBVZeroBubble.",
-        ("torch",),
         "ScheduleZBVZeroBubble",
         placement="v",
         split_backward=True,
@@ -247,21 +232,18 @@ SCHEDULE_INFO: dict[str, ScheduleInfo] = {
     "dualpipev": ScheduleInfo(
         "DualPipeV (DeepSeek): V placement, overlapped forward/backward pairs (modelled as F then B), "
         "needs m >= 2p. torch ScheduleDualPipeV.",
-        ("torch",),
         "ScheduleDualPipeV",
         placement="v",
         split_backward=True,
     ),
     "pipedream": ScheduleInfo(
         "PipeDream (asynchronous 1F1B with weight stashing, no flush): stage i keeps p-i weight versions. Analysis only.",
-        (),
         None,
         analysis_only=True,
     ),
     "pipedream-2bw": ScheduleInfo(
         "PipeDream-2BW (asynchronous 1F1B, double-buffered weights, update every m >= p microbatches): "
         "2 weight versions per stage. Analysis only.",
-        (),
         None,
         analysis_only=True,
     ),
@@ -272,13 +254,6 @@ SCHEDULES: dict[str, str] = {name: info.description for name, info in SCHEDULE_I
 
 ANALYSIS_ONLY: frozenset[str] = frozenset(n for n, i in SCHEDULE_INFO.items() if i.analysis_only)
 """Schedules no target engine runs (priced for comparison, never rendered)."""
-
-
-def schedules_for_engine(engine: str) -> tuple[str, ...]:
-    """Names of the schedules ``engine`` runs, in :data:`SCHEDULES` order."""
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; known engines: {', '.join(ENGINES)}")
-    return tuple(n for n, i in SCHEDULE_INFO.items() if engine in i.engines)
 
 
 # --------------------------------------------------------------------------- rules
@@ -298,29 +273,17 @@ def _as_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def schedule_constraints(name: str, p: int, m: int, v: int = 1, engine: str | None = None) -> list[str]:
+def schedule_constraints(name: str, p: int, m: int, v: int = 1) -> list[str]:
     """The rules that ``(name, p, m, v)`` violates; empty when the schedule can be built.
+
+    These are the schedule's own rules; each engine adds its run-time rules
+    (planner.engines.<name>.schedule_problems).
 
     Args:
         name: schedule name (a key of :data:`SCHEDULES`).
         p: pipeline ranks.
         m: microbatches per step.
         v: stages (model chunks) per rank.
-        engine: None for the schedule's own rules (what :func:`build_schedule`
-            needs), or ``"torch"``, ``"megatron"`` or ``"deepspeed"`` to add that
-            engine's run-time rules:
-
-            - torch: ``Schedule1F1B`` needs ``m >= p``; the interleaved and
-              zero-bubble schedules need ``m`` to be a multiple of their number
-              of rounds ``max(1, m // p)`` (``ScheduleInterleavedZeroBubble``
-              checks this also with one stage per rank); ``ScheduleDualPipeV``
-              needs ``m >= 2p``.
-            - megatron: interleaving needs ``m % p == 0`` and ``m >= p`` (with the
-              default ``--microbatch-group-size-per-virtual-pipeline-stage``;
-              Megatron also wants ``p > 2`` unless P2P overlap is on, not checked
-              here).
-            - deepspeed: runs ``1f1b`` only.
-
     Returns:
         Human-readable rule violations, each stating the rule.
     """
@@ -332,13 +295,6 @@ def schedule_constraints(name: str, p: int, m: int, v: int = 1, engine: str | No
             out.append(f"{label} must be an integer >= 1, got {val!r}")
     if out:
         return out
-    info = SCHEDULE_INFO[name]
-    if engine is not None:
-        if engine not in ENGINES:
-            return [f"unknown engine {engine!r}; known engines: {', '.join(ENGINES)}"]
-        if engine not in info.engines:
-            runs = ", ".join(schedules_for_engine(engine))
-            out.append(f"engine {engine} does not run schedule {name!r} (it runs: {runs})")
 
     rounds = max(1, m // p)
     if name in ("gpipe", "1f1b", "zb-h1", "pipedream", "pipedream-2bw"):
@@ -364,20 +320,6 @@ def schedule_constraints(name: str, p: int, m: int, v: int = 1, engine: str | No
             f"pipedream-2bw needs m >= p ({p}) microbatches per weight update so that 2 weight versions suffice, got m={m}"
         )
 
-    if engine == "torch":
-        if name == "1f1b" and m < p:
-            out.append(f"torch Schedule1F1B needs m >= number of stages (m >= p = {p}), got m={m}")
-        if name == "zb-h1" and m % rounds != 0:
-            out.append(
-                f"torch ScheduleInterleavedZeroBubble needs m to be a multiple of its number of rounds "
-                f"max(1, m // p) = {rounds} (got m={m}, p={p})"
-            )
-    elif engine == "megatron":
-        if name == "interleaved":
-            if m % p != 0:
-                out.append(f"Megatron interleaved 1F1B needs m to be a multiple of p ({p}), got m={m}")
-            if m < p:
-                out.append(f"Megatron interleaved 1F1B needs m >= p ({p}), got m={m}")
     return out
 
 
@@ -642,20 +584,19 @@ def _weight_versions(name: str, p: int, num_stages: int) -> tuple[int, ...]:
     return ()
 
 
-def build_schedule(name: str, p: int, m: int, v: int = 1, engine: str | None = None) -> Schedule:
+def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """Build schedule ``name`` for ``p`` ranks, ``m`` microbatches and ``v`` stages per rank.
 
     Args:
         name: a key of :data:`SCHEDULES`.
         p, m, v: pipeline ranks, microbatches per step, stages per rank.
-        engine: optionally also enforce that engine's rules (see :func:`schedule_constraints`).
 
     Raises:
         ValueError: listing every violated rule (see :func:`schedule_constraints`).
 
     Results are cached: the same arguments return the same immutable object.
     """
-    problems = schedule_constraints(name, p, m, v, engine)
+    problems = schedule_constraints(name, p, m, v)
     if problems:
         raise ValueError(f"cannot build schedule {name!r} with p={p}, m={m}, v={v}: " + "; ".join(problems))
     return _build_cached(name, p, m, v)

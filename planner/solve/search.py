@@ -26,12 +26,13 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from planner.engines import ENGINES, SEARCHED_SCHEDULES, schedule_rules, state_recipe_for, zero_rules
 from planner.errors import UsageError
+from planner.hardware import Cluster, memory_time
 from planner.records import ModelCosts
 from planner.solve import partition as part
 from planner.solve.memory import GiB, RuntimeOverhead, range_matrices, stage_params
 from planner.solve.plan import Layout, Predicted
+from planner.solve.rules import EngineRules, RejectKind
 from planner.solve.schedules import SCHEDULE_INFO, build_schedule
 from planner.solve.simulate import SimResult, StageMemory, StageTimes, simulate
 from planner.solve.timing import PieceTimes, analytical_times, shard_costs, tp_collective_time, with_measured
@@ -44,9 +45,13 @@ SAMPLES_PER_GPU = 8
 OPTIMIZER_STEP_BYTES = 30.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SearchOptions:
-    """What the user fixed, and the search's knobs."""
+    """What the user fixed (engine, pins, memory target, optimizer), and the search's knobs.
+
+    planner.planning.PlanRequest extends this record with the model and the cluster: the
+    settings are declared once, and the search reads its part of them through this type.
+    """
 
     engine: str = "deepspeed"
     global_batch: int | None = None
@@ -95,6 +100,7 @@ class Rejection:
 
     layout: Layout
     reason: str
+    kind: RejectKind = RejectKind.RULE
     lower_bound: float = math.inf
     need_bytes: float | None = None
     capacity_bytes: float | None = None
@@ -128,43 +134,10 @@ def default_global_batch(world: int) -> int:
     return SAMPLES_PER_GPU * world
 
 
-def allowed_cuts(costs: ModelCosts, engine: str) -> np.ndarray:
-    """Cut points the engine can express: all of ours, or (Megatron) only between whole transformer layers.
-
-    Megatron keeps the embedding with the first transformer layer and the final norm,
-    output layer and loss with the last one, so its first and last stages always hold a layer.
-    """
-    n = costs.n
-    allowed = np.ones(n + 1, dtype=bool)
-    if ENGINES[engine].sub_block_cuts:
-        return allowed
-    blocks = [i for i, l in enumerate(costs.layers) if l.block is not None]
-    if not blocks:
-        return allowed
-    first, last = blocks[0], blocks[-1]
-    for k in range(1, n):
-        prev, cur = costs.layers[k - 1], costs.layers[k]
-        whole = cur.block is None or cur.block != prev.block
-        allowed[k] = whole and first < k <= last
-    return allowed
-
-
-def _tp_rules(costs: ModelCosts, tp: int, engine: str, gpus_per_node: int) -> list[str]:
-    if tp == 1:
-        return []
-    out = []
-    if not ENGINES[engine].tensor_parallel:
-        out.append(f"{engine} runs no tensor parallelism of its own (tp must be 1; use --engine megatron for tp > 1)")
-    arch = costs.architecture or {}
-    if not arch:
-        out.append("tensor parallelism needs the model file's architecture() (heads, query groups)")
-    else:
-        from planner.megatron_args import tensor_parallel_problems
-
-        out.extend(tensor_parallel_problems(arch, tp))
+def _node_rules(tp: int, gpus_per_node: int) -> list[str]:
     if gpus_per_node % tp:
-        out.append(f"tp = {tp} does not fit in a node of {gpus_per_node} GPUs (tensor parallelism stays inside a node)")
-    return out
+        return [f"tp = {tp} does not fit in a node of {gpus_per_node} GPUs (tensor parallelism stays inside a node)"]
+    return []
 
 
 @lru_cache(maxsize=4096)
@@ -182,11 +155,14 @@ def _order_peaks(name: str, p: int, m: int, v: int) -> tuple[tuple[int, ...], tu
 class Context:
     """Caches shared by the candidates of one search: scaled and sharded costs, piece times, memory prefix sums."""
 
-    def __init__(self, costs: ModelCosts, cluster, opts: SearchOptions):
+    def __init__(self, costs: ModelCosts, cluster: Cluster, opts: SearchOptions, engine: EngineRules):
+        if engine.name != opts.engine:
+            raise ValueError(f"search options are for engine {opts.engine!r}, the rules given are {engine.name!r}'s")
         self.costs = costs
         self.cluster = cluster
         self.opts = opts
-        self.allowed = allowed_cuts(costs, opts.engine)
+        self.engine = engine
+        self.allowed = engine.allowed_cuts(costs)
         self.min_gpus_per_node = min(g.gpus_per_node for g in cluster.groups)
         self._sharded: dict[tuple[int, int], ModelCosts] = {}
         self._times: dict[tuple, PieceTimes] = {}
@@ -251,17 +227,16 @@ class Context:
 # --------------------------------------------------------------------------- candidates
 
 
-def enumerate_layouts(costs: ModelCosts, cluster, opts: SearchOptions, global_batch: int) -> tuple[list[Layout], list[Rejection]]:
+def enumerate_layouts(costs: ModelCosts, cluster: Cluster, opts: SearchOptions, engine: EngineRules, global_batch: int) -> tuple[list[Layout], list[Rejection]]:
     """All layouts the engine could run for this cluster and global batch (pins applied), and the pinned ones it cannot."""
     world = cluster.world_size
-    engine = opts.engine
-    rules = ENGINES[engine]
+    rules = engine
     gpn = min(g.gpus_per_node for g in cluster.groups)
     tps = [opts.tp] if opts.tp else [t for t in divisors(gpn) if t == 1 or rules.tensor_parallel]
     has_core = any(l.core_saved_bytes > 0 for l in costs.layers)
     recomputes = [opts.recompute] if opts.recompute else [r for r in rules.recompute_modes if r != "selective" or has_core]
     zeros = [opts.zero] if opts.zero is not None else list(rules.zero_levels)
-    schedules = [opts.schedule] if opts.schedule else list(SEARCHED_SCHEDULES[engine])
+    schedules = [opts.schedule] if opts.schedule else list(engine.searched_schedules)
     out: list[Layout] = []
     rejected: list[Rejection] = []
     n = costs.n
@@ -290,12 +265,9 @@ def enumerate_layouts(costs: ModelCosts, cluster, opts: SearchOptions, global_ba
                             continue
                         for rc in recomputes:
                             for z in zeros:
-                                if opts.zero is None and engine == "deepspeed" and costs.dtype == "bf16":
-                                    if z == 0:
-                                        continue  # bf16 runs BF16_Optimizer either way; stage 1 adds fp32 gradient accumulation
-                                elif opts.zero is None and z > 0 and dp == 1:
-                                    continue  # nothing to partition over
-                                out.append(Layout(engine, pp, tp, dp, v, b, m, global_batch, sched, rc, z, tp > 1))
+                                if opts.zero is None and not engine.searches_zero(z, costs.dtype, dp):
+                                    continue
+                                out.append(Layout(engine.name, pp, tp, dp, v, b, m, global_batch, sched, rc, z, tp > 1))
     if not out:
         raise UsageError(_no_layout_message(world, opts, global_batch, costs), "Relax a pin, or change --global-batch or --gpus.")
     return out, rejected
@@ -333,18 +305,40 @@ def lower_bound(ctx: Context, lay: Layout, dtype: str) -> float:
 
 
 def evaluate_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | None = None, explain: bool = True) -> Evaluation | Rejection:
-    """Price ``lay``: partition (or use ``bounds``), simulate, and check every rank's memory.
+    """Price ``lay`` (:func:`price_layout`) and check that every rank fits its memory target (:func:`memory_rejection`)."""
+    ev = price_layout(ctx, lay, dtype, bounds, explain)
+    if isinstance(ev, Rejection):
+        return ev
+    return memory_rejection(ev, ctx.opts.mem_target) or ev
 
+
+def memory_rejection(ev: Evaluation, mem_target: float) -> Rejection | None:
+    """The rejection of a priced layout whose most loaded rank exceeds ``mem_target`` of its memory; None when all fit."""
+    over = [(r, mem["total"], cap) for r, (mem, cap) in enumerate(zip(ev.rank_memory, ev.capacity)) if mem["total"] > cap * mem_target]
+    if not over:
+        return None
+    r, need, cap = max(over, key=lambda x: x[1] / x[2])
+    return Rejection(
+        ev.layout,
+        f"pipeline rank {r} needs {need / GiB:.1f} GiB of {cap / GiB:.1f} GiB ({mem_target:.0%} target: {cap * mem_target / GiB:.1f} GiB)",
+        RejectKind.MEMORY,
+        need_bytes=need,
+        capacity_bytes=cap * mem_target,
+    )
+
+
+def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | None = None, explain: bool = True) -> Evaluation | Rejection:
+    """Partition ``lay`` (or take ``bounds``), simulate its schedule, and compute each rank's memory.
+
+    Without ``bounds`` the partition keeps every stage within the memory target; with ``bounds`` the
+    memory is computed and not judged (see :func:`memory_rejection`). Rejections here are rule, device
+    and split problems, and (without ``bounds``) partitions that cannot fit.
     ``explain=False`` skips the second partition that names the overflowing stage of a rejected layout.
     """
     costs, cluster, opts = ctx.costs, ctx.cluster, ctx.opts
-    problems = schedule_rules(lay.engine, lay.schedule, lay.pp, lay.num_microbatches, lay.vp) if lay.pp > 1 else []
-    problems += zero_rules(lay.engine, lay.zero, lay.pp)
-    if lay.recompute not in ENGINES[lay.engine].recompute_modes:
-        problems.append(f"{lay.engine} has no {lay.recompute} recomputation (it runs {', '.join(ENGINES[lay.engine].recompute_modes)})")
-    problems += _tp_rules(costs, lay.tp, lay.engine, ctx.min_gpus_per_node)
+    problems = ctx.engine.layout_problems(lay, costs) + _node_rules(lay.tp, ctx.min_gpus_per_node)
     if problems:
-        return Rejection(lay, "; ".join(problems))
+        return Rejection(lay, "; ".join(problems), RejectKind.RULE)
     p, v, tp, dp, b, m = lay.pp, lay.vp, lay.tp, lay.dp, lay.micro_batch, lay.num_microbatches
     S = p * v
     block = dp * tp
@@ -353,7 +347,7 @@ def evaluate_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int]
         first, last = r * block, (r + 1) * block - 1
         d0, d1 = cluster.device_of(first), cluster.device_of(last)
         if d0.key != d1.key:
-            return Rejection(lay, f"pipeline rank {r} would span {d0.key} and {d1.key} GPUs (a stage must run on one kind of device)")
+            return Rejection(lay, f"pipeline rank {r} would span {d0.key} and {d1.key} GPUs (a stage must run on one kind of device)", RejectKind.DEVICES)
         devices.append(d0)
     m_order = min(m, _peak_m(lay.schedule, p, m)) if p > 1 else 1
     sched = build_schedule(lay.schedule, p, m_order, v) if p > 1 else build_schedule("1f1b", 1, 1, 1)
@@ -364,14 +358,12 @@ def evaluate_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int]
     split = SCHEDULE_INFO[sched.name].split_backward
 
     # memory: static bytes (state, buffers, working set) and activation bytes per micro-batch, as (n+1)^2 matrices
-    recipe = state_recipe_for(lay.engine, costs.dtype, lay.zero, distributed_optimizer=lay.engine == "megatron" and lay.zero >= 1, optimizer=opts.optimizer)
+    recipe = ctx.engine.state_recipe(costs.dtype, lay.zero, opts.optimizer)
     w, g, o = recipe.per_param(dp)
     per_param = w + g + o
     params_m, other_m, act, wgrad = ctx.memory(b, tp, lay.recompute, sp)
     static = params_m * per_param + other_m
-    if lay.engine == "torch" and SCHEDULE_INFO[lay.schedule].split_backward:
-        # torch's input-gradient pass detaches a stage's outputs in place, so the rendered stages send copies:
-        # one more output cut per micro-batch in flight (planner.runners.torchpp.StageModule)
+    if ctx.engine.sends_output_copies(lay.schedule):
         act = act + ctx.cut_bytes(b, tp, sp)[0][None, :]
     held, pending = _order_peaks(sched.name, p, m_order, v) if p > 1 else ((1,), (0,))
     if sched.name == "gpipe":
@@ -393,6 +385,7 @@ def evaluate_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int]
             lay,
             f"needs at least {need * v / GiB:.1f} GiB per GPU even with perfectly balanced stages, of {cap / GiB:.1f} GiB "
             f"({opts.mem_target:.0%} target: {cap * opts.mem_target / GiB:.1f} GiB)",
+            kind=RejectKind.MEMORY,
             need_bytes=need * v,
             capacity_bytes=cap * opts.mem_target,
         )
@@ -453,14 +446,14 @@ def evaluate_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int]
             sol = part.solve(pb)
         if sol is None:
             if not explain:
-                return Rejection(lay, "no split of the pieces fits every stage's memory budget")
+                return Rejection(lay, "no split of the pieces fits every stage's memory budget", RejectKind.MEMORY)
             reason, need, cap = _memory_reason(pb, devices, stage_rank, opts, v, S, n)
-            return Rejection(lay, reason, need_bytes=need, capacity_bytes=cap)
+            return Rejection(lay, reason, RejectKind.MEMORY if need is not None else RejectKind.SPLIT, need_bytes=need, capacity_bytes=cap)
         bounds = sol.bounds
     else:
         bounds = tuple(bounds)
         if len(bounds) != S + 1 or bounds[0] != 0 or bounds[-1] != n or any(a >= c for a, c in zip(bounds, bounds[1:])):
-            return Rejection(lay, f"stage boundaries {list(bounds)} do not split {n} pieces into {S} stages")
+            return Rejection(lay, f"stage boundaries {list(bounds)} do not split {n} pieces into {S} stages", RejectKind.SPLIT)
 
     # simulate the schedule with these stages
     rng = list(zip(bounds, bounds[1:]))
@@ -500,16 +493,6 @@ def evaluate_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int]
         tensors = sum(stage_mem[j].values())
         stage_mem[j]["overhead"] = fixed / v + opts.overhead.fragmentation * tensors
         stage_mem[j]["total"] = tensors + stage_mem[j]["overhead"]
-    over = [(r, rank_mem[r]["total"], devices[r].memory_bytes) for r in range(p) if rank_mem[r]["total"] > devices[r].memory_bytes * opts.mem_target]
-    if over:
-        r, need, cap = max(over, key=lambda x: x[1] / x[2])
-        return Rejection(
-            lay,
-            f"pipeline rank {r} needs {need / GiB:.1f} GiB of {cap / GiB:.1f} GiB ({opts.mem_target:.0%} target: {cap * opts.mem_target / GiB:.1f} GiB)",
-            need_bytes=need,
-            capacity_bytes=cap * opts.mem_target,
-        )
-
     # data-parallel gradient exchange and optimizer step
     dp_exposed, opt_time = 0.0, 0.0
     for r in range(p):
@@ -521,14 +504,10 @@ def evaluate_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int]
                 comm = cluster.reduce_scatter_time(prm * recipe.grad_bytes, ranks) + cluster.all_gather_time(prm * recipe.weight_bytes, ranks)
             else:
                 comm = cluster.allreduce_time(prm * recipe.grad_bytes, ranks)
-            hidden = 0.0
-            if lay.engine == "megatron":  # --overlap-grad-reduce: buckets reduce during the last micro-batch's backward
-                hidden = sum(I[j] + W[j] for j in range(S) if stage_rank[j] == r)
-            dp_exposed = max(dp_exposed, max(0.0, comm - hidden))
-        from planner import hardware
-
+            exposed = ctx.engine.exposed_dp_time(comm, [I[j] + W[j] for j in range(S) if stage_rank[j] == r])
+            dp_exposed = max(dp_exposed, exposed)
         local = prm / (dp if recipe.shard_optimizer else 1)
-        opt_time = max(opt_time, hardware.memory_time(local * OPTIMIZER_STEP_BYTES, dev))
+        opt_time = max(opt_time, memory_time(local * OPTIMIZER_STEP_BYTES, dev))
     step = sim.step_time + dp_exposed + opt_time
     predicted = _predicted(ctx, lay, step, sim, dp_exposed, opt_time, max(rm["total"] for rm in rank_mem), devices)
     return Evaluation(
@@ -631,16 +610,16 @@ def _predicted(ctx: Context, lay: Layout, step: float, sim: SimResult, dp_expose
 # --------------------------------------------------------------------------- the search
 
 
-def search(costs: ModelCosts, cluster, opts: SearchOptions, progress: Callable[[str, int, int], None] | None = None) -> SearchResult:
-    """Find the fastest layouts for ``costs`` on ``cluster`` (see the module docstring)."""
-    if opts.engine not in ENGINES:
-        raise UsageError(f"unknown engine {opts.engine!r}")
+def search(
+    costs: ModelCosts, cluster: Cluster, opts: SearchOptions, engine: EngineRules, progress: Callable[[str, int, int], None] | None = None
+) -> SearchResult:
+    """Find the fastest layouts for ``costs`` on ``cluster`` that ``engine`` can run (see the module docstring)."""
     if not 0 < opts.mem_target <= 1:
         raise UsageError(f"--mem-target must be in (0, 1], got {opts.mem_target}.")
     world = cluster.world_size
     gb = opts.global_batch or default_global_batch(world)
-    ctx = Context(costs, cluster, opts)
-    layouts, rejected = enumerate_layouts(costs, cluster, opts, gb)
+    ctx = Context(costs, cluster, opts, engine)
+    layouts, rejected = enumerate_layouts(costs, cluster, opts, engine, gb)
     dtype = costs.dtype
     bounded = sorted(((lower_bound(ctx, lay, dtype), i, lay) for i, lay in enumerate(layouts)), key=lambda x: (x[0], x[1]))
     ranked: list[Evaluation] = []
@@ -653,14 +632,15 @@ def search(costs: ModelCosts, cluster, opts: SearchOptions, progress: Callable[[
             break
         lighter = next((x for x in no_fit if _needs_no_less_memory(lay, x.layout)), None) if not opts.exhaustive else None
         if lighter is not None:
-            rejected.append(Rejection(lay, f"needs at least the memory of {lighter.layout.short()}, which does not fit", lb, lighter.need_bytes, lighter.capacity_bytes))
+            reason = f"needs at least the memory of {lighter.layout.short()}, which does not fit"
+            rejected.append(Rejection(lay, reason, RejectKind.DOMINATED, lb, lighter.need_bytes, lighter.capacity_bytes))
             continue
         res = evaluate_layout(ctx, lay, dtype, explain=len(rejected) < 4 * opts.top_k)
         priced += 1
         if isinstance(res, Rejection):
             res.lower_bound = lb
             rejected.append(res)
-            if "GiB" in res.reason or "memory" in res.reason:
+            if res.kind is RejectKind.MEMORY:
                 no_fit.append(res)
             continue
         ranked.append(res)

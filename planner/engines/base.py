@@ -1,0 +1,104 @@
+"""The interface every training engine implements, and the rules engines share.
+
+An engine is one module (planner/engines/<name>.py) with one :class:`Engine`
+instance: the schedules it runs, the ZeRO stages and recomputation modes it
+has, where it can cut a model, how it lays out model state in memory, how much
+of the data-parallel exchange its backward hides, and its run-time rules for a
+layout. The search, ``validate`` and the renderers all ask the engine; none of
+them branches on an engine's name. Its renderer lives in planner/render/<name>.py
+(the floor above), registered under the same name.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+import numpy as np
+
+from planner.records import ModelCosts
+from planner.solve.memory import StateRecipe
+from planner.solve.plan import Layout
+from planner.solve.schedules import SCHEDULE_INFO, schedule_constraints
+
+
+class Engine(ABC):
+    """One training engine (see the module docstring); implements planner.solve.rules.EngineRules."""
+
+    name: str = ""
+    description: str = ""
+    #: schedules the engine runs (keys of planner.solve.schedules.SCHEDULE_INFO)
+    schedules: tuple[str, ...] = ("1f1b",)
+    #: the subset the search tries when --schedule is not pinned
+    searched_schedules: tuple[str, ...] = ("1f1b",)
+    zero_levels: tuple[int, ...] = (0,)
+    tensor_parallel: bool = False
+    #: whether stages may be cut inside a repeated block (False: only between whole blocks)
+    sub_block_cuts: bool = True
+    recompute_modes: tuple[str, ...] = ("none", "full")
+
+    # ------------------------------------------------------------------ memory and time
+
+    @abstractmethod
+    def state_recipe(self, precision: str, zero: int, optimizer: str = "adam") -> StateRecipe:
+        """Model-state bytes per parameter as this engine allocates them."""
+
+    def exposed_dp_time(self, comm_s: float, backward_s: Sequence[float]) -> float:
+        """Seconds of the gradient exchange not hidden by the backward: all of it unless the engine overlaps."""
+        return comm_s
+
+    def sends_output_copies(self, schedule: str) -> bool:
+        return False
+
+    def searches_zero(self, zero: int, dtype: str, dp: int) -> bool:
+        """Unpinned search: ZeRO > 0 only when there is a data-parallel group to shard over."""
+        return zero == 0 or dp > 1
+
+    # ------------------------------------------------------------------ where it can cut
+
+    def allowed_cuts(self, costs: ModelCosts) -> np.ndarray:
+        """(n + 1,) booleans: every cut point of ours is expressible."""
+        return np.ones(costs.n + 1, dtype=bool)
+
+    # ------------------------------------------------------------------ rules
+
+    def runtime_schedule_problems(self, schedule: str, pp: int, m: int, v: int) -> list[str]:
+        """What the engine itself refuses for ``schedule`` with pp ranks, m micro-batches and v stages per rank."""
+        problems = schedule_constraints(schedule, pp, m, v)
+        if schedule in SCHEDULE_INFO and schedule not in self.schedules:
+            problems.append(f"engine {self.name} does not run schedule {schedule!r} (it runs: {', '.join(self.schedules)})")
+        return problems
+
+    def schedule_problems(self, schedule: str, pp: int, m: int, v: int) -> list[str]:
+        """The engine's refusals, plus the planner's own rule: never fewer micro-batches than stages (except GPipe)."""
+        problems = self.runtime_schedule_problems(schedule, pp, m, v)
+        if m < pp and schedule != "gpipe":
+            problems.append(f"{m} micro-batches cannot fill {pp} pipeline stages: each step would idle most ranks (need at least {pp})")
+        return problems
+
+    def zero_problems(self, zero: int, pp: int) -> list[str]:
+        if zero not in self.zero_levels:
+            return [f"{self.name} runs ZeRO stages {', '.join(map(str, self.zero_levels))} with a pipeline, not {zero}"]
+        return []
+
+    def tensor_parallel_problems(self, costs: ModelCosts, tp: int) -> list[str]:
+        if tp > 1 and not self.tensor_parallel:
+            return [f"{self.name} runs no tensor parallelism of its own (tp must be 1; use --engine megatron for tp > 1)"]
+        return []
+
+    def recompute_problems(self, recompute: str) -> list[str]:
+        if recompute not in self.recompute_modes:
+            return [f"{self.name} has no {recompute} recomputation (it runs {', '.join(self.recompute_modes)})"]
+        return []
+
+    def layout_problems(self, layout: Layout, costs: ModelCosts) -> list[str]:
+        """Every rule ``layout`` breaks on this engine (empty when it can run)."""
+        out = self.schedule_problems(layout.schedule, layout.pp, layout.num_microbatches, layout.vp) if layout.pp > 1 else []
+        out += self.zero_problems(layout.zero, layout.pp)
+        out += self.recompute_problems(layout.recompute)
+        out += self.tensor_parallel_problems(costs, layout.tp)
+        return out
+
+    def architecture_problem(self, arch: dict | None, model: str) -> tuple[str, str] | None:
+        """(message, hint) when the engine cannot build this model from its architecture(); None when it can."""
+        return None

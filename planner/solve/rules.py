@@ -1,0 +1,66 @@
+"""What the search asks of a training engine, and why a layout is rejected: torch-free, engine-free.
+
+The search (planner.solve.search) is written against :class:`EngineRules`; the
+engines themselves (planner.engines.*) implement it one floor up, so that the
+solver never imports an engine and adding an engine touches no solver code.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+if TYPE_CHECKING:  # only for annotations: no import at run time
+    import numpy as np
+
+    from planner.records import ModelCosts
+    from planner.solve.memory import StateRecipe
+    from planner.solve.plan import Layout
+
+
+class RejectKind(str, Enum):
+    """Why a candidate layout cannot run (the search branches on this, never on a message)."""
+
+    RULE = "rule"  # the engine, the schedule or the cluster cannot run it
+    DEVICES = "devices"  # a pipeline rank would span two kinds of device
+    SPLIT = "split"  # the pieces cannot be cut into that many stages at the engine's cut points
+    MEMORY = "memory"  # some rank needs more memory than its budget
+    DOMINATED = "dominated"  # needs at least the memory of a layout already found not to fit
+
+    @property
+    def is_memory(self) -> bool:
+        return self in (RejectKind.MEMORY, RejectKind.DOMINATED)
+
+
+class EngineRules(Protocol):
+    """The engine-specific facts the layout search needs (see planner.engines.base.Engine)."""
+
+    name: str
+    tensor_parallel: bool
+    recompute_modes: tuple[str, ...]
+    zero_levels: tuple[int, ...]
+    searched_schedules: tuple[str, ...]
+
+    def allowed_cuts(self, costs: ModelCosts) -> np.ndarray:
+        """(n + 1,) booleans: where this engine can cut between pieces."""
+        ...
+
+    def searches_zero(self, zero: int, dtype: str, dp: int) -> bool:
+        """Whether an unpinned search should try ZeRO stage ``zero``."""
+        ...
+
+    def layout_problems(self, layout: Layout, costs: ModelCosts) -> list[str]:
+        """Why this engine cannot run ``layout`` (empty when it can)."""
+        ...
+
+    def state_recipe(self, precision: str, zero: int, optimizer: str) -> StateRecipe:
+        """Model-state bytes per parameter as this engine allocates them."""
+        ...
+
+    def sends_output_copies(self, schedule: str) -> bool:
+        """Whether each stage keeps one more copy of its output per micro-batch in flight."""
+        ...
+
+    def exposed_dp_time(self, comm_s: float, backward_s: Sequence[float]) -> float:
+        """Seconds of the data-parallel gradient exchange ``comm_s`` that the backward passes do not hide."""
+        ...

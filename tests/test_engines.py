@@ -1,0 +1,77 @@
+"""The engines behind one interface: each engine's rules, and the search asking the engine rather than its name."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.engines import ENGINES, get_engine
+from planner.errors import UsageError
+from planner.render import RENDERERS
+from planner.solve.schedules import SCHEDULES, schedule_constraints
+
+
+def test_every_engine_has_a_renderer_and_runs_only_known_schedules():
+    assert set(ENGINES) == set(RENDERERS)
+    for engine in ENGINES.values():
+        assert set(engine.searched_schedules) <= set(engine.schedules) <= set(SCHEDULES)
+        assert 0 in engine.zero_levels and "none" in engine.recompute_modes
+
+
+def test_unknown_engine_names_the_known_ones():
+    with pytest.raises(UsageError, match="deepspeed, megatron, torch"):
+        get_engine("colossal")
+
+
+def test_schedule_rules_per_engine():
+    torch, megatron, deepspeed = (get_engine(n) for n in ("torch", "megatron", "deepspeed"))
+    # Megatron interleaving: m % p == 0 and m >= p; torch accepts more (flexible rounds).
+    assert schedule_constraints("interleaved", 4, 6, 2) == []
+    assert torch.runtime_schedule_problems("interleaved", 4, 6, 2) == []
+    assert any("multiple of p" in x for x in megatron.runtime_schedule_problems("interleaved", 4, 6, 2))
+    assert any("m >= p" in x for x in megatron.runtime_schedule_problems("interleaved", 4, 3, 2))
+    assert megatron.runtime_schedule_problems("interleaved", 4, 8, 2) == []
+    # torch Schedule1F1B needs m >= p; DeepSpeed and Megatron run it, though the planner never plans it
+    assert any("Schedule1F1B needs m >= number of stages" in x for x in torch.runtime_schedule_problems("1f1b", 4, 3, 1))
+    assert deepspeed.runtime_schedule_problems("1f1b", 4, 3, 1) == []
+    assert any("cannot fill 4 pipeline stages" in x for x in deepspeed.schedule_problems("1f1b", 4, 3, 1))
+    assert deepspeed.schedule_problems("1f1b", 4, 4, 1) == []
+    # torch's zero-bubble class checks rounds even with one stage per rank.
+    assert schedule_constraints("zb-h1", 4, 9) == []
+    assert torch.runtime_schedule_problems("zb-h1", 4, 9, 1) != []
+    # engines that do not run a schedule say so
+    assert any("does not run" in x for x in deepspeed.runtime_schedule_problems("zbv", 4, 8, 2))
+    assert any("does not run" in x for x in torch.runtime_schedule_problems("pipedream", 4, 8, 1))
+    assert deepspeed.schedules == ("1f1b",)
+    assert set(megatron.schedules) == {"1f1b", "interleaved"}
+
+
+def test_every_engine_rule_set_is_stricter_than_the_schedule_rules():
+    for name in SCHEDULES:
+        for engine in ENGINES.values():
+            for p in (1, 2, 3, 4):
+                for m in range(1, 10):
+                    for v in (1, 2, 3):
+                        if not engine.schedule_problems(name, p, m, v):
+                            assert not schedule_constraints(name, p, m, v)
+
+
+def test_zero_rules():
+    ds = get_engine("deepspeed")
+    assert any("ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism" in x for x in ds.zero_problems(2, 2))
+    assert ds.zero_problems(1, 4) == [] and ds.zero_problems(0, 4) == []
+    assert get_engine("torch").zero_problems(1, 2) != []
+    assert get_engine("megatron").zero_problems(1, 2) == []
+
+
+def test_dp_overlap_is_the_engines():
+    comm, backward = 3.0, [1.0, 0.5]
+    assert get_engine("megatron").exposed_dp_time(comm, backward) == pytest.approx(1.5)
+    assert get_engine("megatron").exposed_dp_time(1.0, backward) == 0.0
+    assert get_engine("deepspeed").exposed_dp_time(comm, backward) == comm
+    assert get_engine("torch").exposed_dp_time(comm, backward) == comm
+
+
+def test_output_copies_only_for_torch_split_backward():
+    torch = get_engine("torch")
+    assert torch.sends_output_copies("zbv") and torch.sends_output_copies("zb-h1")
+    assert not torch.sends_output_copies("1f1b") and not get_engine("deepspeed").sends_output_copies("1f1b")
