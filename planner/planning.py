@@ -90,7 +90,8 @@ def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | Non
     problem = engine.architecture_problem(analysis.costs.architecture, Path(req.model_file).name)
     if problem:
         raise UsageError(*problem)
-    measured, profile_notes = {}, []
+    measured: dict[str, dict[int, tuple[float, float]]] = {}
+    profile_notes: list[str] = []
     if req.profile:
         measured, profile_notes = match_profile(req.profile, analysis, cluster)
     if req.bounds is not None:
@@ -115,12 +116,12 @@ def _evaluate_pinned(costs: ModelCosts, cluster: Cluster, req: PlanRequest) -> S
     missing = [k for k in need if getattr(req, k) is None]
     if missing:
         raise UsageError(f"fixed stage boundaries need the whole layout pinned; missing: {', '.join(missing)}.")
-    m = req.global_batch // (req.dp * req.micro_batch)
-    lay = Layout(req.engine, req.pp, req.tp, req.dp, req.vp, req.micro_batch, m, req.global_batch, req.schedule, req.recompute, req.zero, req.tp > 1)
+    pp, tp, dp, vp, b, gb, zero = (int(getattr(req, k)) for k in ("pp", "tp", "dp", "vp", "micro_batch", "global_batch", "zero"))
+    lay = Layout(req.engine, pp, tp, dp, vp, b, gb // (dp * b), gb, str(req.schedule), str(req.recompute), zero, tp > 1)
     ev = evaluate_layout(Context(costs, cluster, req, get_engine(req.engine)), lay, costs.dtype, bounds=req.bounds)
     if isinstance(ev, Rejection):
-        return SearchResult(None, [], [ev], 1, 1, req.global_batch)
-    return SearchResult(ev, [ev], [], 1, 1, req.global_batch)
+        return SearchResult(None, [], [ev], 1, 1, gb)
+    return SearchResult(ev, [ev], [], 1, 1, gb)
 
 
 def _stage_plans(costs: ModelCosts, ev: Evaluation) -> list[StagePlan]:
@@ -243,7 +244,7 @@ def _nothing_fits(costs: ModelCosts, cluster: Cluster, req: PlanRequest, result:
     closest = ""
     if mem_rejects:
         r = mem_rejects[0]
-        short = (r.need_bytes - r.capacity_bytes) / GiB
+        short = ((r.need_bytes or 0.0) - (r.capacity_bytes or 0.0)) / GiB
         closest = f" The closest layout, {r.layout.short()}, is {short:.1f} GiB short per GPU: {r.reason}."
     elif result.rejected:
         closest = f" For example {result.rejected[0].layout.short()}: {result.rejected[0].reason}."

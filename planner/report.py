@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from rich import box
 from rich.console import Console
@@ -124,7 +124,7 @@ def _slower(alt: Predicted, chosen: Predicted) -> str:
     return f"{d:+.1%}"
 
 
-def memory_bar_text(components: dict[str, float], capacity: float, target: float, cells: int = BAR_CELLS) -> Text:
+def memory_bar_text(components: Mapping[str, float], capacity: float, target: float, cells: int = BAR_CELLS) -> Text:
     """A text bar of ``cells`` cells for the device's capacity: one letter per component (w g o a b x), ``|`` at the target.
 
     The filled length is the total's share of the capacity; its cells go to the components by largest

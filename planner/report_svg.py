@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from html import escape
-from typing import Sequence
+from typing import Any, Sequence
 
 from planner.solve.plan import Plan
 from planner.solve.schedules import Action, build_schedule
@@ -210,7 +210,7 @@ def timeline_view(plan: Plan, max_boxes: int = MAX_BOXES) -> TimelineView:
     for item in sim.timeline:
         per_rank[item[0]].append(item)
     total = len(sim.timeline)
-    common = dict(
+    common: dict[str, Any] = dict(
         schedule=lay.schedule,
         p=lay.pp,
         v=lay.vp,

@@ -12,7 +12,7 @@ them branches on an engine's name. Its renderer lives in planner/render/<name>.p
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -99,6 +99,6 @@ class Engine(ABC):
         out += self.tensor_parallel_problems(costs, layout.tp)
         return out
 
-    def architecture_problem(self, arch: dict | None, model: str) -> tuple[str, str] | None:
+    def architecture_problem(self, arch: dict[str, Any] | None, model: str) -> tuple[str, str] | None:
         """(message, hint) when the engine cannot build this model from its architecture(); None when it can."""
         return None

@@ -12,7 +12,7 @@ reduces gradient buckets during the backward.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -73,7 +73,7 @@ class MegatronEngine(Engine):
             return ["tensor parallelism needs the model file's architecture() (heads, query groups)"]
         return tensor_parallel_problems(arch, tp)
 
-    def architecture_problem(self, arch: dict | None, model: str) -> tuple[str, str] | None:
+    def architecture_problem(self, arch: dict[str, Any] | None, model: str) -> tuple[str, str] | None:
         return architecture_problem(arch, model)
 
 

@@ -28,6 +28,7 @@ from planner.hardware.device_time import (
     matmul_time,
     memory_efficiency_at,
     memory_time,
+    size_scale,
 )
 from planner.hardware.gpus import GPUS_FORMS, parse_gpus
 from planner.hardware.profiles import (
@@ -50,5 +51,5 @@ __all__ = [
     "DTYPES", "ENV_VAR", "GB", "GIB", "GPUS_FORMS", "MATMUL_SIZE_SCALE", "MEMORY_SIZE_SCALE", "SCHEMA_VERSION",
     "TOPOLOGIES", "Cluster", "DeviceProfile", "FrozenDict", "NodeGroup", "available_profiles", "describe_profile",
     "intra_link_text", "load_profile", "matmul_efficiency_at", "matmul_time", "memory_efficiency_at", "memory_time",
-    "normalize_dtype", "parse_gpus", "profile_from_dict", "profiles_table_rows", "resolve_device",
+    "normalize_dtype", "parse_gpus", "profile_from_dict", "profiles_table_rows", "resolve_device", "size_scale",
 ]

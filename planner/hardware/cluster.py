@@ -154,16 +154,15 @@ class Cluster:
         """
         by_node: dict[int, tuple[NodeGroup, list[int]]] = {}
         for r in sorted(set(ranks)):
-            g, node, local = self._locate(r)
-            by_node.setdefault(node, (g, []))[1].append(local)
+            grp, node, loc = self._locate(r)
+            by_node.setdefault(node, (grp, []))[1].append(loc)
         if len(by_node) == 1:
             (g, local), = by_node.values()
             if len(local) < 2:
                 return math.inf, 0.0
             return self._intra_busbw(g.device, local), g.device.intra_latency
-        inter = min(len(local) * g.inter_bandwidth * g.device.allreduce_efficiency_inter
-                    for g, local in by_node.values())
-        caps = [self._intra_busbw(g.device, local) for g, local in by_node.values() if len(local) > 1]
+        inter = min(len(ls) * grp.inter_bandwidth * grp.device.allreduce_efficiency_inter for grp, ls in by_node.values())
+        caps = [self._intra_busbw(grp.device, ls) for grp, ls in by_node.values() if len(ls) > 1]
         latency = max(g.device.inter_latency for g, _ in by_node.values())
         return min([inter, *caps]), latency
 

@@ -7,13 +7,11 @@ import math
 from planner.hardware.cluster import _check_bytes
 from planner.hardware.profiles import MATMUL_SIZE_SCALE, MEMORY_SIZE_SCALE, DeviceProfile
 
-__all__ = ["MATMUL_SIZE_SCALE", "MEMORY_SIZE_SCALE", "matmul_efficiency_at", "matmul_time", "memory_efficiency_at", "memory_time"]
-
-# ------------------------------------------------------------------ time model
+__all__ = ["MATMUL_SIZE_SCALE", "MEMORY_SIZE_SCALE", "matmul_efficiency_at", "matmul_time", "memory_efficiency_at", "memory_time", "size_scale"]
 
 def matmul_efficiency_at(flops_per_op: float, device: DeviceProfile) -> float:
     """Fraction of dense peak that one matmul of ``flops_per_op`` FLOPs reaches on ``device``."""
-    return device.matmul_efficiency * _log_interp(flops_per_op, device.matmul_size_scale)
+    return device.matmul_efficiency * size_scale(flops_per_op, device.matmul_size_scale)
 
 
 def matmul_time(flops: float, device: DeviceProfile, dtype: str, flops_per_op: float | None = None) -> float:
@@ -29,7 +27,7 @@ def matmul_time(flops: float, device: DeviceProfile, dtype: str, flops_per_op: f
     return flops / (device.flops(dtype) * matmul_efficiency_at(size, device))
 
 
-def _log_interp(x: float, pts: tuple[tuple[float, float], ...]) -> float:
+def size_scale(x: float, pts: tuple[tuple[float, float], ...]) -> float:
     """y at ``x`` on the curve ``pts`` (joined linearly in log x, flat beyond its ends)."""
     if x <= pts[0][0]:
         return pts[0][1]
@@ -44,7 +42,7 @@ def _log_interp(x: float, pts: tuple[tuple[float, float], ...]) -> float:
 
 def memory_efficiency_at(bytes_per_op: float, device: DeviceProfile) -> float:
     """Fraction of memory bandwidth one operator moving ``bytes_per_op`` bytes reaches on ``device``."""
-    return device.memory_efficiency * _log_interp(bytes_per_op, device.memory_size_scale)
+    return device.memory_efficiency * size_scale(bytes_per_op, device.memory_size_scale)
 
 
 def memory_time(nbytes: float, device: DeviceProfile, bytes_per_op: float | None = None) -> float:

@@ -51,7 +51,7 @@ class FrozenDict(dict):
     def __reduce__(self):
         return (type(self), (dict(self),))
 
-    def __hash__(self) -> int:
+    def __hash__(self) -> int:  # type: ignore[override]
         return hash(tuple(sorted(self.items())))
 
 

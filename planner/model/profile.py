@@ -44,7 +44,6 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
 import torch
@@ -733,11 +732,11 @@ def profile_to_hardware_yaml(profile: Mapping[str, Any], base_profiles: Mapping[
 
     peak, peak_src = {}, []
     for dt, m in sorted(cal["matmul"].items(), key=lambda kv: hardware.DTYPES.index(kv[0]) if kv[0] in hardware.DTYPES else 99):
-        scale = hardware.matmul_efficiency_at(m["flops_per_op"], SimpleNamespace(matmul_efficiency=1.0))
+        scale = hardware.size_scale(m["flops_per_op"], hardware.MATMUL_SIZE_SCALE)  # the written profile keeps the default curves
         peak[dt] = _round(m["flops_per_s"] / scale / 1e12)
         peak_src.append(f"{dt}: {m['flops_per_s'] / 1e12:.4g} TFLOP/s achieved by a {m['n']}x{m['n']} matmul, / size factor {scale:.3f} at {m['flops_per_op']:.3g} FLOP")
     moved = 2.0 * cal["copy"]["bytes"]
-    mem_scale = _memory_size_scale(moved)
+    mem_scale = hardware.size_scale(moved, hardware.MEMORY_SIZE_SCALE)
     bw = _round(cal["copy"]["bytes_per_s"] / mem_scale / 1e9)
     total = int(dev.get("memory_bytes") or cal.get("memory_total_bytes"))
     if kind == "cpu":
@@ -809,14 +808,6 @@ def profile_to_hardware_yaml(profile: Mapping[str, Any], base_profiles: Mapping[
         "# Matmul peak and memory bandwidth are measured; links and all-reduce figures are not (see sources).\n"
     )
     return header + yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=10_000)
-
-
-def _memory_size_scale(bytes_per_op: float) -> float:
-    """planner.hardware's size factor of a memory-bound operator moving ``bytes_per_op`` bytes (1 where it has none)."""
-    from planner import hardware
-
-    at = getattr(hardware, "memory_efficiency_at", None)
-    return at(bytes_per_op, SimpleNamespace(memory_efficiency=1.0)) if at else 1.0
 
 
 def _round(x: float) -> float:

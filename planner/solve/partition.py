@@ -85,7 +85,8 @@ def _matrix(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, dtype=np.float64)
     if x.ndim == 2:
         return x
-    return x[None, :] - x[:, None]
+    diff: np.ndarray = x[None, :] - x[:, None]
+    return diff
 
 
 def stage_time(pb: PartitionProblem, j: int, a: int, b: int) -> float:

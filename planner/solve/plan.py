@@ -7,10 +7,14 @@ file is stable and readable; nothing time- or host-dependent is written.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
+from planner import __version__
 from planner.errors import UsageError
 
 SCHEMA_VERSION = 1
@@ -151,9 +155,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        from planner import __version__
-
-        return _round(
+        doc: dict[str, Any] = _round(
             {
                 "schema_version": SCHEMA_VERSION,
                 "planner_version": __version__,
@@ -169,6 +171,7 @@ class Plan:
                 "notes": list(self.notes),
             }
         )
+        return doc
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
@@ -195,11 +198,8 @@ class Plan:
         )
 
 
-def load_plan(path) -> Plan:
+def load_plan(path: str | os.PathLike[str]) -> Plan:
     """Read plan.json (a file or a plan directory) with a clear error when it is missing or malformed."""
-    import json
-    from pathlib import Path
-
     p = Path(path)
     if p.is_dir():
         p = p / "plan.json"

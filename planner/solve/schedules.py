@@ -269,7 +269,7 @@ def interleaved_group_size(p: int, m: int) -> int:
     return m // max(1, m // p)
 
 
-def _as_int(x) -> bool:
+def _as_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 

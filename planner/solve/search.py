@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from planner.errors import UsageError
-from planner.hardware import Cluster, memory_time
+from planner.hardware import Cluster, DeviceProfile, memory_time
 from planner.records import ModelCosts
 from planner.solve import partition as part
 from planner.solve.memory import GiB, RuntimeOverhead, range_matrices, stage_params
@@ -164,12 +164,12 @@ class Context:
         self.engine = engine
         self.allowed = engine.allowed_cuts(costs)
         self.min_gpus_per_node = min(g.gpus_per_node for g in cluster.groups)
-        self._sharded: dict[tuple[int, int], ModelCosts] = {}
-        self._times: dict[tuple, PieceTimes] = {}
-        self._memory: dict[tuple, tuple] = {}
-        self._cuts: dict[tuple, tuple] = {}
-        self._prefix: dict[int, tuple] = {}
-        self._p2p: dict[tuple, np.ndarray] = {}
+        self._sharded: dict[tuple[int, int, bool], ModelCosts] = {}
+        self._times: dict[tuple[int, int, str, str, bool], PieceTimes] = {}
+        self._memory: dict[tuple[int, int, str, bool], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._cuts: dict[tuple[int, int, bool], tuple[np.ndarray, np.ndarray]] = {}
+        self._prefix: dict[int, tuple[PieceTimes, np.ndarray]] = {}
+        self._p2p: dict[tuple[int, int, int, int, bool, bool], np.ndarray] = {}
 
     def sharded(self, b: int, tp: int, sp: bool = True) -> ModelCosts:
         key = (b, tp, sp and tp > 1)
@@ -211,7 +211,7 @@ class Context:
         key = (b, tp, recompute, dev.key, sp)
         if key not in self._times:
             sharded = self.sharded(b, tp, sp)
-            coll = 0.0
+            coll: float | list[float] = 0.0
             if tp > 1:
                 ranks = list(range(first_rank, first_rank + tp))
                 coll = [tp_collective_time(self.cluster, c.bytes, ranks, sp) for c in self.costs.scaled(b).cuts[:-1]]
@@ -447,8 +447,8 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         if sol is None:
             if not explain:
                 return Rejection(lay, "no split of the pieces fits every stage's memory budget", RejectKind.MEMORY)
-            reason, need, cap = _memory_reason(pb, devices, stage_rank, opts, v, S, n)
-            return Rejection(lay, reason, RejectKind.MEMORY if need is not None else RejectKind.SPLIT, need_bytes=need, capacity_bytes=cap)
+            reason, need_b, cap_b = _memory_reason(pb, devices, stage_rank, opts, v, S, n)
+            return Rejection(lay, reason, RejectKind.MEMORY if need_b is not None else RejectKind.SPLIT, need_bytes=need_b, capacity_bytes=cap_b)
         bounds = sol.bounds
     else:
         bounds = tuple(bounds)
@@ -529,7 +529,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     )
 
 
-def _p2p(cluster, nbytes: np.ndarray, a: int, b: int) -> np.ndarray:
+def _p2p(cluster: Cluster, nbytes: np.ndarray, a: int, b: int) -> np.ndarray:
     """Seconds to send each of ``nbytes`` from rank a to rank b: latency + bytes / bandwidth; 0 on the same rank or for no bytes."""
     if a == b:
         return np.zeros_like(nbytes)
@@ -562,7 +562,7 @@ def _simulate_extrapolated(name: str, p: int, m: int, v: int, times: StageTimes,
     return replace(r2, step_time=step, busy=busy, bubble_fraction=bubble)
 
 
-def _memory_reason(pb: part.PartitionProblem, devices, stage_rank, opts: SearchOptions, v: int, S: int, n: int) -> tuple[str, float | None, float | None]:
+def _memory_reason(pb: part.PartitionProblem, devices: Sequence[DeviceProfile], stage_rank: Sequence[int], opts: SearchOptions, v: int, S: int, n: int) -> tuple[str, float | None, float | None]:
     """Why no partition fits: the rank that overflows most in the fastest partition that ignores memory (reason, need, capacity)."""
     free = replace(pb, capacity=[math.inf] * S)
     sol = part.solve(free)
@@ -587,7 +587,7 @@ def model_flops_per_step(costs: ModelCosts, global_batch: int) -> float:
     return 3.0 * fwd * global_batch / costs.micro_batch
 
 
-def _predicted(ctx: Context, lay: Layout, step: float, sim: SimResult, dp_exposed: float, opt_time: float, peak: float, devices) -> Predicted:
+def _predicted(ctx: Context, lay: Layout, step: float, sim: SimResult, dp_exposed: float, opt_time: float, peak: float, devices: Sequence[DeviceProfile]) -> Predicted:
     costs = ctx.costs
     world = lay.pp * lay.tp * lay.dp
     flops = model_flops_per_step(costs, lay.global_batch)
@@ -673,6 +673,6 @@ def _needs_no_less_memory(lay: Layout, other: Layout) -> bool:
     )
 
 
-def _layout_key(lay: Layout) -> tuple:
+def _layout_key(lay: Layout) -> tuple[int, int, int, int, int, str, int]:
     """Deterministic tie-break: fewer stages, less tensor parallelism, no recompute, smaller micro-batch."""
     return (lay.pp, lay.tp, lay.vp, RECOMPUTE_MODES.index(lay.recompute), lay.micro_batch, lay.schedule, lay.zero)

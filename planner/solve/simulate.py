@@ -286,7 +286,7 @@ def simulate(
     sf, sb = times.send_fwd, times.send_bwd
     fdelay = [sf[s - 1] if comp.cross_f[s] else 0.0 for s in range(S)]
     bdelay = [sb[s] if comp.cross_b[s] else 0.0 for s in range(S)]
-    ibdur = (None, bdur, idur)  # duration table by kind code for B and I
+    ibdur = (fdur, bdur, idur)  # duration table by kind code for B and I (index 0, F, unused here)
 
     SM = S * m
     done: list[float | None] = [None] * (2 * SM)  # [0, SM): F end; [SM, 2SM): B/I end
@@ -370,9 +370,9 @@ def simulate(
 
     tl: list[tuple[int, Action, float, float]] = []
     if starts is not None:
-        for r, acts in enumerate(schedule.actions):
+        for r, rank_acts in enumerate(schedule.actions):
             st_r = starts[r]
-            for a, st in zip(acts, st_r):
+            for a, st in zip(rank_acts, st_r):
                 k = _KIND_CODE[a.kind]
                 tl.append((r, a, st, st + durs[k][a.stage]))
 
@@ -412,7 +412,7 @@ def _peak_bytes(comp: _Compiled, memory: StageMemory, S: int) -> list[float]:
     return out
 
 
-def _deadlock_message(schedule: Schedule, comp: _Compiled, ptr: list[int], stuck: list[int], done) -> str:
+def _deadlock_message(schedule: Schedule, comp: _Compiled, ptr: list[int], stuck: list[int], done: Sequence[float | None]) -> str:
     m = schedule.num_microbatches
 
     def blocked_on(r: int) -> str:
@@ -425,7 +425,7 @@ def _deadlock_message(schedule: Schedule, comp: _Compiled, ptr: list[int], stuck
         elif done[s * m + j] is None:
             need = Action("F", s, j)
         else:
-            need = Action("B/I", s + 1, j)  # type: ignore[arg-type]
+            need = Action("B/I", s + 1, j)  # type: ignore[arg-type,unused-ignore]
         owner = schedule.stage_to_rank[need.stage]
         state = "later in its own list" if owner == r else (
             f"rank {owner} is stuck at action #{ptr[owner]} {schedule.actions[owner][ptr[owner]]}"

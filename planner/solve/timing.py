@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
+from planner import hardware
+from planner.hardware import Cluster, DeviceProfile
 from planner.records import ModelCosts
 
 TP_COLLECTIVES = {"attention": (1, 1), "mlp": (1, 1), "block": (2, 2), "embedding": (1, 0), "head": (0, 1)}
@@ -36,11 +38,11 @@ TP_COLLECTIVES = {"attention": (1, 1), "mlp": (1, 1), "block": (2, 2), "embeddin
 SP_PAIR_ALLREDUCES = 1.5
 
 
-def tp_collective_time(cluster, nbytes: float, ranks: Sequence[int], sequence_parallel: bool = True) -> float:
+def tp_collective_time(cluster: Cluster, nbytes: float, ranks: Sequence[int], sequence_parallel: bool = True) -> float:
     """Seconds of one tensor-parallel collective on the residual stream of ``nbytes`` (unsharded) over ``ranks``:
     an all-gather + reduce-scatter pair with sequence parallelism, else an all-reduce."""
     t = cluster.allreduce_time(nbytes, ranks)
-    return t * SP_PAIR_ALLREDUCES if sequence_parallel else t
+    return float(t * SP_PAIR_ALLREDUCES if sequence_parallel else t)
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ def shard_costs(costs: ModelCosts, tp: int, sequence_parallel: bool = True) -> M
 
 def analytical_times(
     costs: ModelCosts,
-    device,
+    device: DeviceProfile,
     dtype: str,
     recompute: str = "none",
     tp: int = 1,
@@ -142,19 +144,15 @@ def analytical_times(
     return PieceTimes(tuple(fwd), tuple(bi), tuple(bw), tuple(rc), ("analytical",) * n)
 
 
-def ops_time(op_flops: Sequence[float], total: float, device, dtype: str) -> float:
+def ops_time(op_flops: Sequence[float], total: float, device: DeviceProfile, dtype: str) -> float:
     """Seconds for a piece's matmul-like operators, each rated by its own size; ``total`` FLOPs when no list is known."""
-    from planner import hardware
-
     if not op_flops:
         return hardware.matmul_time(total, device, dtype)
     return sum(hardware.matmul_time(x, device, dtype) for x in op_flops if x > 0)
 
 
-def bytes_time(op_bytes: Sequence[float], total: float, device) -> float:
+def bytes_time(op_bytes: Sequence[float], total: float, device: DeviceProfile) -> float:
     """Seconds for a piece's memory-bound operators, each rated by its transfer size; ``total`` bytes when no list is known."""
-    from planner import hardware
-
     if not op_bytes:
         return hardware.memory_time(total, device)
     return sum(hardware.memory_time(x, device, bytes_per_op=x) for x in op_bytes)
@@ -166,7 +164,8 @@ def with_measured(times: PieceTimes, measured: Mapping[int, tuple[float, float]]
     The measured backward is split into input and weight parts in the
     analytical proportion; full recompute adds the measured forward.
     """
-    fwd, bi, bw, rc, src = map(list, (times.fwd, times.bwd_input, times.bwd_weight, times.recompute, times.source))
+    fwd, bi, bw, rc = list(times.fwd), list(times.bwd_input), list(times.bwd_weight), list(times.recompute)
+    src = list(times.source)
     for k, (f, b) in measured.items():
         total_b = bi[k] + bw[k]
         share = bw[k] / total_b if total_b > 0 else 0.5
