@@ -303,7 +303,8 @@ def profile(
     from planner.errors import UsageError
     from planner.fileio import write_text_atomic
     from planner.model.load import parse_model_args
-    from planner.model.profile import profile_model, profile_to_hardware_yaml, suggested_hardware_key, write_profile
+    from planner.hardware.calibrated import profile_to_hardware_yaml, suggested_hardware_key
+    from planner.model.profile import profile_model, write_profile
 
     with _errors():
         if hardware_out is not None and not calibrate:

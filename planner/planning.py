@@ -15,7 +15,7 @@ from planner.engines import get_engine
 from planner.errors import InfeasibleError, UsageError
 from planner.hardware import Cluster
 from planner.model.analyze import analyze
-from planner.model.profile import match_profile
+from planner.model.profile_match import match_profile
 from planner.records import ModelCosts
 from planner.solve.memory import GiB
 from planner.solve.plan import Alternative, Layout, Plan, RankMemory, StagePlan

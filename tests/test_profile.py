@@ -12,17 +12,11 @@ import yaml
 from planner import hardware
 from planner.errors import UsageError
 from planner.model.analyze import analyze
-from planner.model.profile import (
-    calibrate_device,
-    match_profile,
-    piece_signatures,
-    profile_model,
-    profile_to_hardware_yaml,
-    read_profile,
-    suggested_hardware_key,
-    write_profile,
-)
 from planner.engines import get_engine
+from planner.hardware.calibrated import profile_to_hardware_yaml, suggested_hardware_key
+from planner.model.device import calibrate_device
+from planner.model.profile import piece_signatures, profile_model, read_profile, write_profile
+from planner.model.profile_match import match_profile
 from planner.solve.search import Context, SearchOptions
 from planner.solve.timing import analytical_times, with_measured
 

@@ -12,10 +12,10 @@ quartiles (seconds). On CUDA each piece's peak memory is
 ``max_memory_allocated`` during one forward + backward minus what was
 allocated before it (bytes).
 
-``calibrate_device`` measures the achieved matmul rate (square matmuls, FLOP/s)
-and the copy bandwidth (bytes read + written per second) of the device;
-``profile_to_hardware_yaml`` turns them into a hardware profile such that the
-analytical model of planner.hardware reproduces them:
+The device calibration it records (planner.model.device.calibrate_device: the achieved
+matmul rate, FLOP/s, and copy bandwidth, bytes read + written per second) becomes a hardware
+profile through planner.hardware.calibrated.profile_to_hardware_yaml, chosen so that the
+analytical model of planner.hardware reproduces the measurements:
 
 * ``matmul_time(F, op) = F / (peak * efficiency.matmul * size_scale(op))``. With
   ``efficiency.matmul = 1`` and ``peak = achieved / size_scale(op_c)`` (``op_c``
@@ -27,21 +27,13 @@ analytical model of planner.hardware reproduces them:
   bytes / time / size_scale(2 x copied bytes) and ``efficiency.memory = 1``; the
   default copies (256 MiB on CPU, 2 GiB on GPU) are past the top of the size curve.
 
-``match_profile`` reads a profile.json for planning: it checks the model
-(file sha256, else identical piece names) and dtype, maps per-piece times onto
-the analysed pieces by signature (pieces of a structure not measured keep the
-analytical time), scales them linearly to the costed micro-batch, and keys them
-by the cluster device the profile was measured on.
+planner.model.profile_match maps a profile.json onto a plan's pieces.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
-import os
-import platform
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -51,16 +43,14 @@ import torch
 from planner import __version__
 from planner.errors import UsageError
 from planner.fileio import dumps_json, write_text_atomic
+from planner.model.analyze import analyze, torch_dtype
 from planner.model.cost import piece_structure
+from planner.model.load import load_model_file
+from planner.model.device import Timer, calibrate_device, check_device, device_memory, device_name, hardware_key_for, summarize, sync
 
 PROFILE_SCHEMA = 1
 PROFILE_KIND = "planner-profile"
 DEVICES = ("cpu", "cuda")
-#: default calibration sizes: square matmul sides (n) and the bytes of the copied tensor
-CALIBRATION = {
-    "cpu": {"matmul_sizes": (512, 1024, 2048), "copy_bytes": 256 * 2**20},
-    "cuda": {"matmul_sizes": (2048, 4096, 8192), "copy_bytes": 2 * 2**30},
-}
 _SHRINK_HINT = (
     "Profile a smaller preset, or shrink it with --model-arg (fewer layers: n_layer=2 for examples/gpt2.py, n_layers=2 "
     "for examples/llama.py): identical blocks are "
@@ -98,178 +88,6 @@ def piece_signatures(lg) -> list[str]:
 
 
 # --------------------------------------------------------------------------- device facts
-
-
-def _cpu_model_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "CPU"
-
-
-def _meminfo() -> dict[str, int]:
-    """MemTotal and MemAvailable in bytes from /proc/meminfo (empty when unreadable)."""
-    out = {}
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            parts = rest.split()
-            if key in ("MemTotal", "MemAvailable") and parts:
-                out[key] = int(parts[0]) * 1024
-    except (OSError, ValueError):
-        pass
-    return out
-
-
-def _check_device(device: str) -> None:
-    if device not in DEVICES:
-        raise UsageError(f"Unknown device {device!r} for profiling.", "Use --device cuda (the GPU of this machine) or --device cpu.")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda was asked for, but torch sees no CUDA GPU on this machine.",
-                         "Run `planner profile` on a machine with the target GPU, or profile with --device cpu.")
-
-
-def device_name(device: str) -> str:
-    """The device's model name: torch.cuda.get_device_name, or the CPU model from /proc/cpuinfo."""
-    return torch.cuda.get_device_name() if device == "cuda" else _cpu_model_name()
-
-
-def device_memory(device: str) -> tuple[int, int]:
-    """(total, currently free) bytes of the device: CUDA's figures, or /proc/meminfo's MemTotal and MemAvailable."""
-    if device == "cuda":
-        free, total = torch.cuda.mem_get_info()
-        return int(total), int(free)
-    info = _meminfo()
-    total = info.get("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(total), int(info.get("MemAvailable", total))
-
-
-def hardware_key_for(name: str, device: str, profiles: Mapping[str, Any] | None = None) -> str | None:
-    """The hardware-profile key of a device name (planner.hardware.resolve_device), ``cpu`` for an unknown CPU, else None."""
-    from planner import hardware
-
-    profiles = hardware.available_profiles() if profiles is None else profiles
-    try:
-        return hardware.resolve_device(name, profiles)[0].key
-    except UsageError:
-        return "cpu" if device == "cpu" and "cpu" in profiles else None
-
-
-# --------------------------------------------------------------------------- timing
-
-
-class _Timer:
-    """Times consecutive phases of one iteration: CUDA events on GPU, perf_counter on CPU (seconds)."""
-
-    def __init__(self, device: str):
-        self.cuda = device == "cuda"
-        self.marks: list[list[Any]] = []
-
-    def start(self) -> None:
-        self.marks.append([])
-        self.mark()
-
-    def mark(self) -> None:
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.marks[-1].append(e)
-        else:
-            self.marks[-1].append(time.perf_counter())
-
-    def phases(self) -> list[list[float]]:
-        """Per iteration, the seconds between consecutive marks."""
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [[a.elapsed_time(b) / 1e3 for a, b in zip(m, m[1:])] for m in self.marks]
-        return [[b - a for a, b in zip(m, m[1:])] for m in self.marks]
-
-
-def summarize(samples: list[float]) -> dict[str, float]:
-    """Median, min, max and quartiles (inclusive method) of ``samples`` (seconds)."""
-    xs = sorted(samples)
-    if len(xs) >= 2:
-        q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
-    else:
-        q1 = q3 = xs[0]
-    return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1], "q1": q1, "q3": q3}
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-# --------------------------------------------------------------------------- calibration
-
-
-def calibrate_device(
-    device: str,
-    dtypes: tuple[str, ...] = ("fp32",),
-    matmul_sizes: tuple[int, ...] | None = None,
-    copy_bytes: int | None = None,
-    repeats: int = 5,
-) -> dict[str, Any]:
-    """Achieved matmul FLOP/s per dtype and copy bandwidth of ``device``.
-
-    Matmul: for each side ``n`` in ``matmul_sizes``, the median rate of ``repeats``
-    ``(n x n) @ (n x n)`` products (2 n^3 FLOPs each); the reported rate is the
-    largest size's (the large-GEMM rate a profile's peak describes; smaller sizes
-    are kept in ``by_size``, e.g. to see how a CPU departs from the GPU-derived
-    size curve of planner.hardware). Copy: ``y.copy_(x)`` of ``copy_bytes`` bytes, rate = 2 x bytes / median
-    time (read + write, as the costing counts bytes moved).
-    """
-    from planner.model.analyze import torch_dtype
-
-    _check_device(device)
-    sizes = tuple(matmul_sizes or CALIBRATION[device]["matmul_sizes"])
-    nbytes = int(copy_bytes or CALIBRATION[device]["copy_bytes"])
-    timer_name = "cuda events" if device == "cuda" else "perf_counter"
-    matmul: dict[str, Any] = {}
-    for name in dtypes:
-        dt = torch_dtype(name)
-        by_size = []
-        for n in sizes:
-            a = torch.randn(n, n, device=device).to(dt)
-            b = torch.randn(n, n, device=device).to(dt)
-            torch.mm(a, b)
-            _sync(device)
-            t = _Timer(device)
-            for _ in range(repeats):
-                t.start()
-                torch.mm(a, b)
-                t.mark()
-            secs = statistics.median(p[0] for p in t.phases())
-            by_size.append({"n": n, "flops_per_op": 2.0 * n**3, "median_s": secs, "flops_per_s": 2.0 * n**3 / secs})
-            del a, b
-        top = max(by_size, key=lambda r: r["n"])
-        matmul[name] = {"n": top["n"], "flops_per_op": top["flops_per_op"], "flops_per_s": top["flops_per_s"], "by_size": by_size}
-    x = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    _sync(device)
-    t = _Timer(device)
-    for _ in range(repeats):
-        t.start()
-        y.copy_(x)
-        t.mark()
-    secs = statistics.median(p[0] for p in t.phases())
-    copied = x.numel() * 4
-    del x, y
-    total, free = device_memory(device)
-    return {
-        "matmul": matmul,
-        "copy": {"bytes": copied, "median_s": secs, "bytes_per_s": 2.0 * copied / secs},
-        "memory_total_bytes": total,
-        "memory_available_bytes": free,
-        "repeats": repeats,
-        "timer": timer_name,
-    }
-
-
 # --------------------------------------------------------------------------- model on the device
 
 
@@ -364,7 +182,7 @@ class _PieceRun:
         self.leaves = [t for t in _flat(args) if t.requires_grad]
         self.grads: list[torch.Tensor] | None = None
 
-    def step(self, timer: _Timer | None = None) -> None:
+    def step(self, timer: Timer | None = None) -> None:
         """Forward (with the loss for the last piece), then backward into the parameters and the inputs."""
         if timer:
             timer.start()
@@ -407,12 +225,12 @@ def _time_runs(runs: list[_PieceRun], device: str, warmup: int, repeats: int, wa
         peaks.append(run.peak_bytes() if device == "cuda" else None)
         for _ in range(warmup - (device == "cuda")):
             run.step()
-    _sync(device)
+    sync(device)
     while time.perf_counter() - start < warmup_s:
         for run in runs:
             run.step()
-        _sync(device)
-    timers = [_Timer(device) for _ in runs]
+        sync(device)
+    timers = [Timer(device) for _ in runs]
     for r in range(repeats):
         if progress:
             progress("measure", r, repeats)
@@ -463,10 +281,8 @@ def profile_model(
     then ``repeats`` timed rounds. Raises UsageError when the model does not fit
     on the device (with a hint to shrink it).
     """
-    from planner.model.analyze import analyze, torch_dtype
-    from planner.model.load import load_model_file
 
-    _check_device(device)
+    check_device(device)
     if warmup < 0 or repeats < 1:
         raise UsageError(f"warmup must be >= 0 and repeats >= 1, got {warmup} and {repeats}.")
     warmup_s = (0.5 if device == "cuda" else 0.1) if warmup_s is None else float(warmup_s)
@@ -518,6 +334,7 @@ def profile_model(
             "torch": torch.__version__,
             "cuda": torch.version.cuda if device == "cuda" else None,
             "threads": torch.get_num_threads(),
+            "count": torch.cuda.device_count() if device == "cuda" else 1,
         },
         "dtype": dtype,
         "micro_batch": micro_batch,
@@ -602,216 +419,3 @@ def read_profile(path: str | Path) -> dict[str, Any]:
     return doc
 
 
-# --------------------------------------------------------------------------- matching for planning
-
-
-def _cluster_device(doc: dict[str, Any], cluster) -> tuple[str | None, str]:
-    """(cluster device key the profile was measured on, or None; the name used)."""
-    from planner import hardware
-
-    dev = doc["device"]
-    name = str(dev.get("name") or "")
-    devices = {g.device.key: g.device for g in cluster.groups}
-    if name:
-        try:
-            return hardware.resolve_device(name, devices)[0].key, name
-        except UsageError:
-            pass
-    if dev.get("key") in devices:
-        return dev["key"], name
-    if dev.get("type") == "cpu" and "cpu" in devices:
-        return "cpu", name
-    return None, name
-
-
-def match_profile(path: str | Path, analysis, cluster) -> tuple[dict[str, dict[int, tuple[float, float]]], list[str]]:
-    """Measured (forward, backward) seconds per piece of ``analysis`` at its costed micro-batch, by cluster device key.
-
-    Returns ``({device key: {piece index: (fwd_s, bwd_s)}}, notes)``; ``{}`` with a
-    note when the profile's device is not in ``cluster``. Raises UsageError when
-    the profile is for another model or dtype, or matches none of its pieces.
-    """
-    doc = read_profile(path)
-    costs = analysis.costs
-    mf, lg = analysis.model_file, analysis.layer_graph
-    pname = Path(path).name
-    if doc["dtype"] != costs.dtype:
-        raise UsageError(
-            f"{pname} was measured in {doc['dtype']}, but this plan uses {costs.dtype}.",
-            f"Profile again with --dtype {costs.dtype}, or plan with --dtype {doc['dtype']}.",
-        )
-    names = [p.name for p in lg.pieces]
-    rows = doc["pieces"]
-    same_file = doc["model"].get("sha256") == mf.sha256
-    same_pieces = [r.get("name") for r in rows] == names
-    if not same_file and not same_pieces:
-        raise UsageError(
-            f"{pname} was measured on another model: {doc['model'].get('file')} (sha256 {str(doc['model'].get('sha256'))[:12]}...) "
-            f"with {len(rows)} pieces, not {mf.path.name} (sha256 {mf.sha256[:12]}...) with {len(names)} pieces.",
-            f"Run `planner profile {mf.path.name}` to measure this model, or plan without --profile.",
-        )
-    sigs = piece_signatures(lg)
-    by_sig: dict[str, tuple[float, float]] = {}
-    for r in rows:
-        by_sig.setdefault(r["signature"], (float(r["fwd_s"]["median"]), float(r["bwd_s"]["median"])))
-    hits = {i: by_sig[s] for i, s in enumerate(sigs) if s in by_sig}
-    args_note = ""
-    if doc["model"].get("model_args") != dict(sorted(mf.model_args.items())):
-        args_note = f" (measured with model args {doc['model'].get('model_args')}, planned with {dict(sorted(mf.model_args.items()))})"
-    if not hits:
-        raise UsageError(
-            f"{pname} matches none of the {len(names)} pieces of {mf.path.name}{args_note}: no measured piece has the same structure.",
-            "Profile the model with the same --model-arg values (layer count may differ), --leaf and --tracer as the plan.",
-        )
-    notes = []
-    if not same_file:
-        notes.append(f"{pname}: the model file changed since profiling (sha256 differs), but it has the same pieces; measured times used")
-    key, name = _cluster_device(doc, cluster)
-    if key is None:
-        devs = ", ".join(sorted({g.device.key for g in cluster.groups}))
-        notes.append(f"{pname} was measured on {name or 'an unknown device'}, which is not in the cluster ({devs}); analytical times used")
-        return {}, notes
-    scale = costs.micro_batch / int(doc["micro_batch"])
-    measured = {i: (f * scale, b * scale) for i, (f, b) in sorted(hits.items())}
-    n_meas, n = len(measured), len(names)
-    scaled = f", scaled linearly from micro-batch {doc['micro_batch']} to {costs.micro_batch}" if scale != 1 else ""
-    notes.append(
-        f"{pname}: measured times on {key} ({name}, torch {doc['device'].get('torch')}) for {n_meas} of {n} pieces"
-        f"{args_note}{scaled}; {n - n_meas} analytical"
-    )
-    return {key: measured}, notes
-
-
-# --------------------------------------------------------------------------- hardware profile from a calibration
-
-
-_PLACEHOLDER_GPU = {
-    "intra_node": {"topology": "pcie", "bandwidth_gbps_per_direction": 25, "latency_us": 10},
-    "pcie_gbps_per_direction": 25,
-    "inter_node": {"bandwidth_gbps_per_direction": 12.5, "latency_us": 20, "fabric": "assumed: 100 Gb/s Ethernet or InfiniBand per GPU"},
-    "allreduce_intra": 0.7,
-    "allreduce_inter": 0.7,
-}
-
-
-def suggested_hardware_key(profile: Mapping[str, Any]) -> str:
-    """A file stem (= profile key) for the calibrated YAML: the resolved device key, or a slug of the name, + '-calibrated'."""
-    dev = profile["device"]
-    base = dev.get("key") if dev.get("type") == "cuda" and dev.get("key") else None
-    if base is None:
-        base = "cpu" if dev.get("type") == "cpu" else "".join(c if c.isalnum() else "-" for c in str(dev.get("name", "gpu")).lower()).strip("-")
-    return f"{base}-calibrated"
-
-
-def profile_to_hardware_yaml(profile: Mapping[str, Any], base_profiles: Mapping[str, Any] | None = None) -> str:
-    """A hardware-profile YAML (planner/hardware.py schema) from a profile with ``calibration``.
-
-    Measured: ``peak_tflops`` per calibrated dtype (the achieved matmul rate divided
-    by planner.hardware's size factor at the calibration size, with
-    ``efficiency.matmul`` 1.0, so matmul_time reproduces the measurement),
-    ``memory_bandwidth_gbps`` (copy rate, ``efficiency.memory`` 1.0) and memory
-    capacity. Links, latencies and all-reduce efficiencies cannot be measured on
-    one device: they come from the bundled profile of the same device (CPU: the
-    ``cpu`` placeholder profile) when there is one, else from stated assumptions.
-    Save it as ``<key>.yaml`` (the file stem is the key) and pass it with
-    ``--hardware-profile``.
-    """
-    import yaml
-
-    from planner import hardware
-
-    cal = profile.get("calibration")
-    if not cal:
-        raise UsageError("this profile has no calibration.", "Run `planner profile ... --calibrate` to measure the device's matmul rate and bandwidth.")
-    dev = profile["device"]
-    name, kind = str(dev["name"]), dev["type"]
-    where = f"measured by planner profile --calibrate on {name} ({kind}, torch {dev.get('torch')})"
-    profiles = hardware.available_profiles() if base_profiles is None else base_profiles
-    base_key = dev.get("key") if dev.get("key") in profiles else ("cpu" if kind == "cpu" and "cpu" in profiles else None)
-    base = profiles.get(base_key) if base_key else None
-
-    peak, peak_src = {}, []
-    for dt, m in sorted(cal["matmul"].items(), key=lambda kv: hardware.DTYPES.index(kv[0]) if kv[0] in hardware.DTYPES else 99):
-        scale = hardware.size_scale(m["flops_per_op"], hardware.MATMUL_SIZE_SCALE)  # the written profile keeps the default curves
-        peak[dt] = _round(m["flops_per_s"] / scale / 1e12)
-        peak_src.append(f"{dt}: {m['flops_per_s'] / 1e12:.4g} TFLOP/s achieved by a {m['n']}x{m['n']} matmul, / size factor {scale:.3f} at {m['flops_per_op']:.3g} FLOP")
-    moved = 2.0 * cal["copy"]["bytes"]
-    mem_scale = hardware.size_scale(moved, hardware.MEMORY_SIZE_SCALE)
-    bw = _round(cal["copy"]["bytes_per_s"] / mem_scale / 1e9)
-    total = int(dev.get("memory_bytes") or cal.get("memory_total_bytes"))
-    if kind == "cpu":
-        avail = int(cal.get("memory_available_bytes") or total)
-        usable = min(max(avail, total // 2 + 1), total)
-        usable_src = f"MemAvailable from /proc/meminfo at calibration, kept within 50-100% of MemTotal; {where}"
-        mem_src = f"MemTotal from /proc/meminfo; {where}"
-    else:
-        usable = total
-        usable_src = f"torch.cuda.mem_get_info total (driver total; context and allocator reserve not subtracted); {where}"
-        mem_src = f"torch.cuda.mem_get_info total / 2^30; {where}"
-
-    def from_base(field: str) -> tuple[Any, str]:
-        if base is None:
-            return None, ""
-        src = base.sources.get(field) or " ".join(f"{k}: {v}" for k, v in base.sources.items() if k.startswith(field + "."))
-        return base, f"Not measured by calibration: copied from the bundled profile {base.key} ({src})"
-
-    if base is not None:
-        _, link_src = from_base("intra_node")
-        intra = {"topology": base.intra_topology, "bandwidth_gbps_per_direction": _round(base.intra_bandwidth / 1e9), "latency_us": _round(base.intra_latency * 1e6)}
-        pcie = _round(base.pcie_bandwidth / 1e9)
-        inter = {"bandwidth_gbps_per_direction": _round(base.inter_bandwidth / 1e9), "latency_us": _round(base.inter_latency * 1e6), "fabric": base.inter_fabric or "as in " + base.key}
-        gpn = base.gpus_per_node
-        ar = (base.allreduce_efficiency_intra, base.allreduce_efficiency_inter)
-        srcs = {k: from_base(k)[1] for k in ("intra_node", "pcie_gbps_per_direction", "inter_node", "gpus_per_node")}
-        ar_src = f"Not measured by calibration: all-reduce efficiencies copied from the bundled profile {base.key}"
-    else:
-        p = _PLACEHOLDER_GPU
-        intra, pcie, inter = dict(p["intra_node"]), p["pcie_gbps_per_direction"], dict(p["inter_node"])
-        gpn = max(torch.cuda.device_count(), 1) if kind == "cuda" and torch.cuda.is_available() else 8
-        ar = (p["allreduce_intra"], p["allreduce_inter"])
-        assumed = "Assumption, not measured (calibration times one device only): "
-        srcs = {
-            "intra_node": assumed + "GPUs talk over PCIe Gen4 x16, ~25 GB/s per direction, 10 us per step. Replace with your node's NVLink figures.",
-            "pcie_gbps_per_direction": assumed + "PCIe Gen4 x16, ~25 GB/s per direction.",
-            "inter_node": assumed + "one 100 Gb/s NIC share per GPU (12.5 GB/s), 20 us per step. Override with --inter-node-gbps.",
-            "gpus_per_node": f"torch.cuda.device_count() on the profiling machine ({gpn})",
-        }
-        ar_src = assumed + "all-reduce reaches 0.7 of the link bandwidth"
-    data = {
-        "schema": hardware.SCHEMA_VERSION,
-        "name": f"{name} (calibrated)",
-        "aliases": [name],
-        "memory_gib": _round(total / 2**30),
-        "usable_memory_bytes": int(usable),
-        "peak_tflops": peak,
-        "memory_bandwidth_gbps": bw,
-        "intra_node": intra,
-        "pcie_gbps_per_direction": pcie,
-        "inter_node": inter,
-        "gpus_per_node": int(gpn),
-        "efficiency": {"matmul": 1.0, "memory": 1.0, "allreduce_intra": ar[0], "allreduce_inter": ar[1]},
-        "sources": {
-            "memory_gib": mem_src,
-            "usable_memory_bytes": usable_src,
-            "peak_tflops": "; ".join(peak_src) + f" (so matmul_time reproduces the measured rate at that size); {where}",
-            "memory_bandwidth_gbps": f"2 x {cal['copy']['bytes']} bytes / median time of a tensor copy (read + write) = {cal['copy']['bytes_per_s'] / 1e9:.4g} GB/s, / size factor {mem_scale:.3f} at {moved:.3g} bytes (so memory_time reproduces it); {where}",
-            **srcs,
-            "efficiency.matmul": f"1.0: peak_tflops already is the achieved rate; {where}",
-            "efficiency.memory": f"1.0: memory_bandwidth_gbps already is the achieved copy rate; {where}",
-            "efficiency.allreduce_intra": ar_src,
-            "efficiency.allreduce_inter": ar_src,
-        },
-    }
-    header = (
-        f"# Hardware profile calibrated by `planner profile --calibrate` on {name} ({kind}).\n"
-        f"# Save as {suggested_hardware_key(profile)}.yaml (the file name is the key) and pass --hardware-profile FILE.\n"
-        "# Matmul peak and memory bandwidth are measured; links and all-reduce figures are not (see sources).\n"
-    )
-    return header + yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=10_000)
-
-
-def _round(x: float) -> float:
-    """Four significant digits (YAML stays readable; calibration noise is larger)."""
-    if x == 0 or not math.isfinite(x):
-        return x
-    return float(f"{x:.4g}")
