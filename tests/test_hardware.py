@@ -555,22 +555,28 @@ def test_cluster_to_dict_is_json(profiles):
 
 
 def test_matmul_and_memory_time(profiles):
+    """The time model against its closed forms, with every figure read from the YAML file itself (not the loader)."""
+    raw = bundled_yaml("a100-80gb")
     a100 = profiles["a100-80gb"]
-    big = 1e12
-    assert hw.matmul_efficiency_at(big, a100) == pytest.approx(0.85)
-    assert hw.matmul_time(big, a100, "bf16") == pytest.approx(big / (312e12 * 0.85))
-    assert hw.matmul_time(big, a100, "fp32") == pytest.approx(big / (19.5e12 * 0.85))
-    assert hw.memory_time(2039e9 * 0.8, a100) == pytest.approx(1.0)
+    eff_mm, eff_mem = raw["efficiency"]["matmul"], raw["efficiency"]["memory"]
+    bf16, fp32 = raw["peak_tflops"]["bf16"] * 1e12, raw["peak_tflops"]["fp32"] * 1e12
+    big = 1e12  # past the top of the size curve
+    assert hw.matmul_efficiency_at(big, a100) == pytest.approx(eff_mm)
+    assert hw.matmul_time(big, a100, "bf16") == pytest.approx(big / (bf16 * eff_mm))
+    assert hw.matmul_time(big, a100, "fp32") == pytest.approx(big / (fp32 * eff_mm))
+    assert hw.memory_time(raw["memory_bandwidth_gbps"] * GB * eff_mem, a100) == pytest.approx(1.0)
     assert hw.matmul_time(0, a100, "bf16") == 0.0 and hw.memory_time(0, a100) == 0.0
     with pytest.raises(UsageError):
         hw.matmul_time(1e9, profiles["v100-32gb"], "bf16")
 
 
 def test_matmul_efficiency_depends_on_op_size(profiles):
+    """Calculon's a100_80g.json tiers (0.95 at 128 GFLOP, 0.9 at 16, 0.6 at 1, 0.1 below), relative to its ceiling."""
     a100 = profiles["a100-80gb"]
-    assert hw.matmul_efficiency_at(1e9, a100) == pytest.approx(0.85 * 0.6 / 0.95)
-    assert hw.matmul_efficiency_at(16e9, a100) == pytest.approx(0.85 * 0.9 / 0.95)
-    assert hw.matmul_efficiency_at(1e3, a100) == pytest.approx(0.85 * 0.1 / 0.95)
+    eff = bundled_yaml("a100-80gb")["efficiency"]["matmul"]
+    assert hw.matmul_efficiency_at(1e9, a100) == pytest.approx(eff * 0.6 / 0.95)
+    assert hw.matmul_efficiency_at(16e9, a100) == pytest.approx(eff * 0.9 / 0.95)
+    assert hw.matmul_efficiency_at(1e3, a100) == pytest.approx(eff * 0.1 / 0.95)
     sizes = [10 ** (k / 4) for k in range(12, 60)]
     effs = [hw.matmul_efficiency_at(s, a100) for s in sizes]
     times = [hw.matmul_time(s, a100, "bf16") for s in sizes]
@@ -582,13 +588,14 @@ def test_matmul_efficiency_depends_on_op_size(profiles):
 def test_size_curves_are_profile_data(tmp_path, profiles):
     """A profile's own efficiency curves replace the defaults (Calculon's A100 tiers) for that device alone."""
     data = bundled_yaml()
+    eff_mm, eff_mem = data["efficiency"]["matmul"], data["efficiency"]["memory"]
     data["efficiency"]["matmul_size_scale"] = [[1e9, 0.5], [1e10, 1.0]]
     data["efficiency"]["memory_size_scale"] = [[1e6, 0.25], [1e8, 1.0]]
     own = hw.load_profile(write_profile(tmp_path / "curved.yaml", data))
-    assert hw.matmul_efficiency_at(1e9, own) == pytest.approx(0.85 * 0.5)
-    assert hw.matmul_efficiency_at(10 ** 9.5, own) == pytest.approx(0.85 * 0.75)  # halfway in log(FLOPs)
-    assert hw.memory_efficiency_at(1e7, own) == pytest.approx(0.8 * 0.625)
-    assert hw.matmul_efficiency_at(1e9, profiles["a100-80gb"]) == pytest.approx(0.85 * 0.6 / 0.95)
+    assert hw.matmul_efficiency_at(1e9, own) == pytest.approx(eff_mm * 0.5)
+    assert hw.matmul_efficiency_at(10 ** 9.5, own) == pytest.approx(eff_mm * 0.75)  # halfway in log(FLOPs)
+    assert hw.memory_efficiency_at(1e7, own) == pytest.approx(eff_mem * 0.625)
+    assert hw.matmul_efficiency_at(1e9, profiles["a100-80gb"]) == pytest.approx(eff_mm * 0.6 / 0.95)
     rows = {r[0]: r for r in hw.describe_profile(own)}
     assert "1e+09 FLOPs: 0.500" in rows["efficiency.matmul_size_scale"][1]
 
