@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from planner.errors import UsageError
-from planner.megatron_args import check_megatron_args, parse_megatron_args, stage_layers
+from planner.check.megatron_script import parse_megatron_args
+from planner.megatron_args import check_megatron_args, stage_layers
 from planner.render.megatron import flag_groups, padded_vocab, planned_stage_layers, render_megatron, vocab_flags
 from planner.solve.plan import Plan
 
