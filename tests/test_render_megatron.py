@@ -108,6 +108,19 @@ def test_rendered_flags_pass_our_rules_and_build_the_planned_split(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_the_checked_flag_list_is_what_bash_passes(name):
+    """The renderer checks its flag list (data); bash running pretrain_gpt.sh passes exactly that list, with that world and environment."""
+    from planner.render.megatron import _context, rendered_args
+
+    plan = load(name)
+    data = rendered_args(_context(plan, GOLDEN_COMMAND))
+    ran = parse_megatron_args(render_megatron(plan, GOLDEN_COMMAND, None)["pretrain_gpt.sh"], "script")
+    assert ran.stopped is None and ran.argv() == data.argv()
+    assert ran.world_size == data.world_size and ran.env_value("CUDA_DEVICE_MAX_CONNECTIONS") == data.env_value("CUDA_DEVICE_MAX_CONNECTIONS")
+    assert check_megatron_args(data, data.world_size) == check_megatron_args(ran)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_transformer_config_accepts_rendered_flags(name):
     """megatron-core 0.16.1's TransformerConfig, built as Megatron-LM's arguments.py builds it, accepts the flags
     and its get_num_layers_to_build places the planned number of layers on every (virtual) stage."""
