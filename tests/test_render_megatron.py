@@ -9,7 +9,6 @@ to megatron-core's TransformerConfig and get_num_layers_to_build, and to our own
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import shlex
