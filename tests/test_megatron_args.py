@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from planner.check.megatron_script import parse_megatron_args
 from planner.check.megatron_core import core_config as _core_config, core_stage_layers as _core_stage_layers
 from planner.megatron_args import (
     RULES,
@@ -27,7 +28,7 @@ from planner.megatron_args import (
     flag_table,
     layout_string,
     parse_layout,
-    parse_megatron_args,
+
     split_flags,
     stage_layers,
 )
@@ -62,7 +63,7 @@ GPT_MODEL_ARGS+=(--swiglu)
 TRAINING_ARGS=(
     --micro-batch-size 1
     --global-batch-size 64
-    --lr 6.0e-5 --min-lr -1e-6
+    --lr 6.0e-5 --min-lr 1e-6
     --bf16
 )
 
@@ -90,23 +91,31 @@ def _line_of(text: str, needle: str) -> int:
 def test_parse_script_expands_arrays_variables_and_keeps_lines():
     a = parse_megatron_args(SCRIPT, "script")
     assert a.script == "pretrain_gpt.py"
-    assert a.nproc_per_node == 8 and a.nnodes == 2 and a.world_size == 16
+    assert a.nproc_per_node == 8 and a.nnodes == 2 and a.world_size == 16  # torchrun's own parser
     assert a.env_value("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
     assert a.value("--num-layers") == "32"  # ${LAYERS:-32} with LAYERS unset in the script
     assert a.line("--num-layers") == _line_of(SCRIPT, "--num-layers")
     assert a.line("--num-attention-heads") == _line_of(SCRIPT, "--num-attention-heads")  # tab-indented
     assert a.has("--swiglu") and a.line("--swiglu") == _line_of(SCRIPT, "GPT_MODEL_ARGS+=")
-    assert a.value("--min-lr") == "-1e-6"  # a negative number is a value, not a flag
+    assert a.value("--min-lr") == "1e-6"
     assert a.value("--pipeline-model-parallel-layout") == "Et*7|(t*8|)*2,t*9L"
     assert a.value("--data-path") == "/data/my corpus"  # --flag=value and a backslash-escaped space
+    assert a.line("--data-path") == _line_of(SCRIPT, "--data-path")  # on the launch command's last line
     assert a.value("--log-interval") == "10" and a.value("--eval-iters") == "0"  # unquoted $EXTRA is word-split
-    save = a.get("--save")
-    assert save is not None and save.value == "$1" and not save.resolved
+    assert a.line("--log-interval") == _line_of(SCRIPT, "EXTRA=")
+    assert a.value("--save") == ""  # $1: the script is run with no arguments
     assert a.launch_line == _line_of(SCRIPT, "torchrun")
-    assert any("$@" in n for n in a.notes)
     names = [f.name for f in a.flags]
     assert names[:5] == ["--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--max-position-embeddings"]
     assert check_megatron_args(a) == []
+
+
+def test_negative_values_as_megatrons_argparse_reads_them():
+    """argparse takes "-1e-6" for an option (it only knows -N and -N.N as numbers): Megatron stops, so does the check."""
+    a = parse_megatron_args("--lr 1e-4 --min-lr -1e-6 --adam-eps -0.5", "args")
+    assert a.value("--lr") == "1e-4" and a.value("--adam-eps") == "-0.5"
+    assert [(p.name, p.line) for p in a.problems] == [("--min-lr", 1)]
+    assert "MEG027" in {f.rule for f in check_megatron_args(a)}
 
 
 def test_parse_args_file_one_per_line_or_space_separated():
@@ -126,16 +135,19 @@ def test_parse_args_file_one_per_line_or_space_separated():
 def test_parse_launch_variants():
     a = parse_megatron_args("NODES=4\nCUDA_DEVICE_MAX_CONNECTIONS=1 python -m torch.distributed.run --nproc-per-node=8 --nnodes=$NODES x/pretrain_gpt.py --num-layers 2\n")
     assert a.world_size == 32 and a.env_value("CUDA_DEVICE_MAX_CONNECTIONS") == "1" and a.value("--num-layers") == "2"
-    b = parse_megatron_args("torchrun --nproc_per_node $(nvidia-smi -L | wc -l) pretrain_gpt.py --num-layers 2\n")
-    assert b.world_size is None and b.value("--num-layers") == "2"
+    b = parse_megatron_args("torchrun --nproc_per_node $(nvidia-smi -L 2>/dev/null | wc -l) pretrain_gpt.py --num-layers 2\n")
+    assert b.world_size is None and b.value("--num-layers") == "2"  # no GPU here: not a usable count
     c = parse_megatron_args('if [[ -f "$X/pretrain_gpt.py" ]]; then echo ok; fi\nexec torchrun --nproc-per-node 2 "$X/pretrain_gpt.py" --num-layers 4\n')
-    assert c.world_size == 2 and c.value("--num-layers") == "4"  # the test line is not the launch
-    d = parse_megatron_args("A=(--num-layers 4)\nB=(--hidden-size 64)\n")  # no launch line: every array, in order
-    assert [f.name for f in d.flags] == ["--num-layers", "--hidden-size"] and d.notes
+    assert c.world_size == 2 and c.value("--num-layers") == "4" and c.launch_line == 2  # the test line is not the launch
+    d = parse_megatron_args("A=(--num-layers 4)\nB=(--hidden-size 64)\n")  # no launch: nothing to check but that
+    assert d.flags == () and [f.rule for f in check_megatron_args(d)] == ["MEG031"]
+    e = parse_megatron_args("srun --ntasks-per-node 8 python pretrain_gpt.py --num-layers 3\n")
+    assert e.script == "pretrain_gpt.py" and e.value("--num-layers") == "3" and e.world_size is None
+    f = parse_megatron_args("python tools/make_data.py --out x\ntorchrun --nnodes 2 pretrain_gpt.py --num-layers 5\n")
+    assert f.value("--num-layers") == "5" and f.world_size == 2 and f.launch_line == 2  # pretrain*.py is preferred
 
 
-def test_parse_skips_redirections_heredocs_and_reads_exports():
-    text = """export NCCL_DEBUG=WARN CUDA_DEVICE_MAX_CONNECTIONS
+HEREDOC_SCRIPT = """export NCCL_DEBUG=WARN CUDA_DEVICE_MAX_CONNECTIONS
 CUDA_DEVICE_MAX_CONNECTIONS=1
 declare -x OMP_NUM_THREADS=4
 cat > notes.txt <<-EOF
@@ -147,12 +159,15 @@ END
 HEADS="${HEADS:-"16"}"
 torchrun --nproc-per-node 2 pretrain_gpt.py --num-layers 4 2>&1 --num-attention-heads "$HEADS" > log.txt --seq-length 16 | tee out
 """
-    a = parse_megatron_args(text)
+
+
+def test_parse_skips_redirections_heredocs_and_reads_exports():
+    a = parse_megatron_args(HEREDOC_SCRIPT)
     assert [(f.name, f.value) for f in a.flags] == [("--num-layers", "4"), ("--num-attention-heads", "16"), ("--seq-length", "16")]
     assert a.launch_line == 11 and a.world_size == 2
     assert a.env_value("NCCL_DEBUG") == "WARN" and a.env_value("OMP_NUM_THREADS") == "4"
-    # `export NAME` before NAME is set exports nothing yet; Megatron needs the value at launch
-    assert a.env_value("CUDA_DEVICE_MAX_CONNECTIONS") is None
+    # `export NAME` marks the name: the value set on the next line is in the launch's environment, as bash does it
+    assert a.env_value("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
 
 
 BASH_DIFF_SCRIPT = r"""#!/bin/bash
@@ -172,13 +187,13 @@ EXTRA="--p 1   --q 2"
 cat > /dev/null <<EOF
 --num-layers 999
 EOF
-torchrun --nproc-per-node "$N" pretrain_gpt.py "${ARR[@]}" ${ARR[@]} --x "$X" --b $B --d "$D" --f "$F" \
-    --g "$G" --h "$H" $EXTRA "--i=$M" 2>/dev/null --j "a"'b'"c" --k ${UNSET:-} --l "${UNSET:-}" --m x#y
+torchrun --nproc-per-node "$N" pretrain_gpt.py "${ARR[@]}" ${ARR[@]} --x "$X" --b $B --dd "$D" --f "$F" \
+    --g "$G" --hh "$H" $EXTRA "--i=$M" 2>/dev/null --j "a"'b'"c" --k ${UNSET:-} --ll "${UNSET:-}" --mm x#y
 """
 
 
-def test_parser_matches_bash(tmp_path):
-    """The argv our parser reads equals what bash passes to a fake torchrun."""
+def test_words_are_what_bash_passes(tmp_path):
+    """The words after the script equal what bash passes to a fake torchrun outside the planner."""
     import json
     import subprocess
 
@@ -193,10 +208,16 @@ def test_parser_matches_bash(tmp_path):
     a = parse_megatron_args(BASH_DIFF_SCRIPT)
     assert argv[: argv.index("pretrain_gpt.py")] == ["--nproc-per-node", "2"] and a.world_size == 2
     assert argv[argv.index("pretrain_gpt.py") + 1 :] == list(a.words)
-    assert all(f.resolved for f in a.flags)
-    assert a.get("--data-path").values == ("a", "b", "6")  # nargs="*": every word up to the next flag
+    assert a.get("--data-path").values == ("a", "b", "6")  # nargs="*": argparse takes every word up to the next option
     assert [p.name for p in a.positionals] == ["b"]  # "--five=a  b" unquoted: "b" belongs to no flag
     assert [f.rule for f in check_megatron_args(a)].count("MEG028") == 1 + sum(1 for f in a.flags if f.name not in flag_table())
+
+
+def test_torchruns_own_parser_decides():
+    """torchrun's argparse refuses "--m" after the script (an ambiguous prefix of --master-addr, --max-restarts, ...)."""
+    a = parse_megatron_args("torchrun --nproc-per-node 2 pretrain_gpt.py --num-layers 2 --m 1\n")
+    (f,) = check_megatron_args(a)
+    assert f.rule == "MEG031" and "ambiguous option: --m" in f.message
 
 
 # --------------------------------------------------------------------------- rules
@@ -265,7 +286,7 @@ RULE_CASES = {
 
 
 def test_every_rule_has_a_failing_example():
-    assert sorted(RULE_CASES) == sorted(RULES)
+    assert sorted(RULE_CASES) == sorted(set(RULES) - {"MEG031"})  # MEG031 (a script that stops) has its own tests
 
 
 def test_base_example_has_no_findings():
@@ -477,7 +498,7 @@ _SHELL_BITS = st.sampled_from(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(_SHELL_BITS, max_size=40).map("".join))
 def test_parser_and_checks_never_crash(text):
     for kind in ("script", "args"):

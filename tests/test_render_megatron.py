@@ -9,7 +9,6 @@ to megatron-core's TransformerConfig and get_num_layers_to_build, and to our own
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import shlex
@@ -21,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from planner.errors import UsageError
-from planner.megatron_args import check_megatron_args, parse_megatron_args, stage_layers
+from planner.check.megatron_script import parse_megatron_args
+from planner.megatron_args import check_megatron_args, stage_layers
 from planner.render.megatron import flag_groups, padded_vocab, planned_stage_layers, render_megatron, vocab_flags
 from planner.solve.plan import Plan
 
@@ -104,6 +104,19 @@ def test_rendered_flags_pass_our_rules_and_build_the_planned_split(name):
     assert (args.env_value("CUDA_DEVICE_MAX_CONNECTIONS") == "1") == (lay.tp > 1)
     assert args.has("--sequence-parallel") == (lay.tp > 1)
     assert args.has("--use-distributed-optimizer") == (lay.zero >= 1)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_checked_flag_list_is_what_bash_passes(name):
+    """The renderer checks its flag list (data); bash running pretrain_gpt.sh passes exactly that list, with that world and environment."""
+    from planner.render.megatron import _context, rendered_args
+
+    plan = load(name)
+    data = rendered_args(_context(plan, GOLDEN_COMMAND))
+    ran = parse_megatron_args(render_megatron(plan, GOLDEN_COMMAND, None)["pretrain_gpt.sh"], "script")
+    assert ran.stopped is None and ran.argv() == data.argv()
+    assert ran.world_size == data.world_size and ran.env_value("CUDA_DEVICE_MAX_CONNECTIONS") == data.env_value("CUDA_DEVICE_MAX_CONNECTIONS")
+    assert check_megatron_args(data, data.world_size) == check_megatron_args(ran)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -354,3 +367,63 @@ def test_missing_checkout_stops_before_torchrun(tmp_path):
     run = subprocess.run(["bash", str(out / "pretrain_gpt.sh")], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert run.returncode == 1 and "MEGATRON_LM_PATH" in run.stderr
     assert not (tmp_path / "argv.json").exists()
+
+
+# --------------------------------------------------------------------------- architecture() keys
+
+
+def _architecture_table() -> str:
+    from planner.megatron_args import ARCHITECTURE, REQUIRED
+
+    rows = ["| key | default | what Megatron-LM makes of it |", "| --- | --- | --- |"]
+    for k in ARCHITECTURE:
+        default = "required" if k.default is REQUIRED else "unset" if k.default is None else f"`{k.default!r}`"
+        rows.append(f"| `{k.name}` | {default} | {k.meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+def test_readme_documents_every_architecture_key_with_its_default():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert _architecture_table() in readme, "README.md's architecture() table differs from planner.megatron_args.ARCHITECTURE"
+
+
+def test_architecture_defaults_are_megatron_cores():
+    """The documented defaults are TransformerConfig's own (bias, norm epsilon, FFN width without swiglu)."""
+    from megatron.core.transformer import TransformerConfig
+
+    from planner.megatron_args import architecture_defaults, megatron_ffn_hidden_size
+
+    cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
+    full = architecture_defaults({})
+    assert full["bias"] is cfg.add_bias_linear is True and cfg.layernorm_epsilon == 1e-5 and cfg.normalization == "LayerNorm"
+    assert megatron_ffn_hidden_size(64, swiglu=False) == cfg.ffn_hidden_size
+    assert megatron_ffn_hidden_size(4096, swiglu=True) == 10880  # validate_args: int((4 * h * 2 / 3) / 64) * 64
+
+
+def test_only_the_required_keys_plan_and_render():
+    """A model file giving exactly the keys the error message asks for renders (bias, dropout, ... defaulted)."""
+    from planner.megatron_args import ARCHITECTURE_KEYS, architecture_problem
+
+    plan = load("llama7b")
+    given = {k: plan.model["architecture"][k] for k in ARCHITECTURE_KEYS}
+    problem = architecture_problem({k: v for k, v in given.items() if k != "activation"})
+    assert problem is not None and "activation" in problem[0]
+    d = plan.to_dict()
+    d["model"]["architecture"] = given
+    files = render_megatron(Plan.from_dict(d), GOLDEN_COMMAND, None)
+    args = parse_megatron_args(files["pretrain_gpt.sh"])
+    assert check_megatron_args(args) == [] and args.value("--hidden-dropout") == "0.0" and not args.has("--disable-bias-linear")
+    assert "with linear biases, dropout 0.0" in files["README.md"]
+
+
+@pytest.mark.parametrize("kind", ["learned_absolute", "rope", "mrope", "relative", "none"])
+def test_every_position_embedding_megatron_accepts(kind):
+    """Megatron-LM core_v0.16.1's --position-embedding-type choices all render, and the flags pass argparse and the rules."""
+    extra = {"mrope_section": [16, 24, 24]} if kind == "mrope" else {}
+    files = render_megatron(_plan_with("llama7b", position_embedding=kind, **extra), GOLDEN_COMMAND, None)
+    args = parse_megatron_args(files["pretrain_gpt.sh"])
+    assert args.value("--position-embedding-type") == kind and check_megatron_args(args) == []
+    if kind == "mrope":
+        assert args.get("--mrope-section").values == ("16", "24", "24")
+    with pytest.raises(UsageError, match="mrope_section"):
+        render_megatron(_plan_with("llama7b", position_embedding="mrope"), GOLDEN_COMMAND, None)

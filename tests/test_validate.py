@@ -381,3 +381,21 @@ def test_recognition_by_content_not_name(tmp_path):
     slurm.write_text("#!/bin/bash\n#SBATCH --nodes=1\nsrun bash -c './pretrain_gpt.sh'\n")
     assert classify(slurm, slurm.read_text()) is None
     assert format_findings([], "text").strip().startswith("0 error(s)")
+
+
+def test_megatron_if_else_is_checked_on_the_arm_bash_runs():
+    """Both arms set the split; only the arm bash runs is checked, and the finding points at that arm's line."""
+    path = FIX / "bad" / "meg003_if_else_arm.sh"
+    (f,) = [f for f in validate([path], Options()).findings if f.severity != "info"]
+    assert f.rule == "MEG003" and "9 layers" in f.message
+    assert f.line == 1 + path.read_text().splitlines().index("  SPLIT=(--num-layers 9 --pipeline-model-parallel-size 2)")
+    assert not [f for f in validate([FIX / "good" / "megatron_if_else.sh"], Options()).findings if f.severity != "info"]
+
+
+def test_megatron_script_that_never_launches_is_stopped_with_a_finding():
+    import time
+
+    start = time.monotonic()
+    (f,) = [f for f in validate([FIX / "bad" / "meg031_loops_forever.sh"], Options()).findings if f.severity != "info"]
+    assert f.rule == "MEG031" and ("limit" in f.message or "past" in f.message)
+    assert time.monotonic() - start < 30

@@ -448,10 +448,12 @@ def _memory_deepspeed(run: _Run, ctx: _Ctx, rel: str, cfg: DSConfig, pp: int | N
 
 
 def _check_megatron(run: _Run, ctx: _Ctx, path: Path, kind: str) -> None:
-    from planner.megatron_args import check_megatron_args, parse_megatron_args
+    """A launch script is run under bash with stub launchers (planner.check.megatron_script); an args file is read as words."""
+    from planner.check.megatron_script import parse_megatron_args
+    from planner.megatron_args import check_megatron_args
 
     rel = display(path)
-    args = parse_megatron_args(path.read_text(), "script" if kind == "megatron-script" else "args")
+    args = parse_megatron_args(path.read_text(), "script" if kind == "megatron-script" else "args", path=path)
     world = ctx.world if ctx.world is not None else args.world_size
     for f in check_megatron_args(args, world):
         run.findings.append(from_megatron(f, rel))

@@ -13,9 +13,10 @@ or ``--pipeline-model-parallel-layout`` (:func:`planner.megatron_args.split_flag
 pretrain_gpt.sh follows Megatron's own convention (examples/gpt3/train_gpt3_175b_distributed.sh):
 a bash script with DISTRIBUTED_ARGS / GPT_MODEL_ARGS / TRAINING_ARGS /
 MODEL_PARALLEL_ARGS / DATA_ARGS / EVAL_AND_LOGGING_ARGS arrays that runs
-torchrun itself. The rendered script is parsed back and checked with
-:func:`planner.megatron_args.check_megatron_args` before it is returned: a plan
-Megatron would refuse is a UsageError here, not minutes into a job.
+torchrun itself. The flags are data (:func:`flag_groups`, a list of (flag, value) per array):
+the template writes them and :func:`planner.megatron_args.check_megatron_args` checks the same
+list (:func:`rendered_args`) before anything is returned: a plan Megatron would refuse is a
+UsageError here, not minutes into a job. Nothing is parsed back from the bash.
 """
 
 from __future__ import annotations
@@ -24,7 +25,18 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from planner.errors import UsageError
-from planner.megatron_args import MEGATRON_VERSION, architecture_problem, check_megatron_args, errors, parse_megatron_args, split_flags, stage_layers
+from planner.megatron_args import (
+    MEGATRON_VERSION,
+    EnvVar,
+    Flag,
+    MegatronArgs,
+    architecture_defaults,
+    architecture_problem,
+    check_megatron_args,
+    errors,
+    split_flags,
+    stage_layers,
+)
 from planner.templating import one_line, render_template
 from planner.render.launch import cluster_shape, job_name
 from planner.solve.plan import Plan
@@ -44,19 +56,19 @@ HYPERPARAMETERS: tuple[tuple[str, str], ...] = (
     ("--clip-grad", "1.0"),
 )
 
-Flags = list[tuple[str, "str | None"]]
+Flags = list[tuple[str, "str | tuple[str, ...] | None"]]  # a switch, one value, or several (--mrope-section)
 
 
 # --------------------------------------------------------------------------- the model
 
 
 def architecture(plan: Plan) -> dict[str, Any]:
-    """plan.model["architecture"], checked to map onto Megatron's GPT model (UsageError naming what does not)."""
+    """plan.model["architecture"] with its optional keys defaulted, checked to map onto Megatron's GPT model (UsageError naming what does not)."""
     arch = plan.model.get("architecture")
     problem = architecture_problem(arch, plan.inputs.get("model_file", "the model file"))
     if problem is not None:
         raise UsageError(*problem)
-    return arch
+    return architecture_defaults(arch)
 
 
 def planned_stage_layers(plan: Plan) -> list[int]:
@@ -153,6 +165,8 @@ def model_flags(arch: dict[str, Any]) -> Flags:
     ]
     if arch["activation"] == "swiglu":
         flags.append(("--swiglu", None))
+    if arch.get("mrope_section"):
+        flags.append(("--mrope-section", tuple(str(int(x)) for x in arch["mrope_section"])))
     if not arch.get("tied_embeddings", True):
         flags.append(("--untie-embeddings-and-output-weights", None))
     if not arch.get("bias", True):
@@ -161,7 +175,7 @@ def model_flags(arch: dict[str, Any]) -> Flags:
     flags += [("--attention-dropout", repr(dropout)), ("--hidden-dropout", repr(dropout))]
     if arch.get("norm_epsilon") is not None:
         flags.append(("--norm-epsilon", repr(float(arch["norm_epsilon"]))))
-    if arch.get("rotary_base") is not None and arch["position_embedding"] == "rope":
+    if arch.get("rotary_base") is not None and arch["position_embedding"] in ("rope", "mrope"):
         flags.append(("--rotary-base", str(int(arch["rotary_base"]))))
     return flags
 
@@ -255,6 +269,7 @@ def _context(plan: Plan, command: str) -> dict[str, Any]:
         "nodes": nodes,
         "per_node": per_node,
         "groups": groups,
+        "argv_groups": {g: [[name, *_values(value)] for name, value in pairs] for g, pairs in groups.items()},
         "tp_env": lay.tp > 1,
         "train_iters": DEFAULT_TRAIN_ITERS,
         "split_lines": [one_line(x) for x in _split_description(counts, lay.pp)],
@@ -274,6 +289,21 @@ def _context(plan: Plan, command: str) -> dict[str, Any]:
     }
 
 
+def _values(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if value is None else (value,) if isinstance(value, str) else tuple(value)
+
+
+def rendered_args(ctx: dict[str, Any]) -> MegatronArgs:
+    """The flags pretrain_gpt.sh passes, as data: every array in order (``--train-iters`` at its default), the launch environment and world."""
+    flags: list[Flag] = []
+    for group, pairs in ctx["groups"].items():
+        if group == "TRAINING_ARGS":
+            pairs = [("--train-iters", str(ctx["train_iters"]))] + list(pairs)
+        flags += [Flag(name, _values(value), None) for name, value in pairs]
+    env = (EnvVar("CUDA_DEVICE_MAX_CONNECTIONS", "1"),) if ctx["tp_env"] else ()
+    return MegatronArgs("script", tuple(flags), env=env, nproc_per_node=ctx["per_node"], nnodes=ctx["nodes"], script="pretrain_gpt.py")
+
+
 def render_megatron(plan: Plan, command: str, out_dir: Path | None = None) -> dict[str, str]:
     """pretrain_gpt.sh, launch_slurm.sh and README.md for ``plan`` (deterministic; values shell-quoted).
 
@@ -281,20 +311,19 @@ def render_megatron(plan: Plan, command: str, out_dir: Path | None = None) -> di
     rendered flags break one of Megatron's rules (planner.megatron_args).
     """
     ctx = _context(plan, command)
-    script = render_template("megatron/pretrain_gpt.sh.j2", **ctx)
-    parsed = parse_megatron_args(script, "script")
-    findings = errors(check_megatron_args(parsed, ctx["world"]))
+    args = rendered_args(ctx)
+    findings = errors(check_megatron_args(args, ctx["world"]))
     if findings:
         raise UsageError(
             "Megatron-LM would refuse this plan's flags:\n" + "\n".join(f"  {f}" for f in findings),
             "Pin other --tp/--pp/--vp/--global-batch values, or fix plan.json. (`planner plan --engine megatron` should never "
             "choose such a layout: if it did, please report it.)",
         )
-    built = stage_layers(parsed)
+    built = stage_layers(args)
     if built != ctx["counts"]:  # split_flags guarantees this; a mismatch is a planner bug
         raise RuntimeError(f"rendered flags build stages {built}, the plan has {ctx['counts']}")
     return {
-        SCRIPT: script,
+        SCRIPT: render_template("megatron/pretrain_gpt.sh.j2", **ctx),
         "launch_slurm.sh": render_template("megatron/launch_slurm.sh.j2", **ctx),
         "README.md": render_template("megatron/README.md.j2", **ctx),
     }
