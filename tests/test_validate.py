@@ -14,9 +14,11 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from planner.check.deepspeed_rules import DEEPSPEED_VERSION, extract_key_table, format_table, known_keys, table_path
+from planner.check import deepspeed_engine
+from planner.check.deepspeed_engine import BatchError, vendored_batch, vendored_partition_balanced, vendored_partition_uniform
+from planner.check.deepspeed_rules import DEEPSPEED_VERSION, known_keys, table_path
 from planner.check.deepspeed_rules import RULES as DS_RULES
-from planner.check.deepspeed_rules import BatchError, DSContext, check_ds_config, deepspeed_batch, partition_balanced, partition_uniform
+from planner.check.deepspeed_rules import DSContext, check_ds_config
 from planner.check.findings import exit_code, format_findings, rules
 from planner.check.validate import Options, classify, read_command, validate, validate_paths
 from planner.errors import PlannerError, UsageError
@@ -38,8 +40,20 @@ def _rules(findings, with_info: bool = False) -> set[str]:
 # --------------------------------------------------------------------------- the corpus
 
 
+@pytest.fixture(params=["deepspeed", "no-deepspeed"])
+def ds_mode(request, monkeypatch):
+    """Run a test with DeepSpeed's own code answering, and again with the fallbacks (as if deepspeed were absent)."""
+    if request.param == "deepspeed":
+        pytest.importorskip("deepspeed")
+        assert deepspeed_engine.available()
+    else:
+        monkeypatch.setattr(deepspeed_engine, "_modules", lambda: None)
+        assert not deepspeed_engine.available()
+    return request.param
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_corpus_case_reports_exactly_its_rules(name):
+def test_corpus_case_reports_exactly_its_rules(name, ds_mode):
     case = CASES[name]
     report = validate([FIX / name], _options(case["options"]))
     assert _rules(report.findings) == set(case["rules"]), "\n".join(map(str, report.findings))
@@ -90,12 +104,29 @@ def test_lone_config_batch_without_pp_considers_every_pipeline_depth():
 
 
 def test_shipped_key_table_matches_installed_deepspeed():
+    """The shipped table equals a fresh extraction by tools/deepspeed_key_table.py from the installed DeepSpeed."""
     deepspeed = pytest.importorskip("deepspeed")
+    from tools.deepspeed_key_table import extract_key_table, format_table, main
+
     assert deepspeed.__version__ == DEEPSPEED_VERSION, (
         f"DeepSpeed {deepspeed.__version__} is installed, the table is for {DEEPSPEED_VERSION}: update DEEPSPEED_VERSION and run "
-        "`python -m planner.check.deepspeed_rules --write`"
+        "`python tools/deepspeed_key_table.py --write`"
     )
-    assert format_table(extract_key_table()) == table_path().read_text(), "stale table: run `python -m planner.check.deepspeed_rules --write`"
+    assert format_table(extract_key_table()) == table_path().read_text(), "stale table: run `python tools/deepspeed_key_table.py --write`"
+    assert main(["--check"]) == 0
+
+
+def test_validate_does_not_import_the_table_extractor():
+    """validate reads the shipped table only: no planner module imports tools/ or walks JSON with json.decoder."""
+    import ast
+
+    for path in (ROOT / "planner").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not {m for m in imported if m.startswith(("tools", "json.decoder"))}, path
+        uses = {ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        assert not {u for u in uses if u.startswith("json.decoder")}, path
 
 
 def test_key_policies_match_what_deepspeed_config_does(monkeypatch):
@@ -124,41 +155,47 @@ def test_key_policies_match_what_deepspeed_config_does(monkeypatch):
     assert {k for k, i in table.sections["pipeline"].items() if i.kind == "unread"} == {"stages", "partition", "seed_layers"}
 
 
-def test_batch_verdicts_agree_with_deepspeed_config(monkeypatch):
-    """Ours says DS001 iff DeepSpeedConfig raises, for N data-parallel ranks (dist patched as engines.md says)."""
+def test_batch_verdicts_agree_with_deepspeed_config(monkeypatch, ds_mode):
+    """DS001 iff DeepSpeedConfig raises, for N data-parallel ranks (dist patched as engines.md says), with DeepSpeed
+    answering and with the vendored arithmetic; the filled values equal DeepSpeedConfig's."""
     pytest.importorskip("deepspeed")
     import deepspeed.runtime.config as ds_config
 
-    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)
     values = {"tbs": (None, 0, 8, 12, 16, 24, 48), "micro": (None, 0, 1, 2, 3, 4), "gas": (None, 0, 1, 2, 4)}
     checked = disagreements = refused = 0
     for world in (1, 2, 3, 4, 8):
-        monkeypatch.setattr(ds_config.dist, "get_world_size", lambda *a, _w=world, **k: _w)
         for tbs in values["tbs"]:
             for micro in values["micro"]:
                 for gas in values["gas"]:
                     cfg = {k: v for k, v in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", gas)) if v is not None}
-                    try:
-                        ds = ds_config.DeepSpeedConfig(dict(cfg))
-                        theirs = (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps)
-                    except (AssertionError, ZeroDivisionError, TypeError, ValueError):
-                        theirs = None
+                    with monkeypatch.context() as m:  # DeepSpeedConfig itself, independently of planner.check
+                        m.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)
+                        m.setattr(ds_config.dist, "get_world_size", lambda *a, _w=world, **k: _w)
+                        try:
+                            ds = ds_config.DeepSpeedConfig(dict(cfg))
+                            theirs = (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps)
+                        except (AssertionError, ZeroDivisionError, TypeError, ValueError):
+                            theirs = None
                     ours_findings = check_ds_config(json.dumps(cfg), DSContext("c.json", world_size=world, pp=1, pp_source="test")).findings
                     ours_error = any(f.rule == "DS001" for f in ours_findings)
                     try:
-                        ours = deepspeed_batch(cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu"), cfg.get("gradient_accumulation_steps"), world)
+                        ours = deepspeed_engine.batch_values(cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu"), cfg.get("gradient_accumulation_steps"), world)
                     except BatchError:
                         ours = None
+                    try:
+                        vendored = vendored_batch(cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu"), cfg.get("gradient_accumulation_steps"), world)
+                    except BatchError:
+                        vendored = None
                     checked += 1
                     refused += theirs is None
-                    if ours_error != (theirs is None) or ours != theirs:
+                    if ours_error != (theirs is None) or ours != theirs or vendored != theirs:
                         disagreements += 1
-                        print("disagree", world, cfg, ours, theirs, ours_findings)
+                        print("disagree", world, cfg, ours, vendored, theirs, ours_findings)
     assert checked == 5 * 7 * 6 * 5 and disagreements == 0
     assert 200 < refused < checked - 200  # both verdicts are exercised
 
 
-def test_partition_methods_match_deepspeed():
+def test_partition_methods_match_deepspeed(ds_mode):
     pytest.importorskip("deepspeed")
     from deepspeed.runtime import utils as ds_utils
 
@@ -166,8 +203,9 @@ def test_partition_methods_match_deepspeed():
     for _ in range(40):
         n, parts = rng.randint(1, 24), rng.randint(1, 8)
         weights = [rng.choice([0, 1, 5, 100, 12352, 33856]) for _ in range(n)]
-        assert partition_balanced(weights, parts) == list(ds_utils.partition_balanced(weights, parts))
-        assert partition_uniform(n, parts) == list(ds_utils.partition_uniform(n, parts))
+        theirs_b, theirs_u = list(ds_utils.partition_balanced(weights, parts)), list(ds_utils.partition_uniform(n, parts))
+        assert deepspeed_engine.partition_balanced(weights, parts) == theirs_b == vendored_partition_balanced(weights, parts)
+        assert deepspeed_engine.partition_uniform(n, parts) == theirs_u == vendored_partition_uniform(n, parts)
 
 
 # --------------------------------------------------------------------------- plan directories

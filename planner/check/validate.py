@@ -33,7 +33,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
-from planner.check.deepspeed_rules import DSConfig, DSContext, check_ds_config, looks_like_ds_config, partition_balanced
+from planner.check.deepspeed_engine import partition_balanced
+from planner.check.deepspeed_rules import DSConfig, DSContext, check_ds_config, looks_like_ds_config
 from planner.check.findings import Finding, exit_code, format_findings, from_megatron, sort_findings
 from planner.errors import PlannerError, UsageError
 
@@ -580,24 +581,21 @@ def _memory_plan(run: _Run, ctx: _Ctx) -> None:
 
 
 def _model_path(run: _Run, ctx: _Ctx) -> tuple[Path | None, str]:
-    """The model file: --model, else plan.json's inputs.model_file (as recorded, or relative to the plan directory)."""
+    """The model file to analyse: only the one --model names. plan.json's inputs.model_file is never imported
+    (validating someone else's plan directory must not run their code)."""
     if run.opts.model:
         return Path(run.opts.model), "--model"
-    plan = ctx.plan
-    if plan is None or not plan.inputs.get("model_file"):
-        return None, ""
-    recorded = Path(plan.inputs["model_file"])
-    for cand in (recorded, ctx.unit.directory / recorded):
-        if cand.is_file():
-            return cand, "plan.json"
-    return None, f"plan.json's model_file {str(recorded)!r} (not found)"
+    recorded = ctx.plan.inputs.get("model_file") if ctx.plan is not None else None
+    if recorded:
+        return None, f"plan.json names {str(recorded)!r}, but validate imports a model file only when --model names it"
+    return None, ""
 
 
 def _costs(run: _Run, ctx: _Ctx, rel: str, line: int, dtype: str):
     model, source = _model_path(run, ctx)
     if model is None:
         why = f"the model file is unknown ({source})" if source else "the model file is unknown"
-        run.add("MEM003", rel, line, f"memory not checked: {why}.", "pass --model path/to/model.py")
+        run.add("MEM003", rel, line, f"memory not checked: {why}.", "pass --model path/to/model.py (and --model-arg values) to check memory")
         return None
     if not model.is_file():
         raise UsageError(f"--model {str(model)!r} is not a file.")
