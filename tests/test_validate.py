@@ -420,3 +420,184 @@ def test_recognition_by_content_not_name(tmp_path):
     slurm.write_text("#!/bin/bash\n#SBATCH --nodes=1\nsrun bash -c './pretrain_gpt.sh'\n")
     assert classify(slurm, slurm.read_text()) is None
     assert format_findings([], "text").strip().startswith("0 error(s)")
+
+
+# --------------------------------------------------------------------------- as strict as DeepSpeed (DS016)
+
+#: configs DeepSpeed 0.19.8's DeepSpeedConfig refuses by type or range, and the key each finding must point at
+REFUSED = {
+    "zero_optimization_string": ({"zero_optimization": "x"}, "zero_optimization"),
+    "bf16_number": ({"bf16": 1}, "bf16"),
+    "pipeline_string": ({"pipeline": "x"}, "pipeline"),
+    "loss_scale_string": ({"fp16": {"enabled": True, "loss_scale": "big"}}, "loss_scale"),
+    "negative_bucket": ({"zero_optimization": {"stage": 1, "reduce_bucket_size": -5}}, "reduce_bucket_size"),
+    "fractional_stage": ({"zero_optimization": {"stage": 1.5}}, "stage"),
+}
+BATCH = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_what_deepspeed_config_refuses_is_an_error_on_the_right_line(tmp_path, name, ds_mode):
+    extra, key = REFUSED[name]
+    path = tmp_path / "ds_config.json"
+    text = json.dumps({**BATCH, **extra}, indent=2)
+    path.write_text(text)
+    code, _ = validate_paths([path], gpus="4xA100", pp=2)
+    assert code == 1
+    found = [f for f in validate([path], Options(gpus="4xA100", pp=2)).findings if f.severity == "error"]
+    assert [f.rule for f in found] == ["DS016"], found
+    assert found[0].line == 1 + text[: text.index(f'"{key}"')].count("\n")
+    if ds_mode == "deepspeed":  # DeepSpeed's own words, for the planned data-parallel size (4 GPUs / pp 2)
+        import deepspeed.runtime.config as ds_config
+
+        with pytest.raises(Exception) as theirs:
+            ds_config.DeepSpeedConfig({**BATCH, **extra})
+        assert deepspeed_engine.describe(theirs.value).split(": ", 1)[1].split(" (got")[0] in found[0].message
+        assert "2 data-parallel ranks" in found[0].message
+    else:
+        assert "deepspeed is not installed" in found[0].message
+
+
+def test_every_refusal_is_reported_once_and_explained_ones_are_not_repeated(tmp_path):
+    pytest.importorskip("deepspeed")
+    cfg = {**BATCH, "zero_optimization": {"stage": 1.5, "reduce_bucket_size": -5, "stagee": 2}, "pipeline": "x", "amp": {"enabled": True}}
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(cfg, indent=2))
+    found = sorted((f.rule, f.message.split(" at ")[1].split(":")[0] if f.rule == "DS016" else "") for f in validate([path], Options(gpus="4xA100", pp=2)).findings if f.severity == "error")
+    assert found == [("DS004", ""), ("DS010", ""), ("DS016", "pipeline"), ("DS016", "zero_optimization.reduce_bucket_size"), ("DS016", "zero_optimization.stage")]
+
+
+def test_type_checks_without_deepspeed_never_refuse_what_deepspeed_accepts():
+    """The fallback's verdicts against DeepSpeedConfig on a grid of hostile values: no false refusal, and the
+    refusals the issue lists are caught by both."""
+    pytest.importorskip("deepspeed")
+    table = known_keys()
+    sections = tuple(sorted(k for k, i in table.sections[""].items() if i.kind == "section"))
+    values = ("x", "5", "1", "1.5", 1, 1.5, -5, 0, True, False, [], None, {}, float("nan"), float("inf"))
+    cfgs = [{**BATCH, k: v} for k in sections for v in values]
+    for name in ("stage", "reduce_bucket_size", "allgather_bucket_size", "stage3_max_live_parameters", "sub_group_size"):
+        cfgs += [{**BATCH, "zero_optimization": {name: v}} for v in values]
+    cfgs += [{**BATCH, "fp16": {"enabled": True, "loss_scale": v}} for v in values]
+    caught = 0
+    for cfg in cfgs:
+        ours = deepspeed_engine.type_problems(cfg, sections)
+        theirs = deepspeed_engine.refusal(cfg, 2)
+        assert not (ours and theirs is None), (cfg, ours)
+        caught += bool(ours)
+    assert caught > 300
+    for extra, _ in REFUSED.values():
+        assert deepspeed_engine.type_problems({**BATCH, **extra}, sections) and deepspeed_engine.refusal({**BATCH, **extra}, 2)
+
+
+def test_deep_or_broken_configs_are_findings_not_crashes(tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"train_batch_size": 8, "x": ' + "[" * 100000 + "]" * 100000 + "}")
+    assert [f.rule for f in validate([deep], Options()).findings if f.severity == "error"] == ["DS014"]
+    dup = tmp_path / "dup.json"
+    dup.write_text('{\n "train_batch_size": 8,\n "fp16": {"enabled": false},\n "train_batch_size": 16\n}')
+    (f,) = [f for f in validate([dup], Options()).findings if f.severity == "error"]
+    assert f.rule == "DS014" and f.line == 4 and "first on line 2" in f.message
+
+
+def test_key_lines_follow_the_structure_not_the_first_match():
+    from planner.check.json_doc import key_lines, parse_json
+
+    text = r'{' + '\n' + r' "a": {"x": {"b": 1}, "l": [1, {"q": "s\"b:"}, [2, {"r": 3}]]},' + '\n' + r' "b": 2,' + '\n' + r' "k\u0041": {"z": "}"}' + '\n}'
+    doc = parse_json(text)
+    assert doc.value["a"]["l"][1]["q"] == 's"b:'
+    assert doc.value["kA"] == {"z": "}"}
+    assert doc.lines == {("a",): 2, ("a", "x"): 2, ("a", "x", "b"): 2, ("a", "l"): 2, ("a", "l", 1, "q"): 2, ("a", "l", 2, 1, "r"): 2, ("b",): 3, ("kA",): 4, ("kA", "z"): 4}
+    assert key_lines('{"a": {"b": 1},\n"a": {"b": 2}}')[1] == [(("a",), 2, 1)]  # the parent, not its children again
+
+
+def test_json_output_stays_valid_when_deepspeed_logs(tmp_path):
+    """DeepSpeed logs to stdout; validate --format json must still print only JSON."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({**BATCH, "zero_optimization": True}))  # a deprecated form DeepSpeed warns about
+    out = subprocess.run([sys.executable, "-m", "planner", "validate", str(path), "--gpus", "4xA100", "--pp", "2", "--format", "json"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode in (0, 1), out.stderr
+    json.loads(out.stdout)
+
+
+# --------------------------------------------------------------------------- plan.json fields, engine files, model imports
+
+
+@pytest.fixture(scope="module")
+def ds_plan_dir(tmp_path_factory, model_file) -> Path:
+    return _plan_dir(tmp_path_factory.mktemp("dsplan"), model_file, "deepspeed")
+
+
+TAMPERED = {
+    "pp_zero": (lambda d: d["layout"].update(pp=0), "layout.pp"),
+    "pp_string": (lambda d: d["layout"].update(pp="2"), "layout.pp"),
+    "inputs_null": (lambda d: d.update(inputs=None), "inputs"),
+    "step_time_nan": (lambda d: d["predicted"].update(step_time_s=float("nan")), "predicted.step_time_s"),
+    "step_time_zero": (lambda d: d["predicted"].update(step_time_s=0), "predicted.step_time_s"),
+    "mem_target_nan": (lambda d: d["inputs"].update(mem_target=float("nan")), "inputs.mem_target"),
+    "stage_rank_huge": (lambda d: d["stages"][0].update(rank=10**30), "stages.0.rank"),
+    "stages_empty": (lambda d: d.update(stages=[]), "stages"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TAMPERED) + ["non_utf8", "deep"])
+def test_tampered_plan_json_is_an_error_never_a_crash(tmp_path, ds_plan_dir, name):
+    from typer.testing import CliRunner
+
+    from planner.cli import app
+
+    d = tmp_path / "plan"
+    shutil.copytree(ds_plan_dir, d)
+    if name == "non_utf8":
+        (d / "plan.json").write_bytes(b'{"schema_version": 1, "layout": "\xff\xfe"}')
+        want = "not UTF-8"
+    elif name == "deep":
+        (d / "plan.json").write_text('{"schema_version": 1, "layout": ' + "[" * 100000 + "]" * 100000 + "}")
+        want = "nested too deeply"
+    else:
+        data = json.loads((d / "plan.json").read_text())
+        mutate, want = TAMPERED[name]
+        mutate(data)
+        (d / "plan.json").write_text(json.dumps(data, indent=2))
+    errors = [f for f in validate([d], Options()).findings if f.severity == "error"]
+    assert [f.rule for f in errors] == ["PLAN005"] and want in errors[0].message, errors
+    result = CliRunner().invoke(app, ["validate", str(d)])
+    assert result.exit_code == 1 and (result.exception is None or isinstance(result.exception, SystemExit)), (result.output, result.exception)
+    assert "Traceback" not in result.output and "PLAN005" in result.output
+
+
+def test_untouched_plan_json_has_no_field_problems(ds_plan_dir):
+    from planner.check.plan_fields import plan_problems
+
+    assert plan_problems(json.loads((ds_plan_dir / "plan.json").read_text())) == []
+    assert [f for f in validate([ds_plan_dir], Options()).findings if f.severity != "info"] == []
+
+
+def test_plan_directory_without_its_ds_config_is_an_error(tmp_path, ds_plan_dir):
+    d = tmp_path / "plan"
+    shutil.copytree(ds_plan_dir, d)
+    (d / "ds_config.json").unlink()
+    code, text = validate_paths([d])
+    assert code == 1 and "PLAN006" in text and "ds_config.json" in text
+
+
+def test_validate_never_imports_the_model_file_plan_json_names(tmp_path, ds_plan_dir):
+    """Without --model, plan.json's model_file is not imported (it would run someone else's code)."""
+    d = tmp_path / "plan"
+    shutil.copytree(ds_plan_dir, d)
+    marker = tmp_path / "imported"
+    evil = tmp_path / "evil.py"
+    evil.write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n" + Path(json.loads((d / "plan.json").read_text())["inputs"]["model_file"]).read_text())
+    data = json.loads((d / "plan.json").read_text())
+    data["inputs"]["model_file"] = str(evil)
+    (d / "plan.json").write_text(json.dumps(data, indent=2))
+    report = validate([d], Options())
+    assert not marker.exists()
+    notes = [f for f in report.findings if f.rule == "MEM003"]
+    assert notes and "--model" in notes[0].fix and "only when --model names it" in notes[0].message
+    assert not report.memory
+    validate([d], Options(model=str(evil)))  # named on the command line: imported, and memory is checked
+    assert marker.exists()
