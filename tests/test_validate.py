@@ -7,7 +7,7 @@ import json
 import random
 import re
 import shutil
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -15,12 +15,28 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from planner.check import deepspeed_engine
-from planner.check.deepspeed_engine import BatchError, vendored_batch, vendored_partition_balanced, vendored_partition_uniform
-from planner.check.deepspeed_rules import DEEPSPEED_VERSION, known_keys, table_path
+from planner.check.deepspeed_engine import (
+    BatchError,
+    vendored_batch,
+    vendored_partition_balanced,
+    vendored_partition_uniform,
+)
+from planner.check.deepspeed_rules import (
+    DEEPSPEED_VERSION,
+    DSContext,
+    check_ds_config,
+    known_keys,
+    table_path,
+)
 from planner.check.deepspeed_rules import RULES as DS_RULES
-from planner.check.deepspeed_rules import DSContext, check_ds_config
 from planner.check.findings import exit_code, format_findings, rules
-from planner.check.validate import Options, classify, read_command, validate, validate_paths
+from planner.check.validate import (
+    Options,
+    classify,
+    read_command,
+    validate,
+    validate_paths,
+)
 from planner.errors import PlannerError, UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,7 +95,7 @@ def test_seed_recommendation_zero3_with_pipeline_is_refused_with_every_problem()
     text = path.read_text()
     for opts in (Options(gpus="8xA100", pp=4), Options()):
         found = {(f.rule, f.line): f for f in validate([path], opts).findings}
-        line = lambda key: 1 + text[: text.index(f'"{key}"')].count("\n")  # noqa: E731
+        line = lambda key: 1 + text[: text.index(f'"{key}"')].count("\n")
         zero3 = found[("DS002", line("stage"))]
         assert "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism" in zero3.message and "PipelineEngine.__init__" in zero3.message
         ckpt = found[("DS005", line("activation_checkpointing"))]
@@ -211,7 +227,7 @@ def test_partition_methods_match_deepspeed(ds_mode):
 # --------------------------------------------------------------------------- plan directories
 
 
-@lru_cache(maxsize=None)
+@cache
 def _plan(model: str, engine: str, gpus: str, **pins):
     from planner.planning import PlanRequest, plan_model
 
@@ -518,7 +534,7 @@ def test_json_output_stays_valid_when_deepspeed_logs(tmp_path):
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps({**BATCH, "zero_optimization": True}))  # a deprecated form DeepSpeed warns about
     out = subprocess.run([sys.executable, "-m", "planner", "validate", str(path), "--gpus", "4xA100", "--pp", "2", "--format", "json"],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300, check=False)
     assert out.returncode in (0, 1), out.stderr
     json.loads(out.stdout)
 

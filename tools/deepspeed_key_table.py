@@ -30,6 +30,7 @@ Needs deepspeed (and torch) installed: ``DS_BUILD_OPS=0 pip install deepspeed==<
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import inspect
 import logging
@@ -172,10 +173,8 @@ def _probe(C, hits: list, path: list[str]) -> tuple[list, set]:
     cfg = _nested(path, leaf)
     cfg.setdefault("train_batch_size", 1)
     hits.clear()
-    try:
+    with contextlib.suppress(Exception):  # probing: most markers make DeepSpeed raise after reading
         C.DeepSpeedConfig(_Recording(cfg))
-    except Exception:  # noqa: BLE001 - probing: most markers make DeepSpeed raise after reading
-        pass
     return list(hits), sub - {PROBE}
 
 
@@ -185,12 +184,16 @@ def _ast_keys_of(tree: ast.AST, names: set[str], func: str | None = None) -> set
     roots = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == func] if func else [tree]
     for root in roots:
         for node in ast.walk(root):
-            if isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant) and isinstance(node.left.value, str):
-                if any(isinstance(op, ast.In) for op in node.ops) and any(isinstance(c, ast.Name) and c.id in names for c in node.comparators):
-                    out.add(node.left.value)
-            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in names:
-                if isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
-                    out.add(node.slice.value)
+            if (
+                isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant) and isinstance(node.left.value, str)
+                and any(isinstance(op, ast.In) for op in node.ops) and any(isinstance(c, ast.Name) and c.id in names for c in node.comparators)
+            ):
+                out.add(node.left.value)
+            if (
+                isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in names
+                and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)
+            ):
+                out.add(node.slice.value)
     return out
 
 
@@ -209,9 +212,11 @@ def _pipeline_keys(ds_root: Path) -> tuple[set[str], set[str]]:
             target, key = None, None
             if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
                 target, key = node.value, node.slice.value
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" and node.args:
-                if isinstance(node.args[0], ast.Constant):
-                    target, key = node.func.value, node.args[0].value
+            elif (
+                isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                target, key = node.func.value, node.args[0].value
             if target is not None and isinstance(key, str) and ast.unparse(target).endswith("_config.pipeline"):
                 read.add(key)
     return defaults, read
@@ -223,7 +228,7 @@ def _engine_optimizer_keys(ds_root: Path) -> tuple[set[str], set[str]]:
     Read from deepspeed/runtime/engine.py: ``optimizer_parameters.pop(KEY, ...)`` anywhere, and the dict keys that
     ``get_optimizer_configuration`` returns as extra keyword arguments for the Adam classes.
     """
-    import deepspeed.runtime.engine as engine
+    from deepspeed.runtime import engine
 
     def name_of(arg: ast.AST) -> str | None:
         if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
@@ -235,9 +240,11 @@ def _engine_optimizer_keys(ds_root: Path) -> tuple[set[str], set[str]]:
     tree = ast.parse((ds_root / "runtime" / "engine.py").read_text())
     popped: set[str] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "pop" and node.args:
-            if ast.unparse(node.func.value) == "optimizer_parameters" and name_of(node.args[0]):
-                popped.add(name_of(node.args[0]))  # type: ignore[arg-type]
+        if (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "pop" and node.args
+            and ast.unparse(node.func.value) == "optimizer_parameters" and name_of(node.args[0])
+        ):
+            popped.add(name_of(node.args[0]))  # type: ignore[arg-type]
     passed: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef) and node.name == "get_optimizer_configuration":
@@ -335,9 +342,9 @@ def _classify(C, table: KeyTable, hits: list, path: list[str], skip: set[str], d
 
 
 def _optimizer_and_scheduler_params(table: KeyTable, ds_root: Path) -> None:
-    import torch
     import deepspeed.runtime.config as C
-    import deepspeed.runtime.lr_schedules as lr_schedules
+    import torch
+    from deepspeed.runtime import lr_schedules
 
     popped, passed = _engine_optimizer_keys(ds_root)
     ds_names = [str(n) for n in getattr(C, "DEEPSPEED_OPTIMIZERS", [])]

@@ -19,8 +19,9 @@ import copy
 import logging
 import math
 import os
+from collections.abc import Iterator
 from functools import lru_cache
-from typing import Any, Iterator
+from typing import Any
 
 #: the DeepSpeed release the vendored fallbacks and the shipped key table follow
 VENDORED_VERSION = "0.19.8"
@@ -49,8 +50,10 @@ def _modules() -> tuple[Any, Any] | None:
         return None
     try:
         with _quiet():
-            import deepspeed.runtime.config as config  # optional heavy dependency (imports torch)
-            import deepspeed.runtime.utils as utils
+            from deepspeed.runtime import (
+                config,  # optional heavy dependency (imports torch)
+                utils,
+            )
     except Exception:  # noqa: BLE001 - any failure to import means: use the fallbacks
         return None
     return config, utils

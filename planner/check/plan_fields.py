@@ -7,7 +7,8 @@ so that validate reports them as findings instead of failing inside arithmetic o
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from planner.solve.plan import SCHEMA_VERSION, Layout, Predicted, StagePlan
 
@@ -122,7 +123,8 @@ def plan_problems(data: Any) -> list[Problem]:
 
 def _layout(c: _Checker, lay: dict) -> tuple[int | None, int | None]:
     """Checks the layout; (pp, pp x vp) when both are valid."""
-    ok = all([c.count(lay, k, ("layout", k)) for k in LAYOUT_COUNTS])
+    valid = [c.count(lay, k, ("layout", k)) for k in LAYOUT_COUNTS]  # every field checked, not only up to the first bad one
+    ok = all(valid)
     c.count(lay, "zero", ("layout", "zero"), 0, 3)
     for key in ("engine", "schedule", "recompute"):
         c.typed(lay, key, ("layout", key), str, "a string")
