@@ -7,18 +7,36 @@ import json
 import random
 import re
 import shutil
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from planner.check.deepspeed_rules import DEEPSPEED_VERSION, extract_key_table, format_table, known_keys, table_path
+from planner.check import deepspeed_engine
+from planner.check.deepspeed_engine import (
+    BatchError,
+    vendored_batch,
+    vendored_partition_balanced,
+    vendored_partition_uniform,
+)
+from planner.check.deepspeed_rules import (
+    DEEPSPEED_VERSION,
+    DSContext,
+    check_ds_config,
+    known_keys,
+    table_path,
+)
 from planner.check.deepspeed_rules import RULES as DS_RULES
-from planner.check.deepspeed_rules import BatchError, DSContext, check_ds_config, deepspeed_batch, partition_balanced, partition_uniform
 from planner.check.findings import exit_code, format_findings, rules
-from planner.check.validate import Options, classify, read_command, validate, validate_paths
+from planner.check.validate import (
+    Options,
+    classify,
+    read_command,
+    validate,
+    validate_paths,
+)
 from planner.errors import PlannerError, UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,8 +56,20 @@ def _rules(findings, with_info: bool = False) -> set[str]:
 # --------------------------------------------------------------------------- the corpus
 
 
+@pytest.fixture(params=["deepspeed", "no-deepspeed"])
+def ds_mode(request, monkeypatch):
+    """Run a test with DeepSpeed's own code answering, and again with the fallbacks (as if deepspeed were absent)."""
+    if request.param == "deepspeed":
+        pytest.importorskip("deepspeed")
+        assert deepspeed_engine.available()
+    else:
+        monkeypatch.setattr(deepspeed_engine, "_modules", lambda: None)
+        assert not deepspeed_engine.available()
+    return request.param
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_corpus_case_reports_exactly_its_rules(name):
+def test_corpus_case_reports_exactly_its_rules(name, ds_mode):
     case = CASES[name]
     report = validate([FIX / name], _options(case["options"]))
     assert _rules(report.findings) == set(case["rules"]), "\n".join(map(str, report.findings))
@@ -65,7 +95,7 @@ def test_seed_recommendation_zero3_with_pipeline_is_refused_with_every_problem()
     text = path.read_text()
     for opts in (Options(gpus="8xA100", pp=4), Options()):
         found = {(f.rule, f.line): f for f in validate([path], opts).findings}
-        line = lambda key: 1 + text[: text.index(f'"{key}"')].count("\n")  # noqa: E731
+        line = lambda key: 1 + text[: text.index(f'"{key}"')].count("\n")
         zero3 = found[("DS002", line("stage"))]
         assert "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism" in zero3.message and "PipelineEngine.__init__" in zero3.message
         ckpt = found[("DS005", line("activation_checkpointing"))]
@@ -90,12 +120,29 @@ def test_lone_config_batch_without_pp_considers_every_pipeline_depth():
 
 
 def test_shipped_key_table_matches_installed_deepspeed():
+    """The shipped table equals a fresh extraction by tools/deepspeed_key_table.py from the installed DeepSpeed."""
     deepspeed = pytest.importorskip("deepspeed")
+    from tools.deepspeed_key_table import extract_key_table, format_table, main
+
     assert deepspeed.__version__ == DEEPSPEED_VERSION, (
         f"DeepSpeed {deepspeed.__version__} is installed, the table is for {DEEPSPEED_VERSION}: update DEEPSPEED_VERSION and run "
-        "`python -m planner.check.deepspeed_rules --write`"
+        "`python tools/deepspeed_key_table.py --write`"
     )
-    assert format_table(extract_key_table()) == table_path().read_text(), "stale table: run `python -m planner.check.deepspeed_rules --write`"
+    assert format_table(extract_key_table()) == table_path().read_text(), "stale table: run `python tools/deepspeed_key_table.py --write`"
+    assert main(["--check"]) == 0
+
+
+def test_validate_does_not_import_the_table_extractor():
+    """validate reads the shipped table only: no planner module imports tools/ or walks JSON with json.decoder."""
+    import ast
+
+    for path in (ROOT / "planner").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not {m for m in imported if m.startswith(("tools", "json.decoder"))}, path
+        uses = {ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        assert not {u for u in uses if u.startswith("json.decoder")}, path
 
 
 def test_key_policies_match_what_deepspeed_config_does(monkeypatch):
@@ -124,41 +171,47 @@ def test_key_policies_match_what_deepspeed_config_does(monkeypatch):
     assert {k for k, i in table.sections["pipeline"].items() if i.kind == "unread"} == {"stages", "partition", "seed_layers"}
 
 
-def test_batch_verdicts_agree_with_deepspeed_config(monkeypatch):
-    """Ours says DS001 iff DeepSpeedConfig raises, for N data-parallel ranks (dist patched as engines.md says)."""
+def test_batch_verdicts_agree_with_deepspeed_config(monkeypatch, ds_mode):
+    """DS001 iff DeepSpeedConfig raises, for N data-parallel ranks (dist patched as engines.md says), with DeepSpeed
+    answering and with the vendored arithmetic; the filled values equal DeepSpeedConfig's."""
     pytest.importorskip("deepspeed")
     import deepspeed.runtime.config as ds_config
 
-    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)
     values = {"tbs": (None, 0, 8, 12, 16, 24, 48), "micro": (None, 0, 1, 2, 3, 4), "gas": (None, 0, 1, 2, 4)}
     checked = disagreements = refused = 0
     for world in (1, 2, 3, 4, 8):
-        monkeypatch.setattr(ds_config.dist, "get_world_size", lambda *a, _w=world, **k: _w)
         for tbs in values["tbs"]:
             for micro in values["micro"]:
                 for gas in values["gas"]:
                     cfg = {k: v for k, v in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", gas)) if v is not None}
-                    try:
-                        ds = ds_config.DeepSpeedConfig(dict(cfg))
-                        theirs = (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps)
-                    except (AssertionError, ZeroDivisionError, TypeError, ValueError):
-                        theirs = None
+                    with monkeypatch.context() as m:  # DeepSpeedConfig itself, independently of planner.check
+                        m.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)
+                        m.setattr(ds_config.dist, "get_world_size", lambda *a, _w=world, **k: _w)
+                        try:
+                            ds = ds_config.DeepSpeedConfig(dict(cfg))
+                            theirs = (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps)
+                        except (AssertionError, ZeroDivisionError, TypeError, ValueError):
+                            theirs = None
                     ours_findings = check_ds_config(json.dumps(cfg), DSContext("c.json", world_size=world, pp=1, pp_source="test")).findings
                     ours_error = any(f.rule == "DS001" for f in ours_findings)
                     try:
-                        ours = deepspeed_batch(cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu"), cfg.get("gradient_accumulation_steps"), world)
+                        ours = deepspeed_engine.batch_values(cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu"), cfg.get("gradient_accumulation_steps"), world)
                     except BatchError:
                         ours = None
+                    try:
+                        vendored = vendored_batch(cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu"), cfg.get("gradient_accumulation_steps"), world)
+                    except BatchError:
+                        vendored = None
                     checked += 1
                     refused += theirs is None
-                    if ours_error != (theirs is None) or ours != theirs:
+                    if ours_error != (theirs is None) or ours != theirs or vendored != theirs:
                         disagreements += 1
-                        print("disagree", world, cfg, ours, theirs, ours_findings)
+                        print("disagree", world, cfg, ours, vendored, theirs, ours_findings)
     assert checked == 5 * 7 * 6 * 5 and disagreements == 0
     assert 200 < refused < checked - 200  # both verdicts are exercised
 
 
-def test_partition_methods_match_deepspeed():
+def test_partition_methods_match_deepspeed(ds_mode):
     pytest.importorskip("deepspeed")
     from deepspeed.runtime import utils as ds_utils
 
@@ -166,14 +219,15 @@ def test_partition_methods_match_deepspeed():
     for _ in range(40):
         n, parts = rng.randint(1, 24), rng.randint(1, 8)
         weights = [rng.choice([0, 1, 5, 100, 12352, 33856]) for _ in range(n)]
-        assert partition_balanced(weights, parts) == list(ds_utils.partition_balanced(weights, parts))
-        assert partition_uniform(n, parts) == list(ds_utils.partition_uniform(n, parts))
+        theirs_b, theirs_u = list(ds_utils.partition_balanced(weights, parts)), list(ds_utils.partition_uniform(n, parts))
+        assert deepspeed_engine.partition_balanced(weights, parts) == theirs_b == vendored_partition_balanced(weights, parts)
+        assert deepspeed_engine.partition_uniform(n, parts) == theirs_u == vendored_partition_uniform(n, parts)
 
 
 # --------------------------------------------------------------------------- plan directories
 
 
-@lru_cache(maxsize=None)
+@cache
 def _plan(model: str, engine: str, gpus: str, **pins):
     from planner.planning import PlanRequest, plan_model
 
@@ -274,7 +328,8 @@ def test_memory_failure_names_the_stage_and_overflow(tmp_path, model_file):
     cfg["train_micro_batch_size_per_gpu"] = 1 << 20
     cfg["train_batch_size"] = (1 << 20) * cfg["gradient_accumulation_steps"] * 2
     (d / "ds_config.json").write_text(json.dumps(cfg, indent=2))
-    mem = [f for f in validate([d], Options()).findings if f.rule == "MEM001"]
+    assert not [f for f in validate([d], Options()).findings if f.rule == "MEM001"]  # the model is imported only with --model
+    mem = [f for f in validate([d], Options(model=model_file)).findings if f.rule == "MEM001"]
     assert mem and all(re.search(r"pipeline rank \d \(stage \d: pieces \[\d+, \d+\).*GiB more than the [\d.]+ GiB", f.message) for f in mem)
     assert "the stage split of plan.json" in mem[0].message
 
@@ -399,3 +454,184 @@ def test_megatron_script_that_never_launches_is_stopped_with_a_finding():
     (f,) = [f for f in validate([FIX / "bad" / "meg031_loops_forever.sh"], Options()).findings if f.severity != "info"]
     assert f.rule == "MEG031" and ("limit" in f.message or "past" in f.message)
     assert time.monotonic() - start < 30
+
+
+# --------------------------------------------------------------------------- as strict as DeepSpeed (DS016)
+
+#: configs DeepSpeed 0.19.8's DeepSpeedConfig refuses by type or range, and the key each finding must point at
+REFUSED = {
+    "zero_optimization_string": ({"zero_optimization": "x"}, "zero_optimization"),
+    "bf16_number": ({"bf16": 1}, "bf16"),
+    "pipeline_string": ({"pipeline": "x"}, "pipeline"),
+    "loss_scale_string": ({"fp16": {"enabled": True, "loss_scale": "big"}}, "loss_scale"),
+    "negative_bucket": ({"zero_optimization": {"stage": 1, "reduce_bucket_size": -5}}, "reduce_bucket_size"),
+    "fractional_stage": ({"zero_optimization": {"stage": 1.5}}, "stage"),
+}
+BATCH = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_what_deepspeed_config_refuses_is_an_error_on_the_right_line(tmp_path, name, ds_mode):
+    extra, key = REFUSED[name]
+    path = tmp_path / "ds_config.json"
+    text = json.dumps({**BATCH, **extra}, indent=2)
+    path.write_text(text)
+    code, _ = validate_paths([path], gpus="4xA100", pp=2)
+    assert code == 1
+    found = [f for f in validate([path], Options(gpus="4xA100", pp=2)).findings if f.severity == "error"]
+    assert [f.rule for f in found] == ["DS016"], found
+    assert found[0].line == 1 + text[: text.index(f'"{key}"')].count("\n")
+    if ds_mode == "deepspeed":  # DeepSpeed's own words, for the planned data-parallel size (4 GPUs / pp 2)
+        import deepspeed.runtime.config as ds_config
+
+        with pytest.raises(Exception) as theirs:
+            ds_config.DeepSpeedConfig({**BATCH, **extra})
+        assert deepspeed_engine.describe(theirs.value).split(": ", 1)[1].split(" (got")[0] in found[0].message
+        assert "2 data-parallel ranks" in found[0].message
+    else:
+        assert "deepspeed is not installed" in found[0].message
+
+
+def test_every_refusal_is_reported_once_and_explained_ones_are_not_repeated(tmp_path):
+    pytest.importorskip("deepspeed")
+    cfg = {**BATCH, "zero_optimization": {"stage": 1.5, "reduce_bucket_size": -5, "stagee": 2}, "pipeline": "x", "amp": {"enabled": True}}
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(cfg, indent=2))
+    found = sorted((f.rule, f.message.split(" at ")[1].split(":")[0] if f.rule == "DS016" else "") for f in validate([path], Options(gpus="4xA100", pp=2)).findings if f.severity == "error")
+    assert found == [("DS004", ""), ("DS010", ""), ("DS016", "pipeline"), ("DS016", "zero_optimization.reduce_bucket_size"), ("DS016", "zero_optimization.stage")]
+
+
+def test_type_checks_without_deepspeed_never_refuse_what_deepspeed_accepts():
+    """The fallback's verdicts against DeepSpeedConfig on a grid of hostile values: no false refusal, and the
+    refusals the issue lists are caught by both."""
+    pytest.importorskip("deepspeed")
+    table = known_keys()
+    sections = tuple(sorted(k for k, i in table.sections[""].items() if i.kind == "section"))
+    values = ("x", "5", "1", "1.5", 1, 1.5, -5, 0, True, False, [], None, {}, float("nan"), float("inf"))
+    cfgs = [{**BATCH, k: v} for k in sections for v in values]
+    for name in ("stage", "reduce_bucket_size", "allgather_bucket_size", "stage3_max_live_parameters", "sub_group_size"):
+        cfgs += [{**BATCH, "zero_optimization": {name: v}} for v in values]
+    cfgs += [{**BATCH, "fp16": {"enabled": True, "loss_scale": v}} for v in values]
+    caught = 0
+    for cfg in cfgs:
+        ours = deepspeed_engine.type_problems(cfg, sections)
+        theirs = deepspeed_engine.refusal(cfg, 2)
+        assert not (ours and theirs is None), (cfg, ours)
+        caught += bool(ours)
+    assert caught > 300
+    for extra, _ in REFUSED.values():
+        assert deepspeed_engine.type_problems({**BATCH, **extra}, sections) and deepspeed_engine.refusal({**BATCH, **extra}, 2)
+
+
+def test_deep_or_broken_configs_are_findings_not_crashes(tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"train_batch_size": 8, "x": ' + "[" * 100000 + "]" * 100000 + "}")
+    assert [f.rule for f in validate([deep], Options()).findings if f.severity == "error"] == ["DS014"]
+    dup = tmp_path / "dup.json"
+    dup.write_text('{\n "train_batch_size": 8,\n "fp16": {"enabled": false},\n "train_batch_size": 16\n}')
+    (f,) = [f for f in validate([dup], Options()).findings if f.severity == "error"]
+    assert f.rule == "DS014" and f.line == 4 and "first on line 2" in f.message
+
+
+def test_key_lines_follow_the_structure_not_the_first_match():
+    from planner.check.json_doc import key_lines, parse_json
+
+    text = r'{' + '\n' + r' "a": {"x": {"b": 1}, "l": [1, {"q": "s\"b:"}, [2, {"r": 3}]]},' + '\n' + r' "b": 2,' + '\n' + r' "k\u0041": {"z": "}"}' + '\n}'
+    doc = parse_json(text)
+    assert doc.value["a"]["l"][1]["q"] == 's"b:'
+    assert doc.value["kA"] == {"z": "}"}
+    assert doc.lines == {("a",): 2, ("a", "x"): 2, ("a", "x", "b"): 2, ("a", "l"): 2, ("a", "l", 1, "q"): 2, ("a", "l", 2, 1, "r"): 2, ("b",): 3, ("kA",): 4, ("kA", "z"): 4}
+    assert key_lines('{"a": {"b": 1},\n"a": {"b": 2}}')[1] == [(("a",), 2, 1)]  # the parent, not its children again
+
+
+def test_json_output_stays_valid_when_deepspeed_logs(tmp_path):
+    """DeepSpeed logs to stdout; validate --format json must still print only JSON."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({**BATCH, "zero_optimization": True}))  # a deprecated form DeepSpeed warns about
+    out = subprocess.run([sys.executable, "-m", "planner", "validate", str(path), "--gpus", "4xA100", "--pp", "2", "--format", "json"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300, check=False)
+    assert out.returncode in (0, 1), out.stderr
+    json.loads(out.stdout)
+
+
+# --------------------------------------------------------------------------- plan.json fields, engine files, model imports
+
+
+@pytest.fixture(scope="module")
+def ds_plan_dir(tmp_path_factory, model_file) -> Path:
+    return _plan_dir(tmp_path_factory.mktemp("dsplan"), model_file, "deepspeed")
+
+
+TAMPERED = {
+    "pp_zero": (lambda d: d["layout"].update(pp=0), "layout.pp"),
+    "pp_string": (lambda d: d["layout"].update(pp="2"), "layout.pp"),
+    "inputs_null": (lambda d: d.update(inputs=None), "inputs"),
+    "step_time_nan": (lambda d: d["predicted"].update(step_time_s=float("nan")), "predicted.step_time_s"),
+    "step_time_zero": (lambda d: d["predicted"].update(step_time_s=0), "predicted.step_time_s"),
+    "mem_target_nan": (lambda d: d["inputs"].update(mem_target=float("nan")), "inputs.mem_target"),
+    "stage_rank_huge": (lambda d: d["stages"][0].update(rank=10**30), "stages.0.rank"),
+    "stages_empty": (lambda d: d.update(stages=[]), "stages"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TAMPERED) + ["non_utf8", "deep"])
+def test_tampered_plan_json_is_an_error_never_a_crash(tmp_path, ds_plan_dir, name):
+    from typer.testing import CliRunner
+
+    from planner.cli import app
+
+    d = tmp_path / "plan"
+    shutil.copytree(ds_plan_dir, d)
+    if name == "non_utf8":
+        (d / "plan.json").write_bytes(b'{"schema_version": 1, "layout": "\xff\xfe"}')
+        want = "not UTF-8"
+    elif name == "deep":
+        (d / "plan.json").write_text('{"schema_version": 1, "layout": ' + "[" * 100000 + "]" * 100000 + "}")
+        want = "nested too deeply"
+    else:
+        data = json.loads((d / "plan.json").read_text())
+        mutate, want = TAMPERED[name]
+        mutate(data)
+        (d / "plan.json").write_text(json.dumps(data, indent=2))
+    errors = [f for f in validate([d], Options()).findings if f.severity == "error"]
+    assert [f.rule for f in errors] == ["PLAN005"] and want in errors[0].message, errors
+    result = CliRunner().invoke(app, ["validate", str(d)])
+    assert result.exit_code == 1 and (result.exception is None or isinstance(result.exception, SystemExit)), (result.output, result.exception)
+    assert "Traceback" not in result.output and "PLAN005" in result.output
+
+
+def test_untouched_plan_json_has_no_field_problems(ds_plan_dir):
+    from planner.check.plan_fields import plan_problems
+
+    assert plan_problems(json.loads((ds_plan_dir / "plan.json").read_text())) == []
+    assert [f for f in validate([ds_plan_dir], Options()).findings if f.severity != "info"] == []
+
+
+def test_plan_directory_without_its_ds_config_is_an_error(tmp_path, ds_plan_dir):
+    d = tmp_path / "plan"
+    shutil.copytree(ds_plan_dir, d)
+    (d / "ds_config.json").unlink()
+    code, text = validate_paths([d])
+    assert code == 1 and "PLAN006" in text and "ds_config.json" in text
+
+
+def test_validate_never_imports_the_model_file_plan_json_names(tmp_path, ds_plan_dir):
+    """Without --model, plan.json's model_file is not imported (it would run someone else's code)."""
+    d = tmp_path / "plan"
+    shutil.copytree(ds_plan_dir, d)
+    marker = tmp_path / "imported"
+    evil = tmp_path / "evil.py"
+    evil.write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n" + Path(json.loads((d / "plan.json").read_text())["inputs"]["model_file"]).read_text())
+    data = json.loads((d / "plan.json").read_text())
+    data["inputs"]["model_file"] = str(evil)
+    (d / "plan.json").write_text(json.dumps(data, indent=2))
+    report = validate([d], Options())
+    assert not marker.exists()
+    notes = [f for f in report.findings if f.rule == "MEM003"]
+    assert notes and "--model" in notes[0].fix and "only when --model names it" in notes[0].message
+    assert not report.memory
+    validate([d], Options(model=str(evil)))  # named on the command line: imported, and memory is checked
+    assert marker.exists()

@@ -1,13 +1,14 @@
-"""DeepSpeed config rules for `planner validate` (torch-free, no DeepSpeed install needed).
+"""DeepSpeed config rules for `planner validate`.
 
 Checks a ds_config.json as DeepSpeed 0.19.8 reads it, with the line of every key:
 
-* batch arithmetic, reproducing ``DeepSpeedConfig._set_batch_related_parameters``
-  (missing values filled by integer division) and ``_batch_assertion``
-  (``train_batch_size == micro * gas * world_size``, all > 0), where under
-  pipeline parallelism the world size DeepSpeedConfig sees is the
-  data-parallel size, world / (pp x model-parallel) (deepspeed/runtime/config.py;
-  /work/shared/reference/engines.md);
+* DeepSpeed's own verdict: where deepspeed is importable, ``DeepSpeedConfig`` is run on the config for the planned
+  data-parallel size (planner.check.deepspeed_engine) and every refusal is a finding (DS016) with its message;
+  without deepspeed, type and range checks of what it would refuse;
+* batch arithmetic, as ``DeepSpeedConfig`` fills and checks it (``train_batch_size == micro * gas * world_size``,
+  all > 0), where under pipeline parallelism the world size DeepSpeedConfig sees is the data-parallel size,
+  world / (pp x model-parallel) (deepspeed/runtime/config.py; /work/shared/reference/engines.md); when that size is
+  unknown, what holds for every possible one;
 * ZeRO stage >= 2 with a pipeline, which ``PipelineEngine.__init__`` refuses only at
   start-up (planner.engines.zero_rules); fp16 with bf16;
 * every key at every level against the table of keys DeepSpeed reads
@@ -18,53 +19,24 @@ Checks a ds_config.json as DeepSpeed 0.19.8 reads it, with the line of every key
 * fewer micro-batches than pipeline stages (planner.engines.schedule_rules) and a
   large 1F1B bubble, (p - 1) / (m + p - 1) > :data:`BUBBLE_WARNING`.
 
-Where the known keys come from (the table ships as data,
-``templates/validate/deepspeed_keys_<version>.tsv``, so validation needs no
-DeepSpeed install; :func:`extract_key_table` regenerates it from the installed
-DeepSpeed with ``python -m planner.check.deepspeed_rules --write``, and
-tests/test_validate.py compares the shipped file with a fresh extraction). The
-extraction reads DeepSpeed's own code (deepspeed/runtime/config.py and the
-modules it calls), without hand-written key lists:
-
-* top-level keys: ``DeepSpeedConfig`` is run on a dict that records every key it
-  looks up (``get``, ``[]``, ``in``, ``.keys()``), plus the keys
-  ``deepspeed.initialize`` tests on the config dict (deepspeed/__init__.py);
-* sections: each key is probed with a sub-dict holding a marker key. When one of
-  the pydantic config models (``DeepSpeedConfigModel`` subclasses:
-  ``extra="forbid"``) receives it, the section's keys are that model's fields and
-  aliases, recursively through nested models, and DeepSpeed refuses unknown keys
-  there at start-up. Otherwise the keys the recording sub-dict saw are the
-  section's keys, and DeepSpeed silently ignores others (probed recursively);
-* ``pipeline``: ``get_pipeline_config`` merges the section over a dict of
-  defaults (its keys are accepted), and the pipeline engine reads only what
-  deepspeed/runtime/pipe/*.py subscript from ``_config.pipeline`` (the other
-  defaults are accepted but never read);
-* removed features: ``_REMOVED_TOP_LEVEL_CONFIG_KEYS`` / ``_REMOVED_ZERO_CONFIG_KEYS``
-  (DeepSpeedConfig raises DeepSpeedConfigError);
-* ``optimizer.params`` / ``scheduler.params``: the keyword arguments of the
-  classes ``DeepSpeedEngine`` constructs for each optimizer / scheduler type
-  (it calls them with ``**params``, so an unknown key is a TypeError), plus the
-  keys the engine pops first.
-
-Torch-free at validation time: only the generator imports DeepSpeed (and torch).
+The key table ships as data (``templates/validate/deepspeed_keys_<version>.tsv``), so the key checks need no
+DeepSpeed install; ``tools/deepspeed_key_table.py`` derives it from DeepSpeed's own code (and tests compare the
+shipped file with a fresh extraction). This module only reads it.
 """
 
 from __future__ import annotations
 
-import ast
+import copy
 import difflib
-import inspect
-import json
-import re
-import sys
-import typing
-from bisect import bisect_right
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from planner.check import deepspeed_engine
+from planner.check.deepspeed_engine import BatchError
 from planner.check.findings import Finding
+from planner.check.json_doc import JsonDoc, JsonError, parse_json
 from planner.errors import close_matches
 
 # --------------------------------------------------------------------------- known keys (data)
@@ -77,19 +49,6 @@ VALUE, SECTION, UNREAD, DEPRECATED, REMOVED = "value", "section", "unread", "dep
 #: section policies: DeepSpeed refuses unknown keys (pydantic extra="forbid"), silently ignores them,
 #: or passes them as keyword arguments to a constructor (TypeError at deepspeed.initialize)
 FORBID, IGNORE, KWARGS = "forbid", "ignore", "kwargs"
-
-#: optimizer types DeepSpeed builds itself (lower-cased names, deepspeed/runtime/config.py DEEPSPEED_OPTIMIZERS)
-#: -> the classes ``DeepSpeedEngine._configure_basic_optimizer`` may construct with ``**params``
-OPTIMIZER_CLASSES: dict[str, tuple[str, ...]] = {
-    "adam": ("deepspeed.ops.adam.FusedAdam", "deepspeed.ops.adam.DeepSpeedCPUAdam", "torch.optim.Adam", "torch.optim.AdamW"),
-    "adamw": ("deepspeed.ops.adam.FusedAdam", "deepspeed.ops.adam.DeepSpeedCPUAdam", "torch.optim.AdamW"),
-    "lamb": ("deepspeed.ops.lamb.FusedLamb",),
-    "lion": ("deepspeed.ops.lion.FusedLion", "deepspeed.ops.lion.DeepSpeedCPULion"),
-    "adagrad": ("torch.optim.Adagrad", "deepspeed.ops.adagrad.DeepSpeedCPUAdagrad"),
-}
-
-PROBE = "__planner_probe__"
-
 
 @dataclass(frozen=True)
 class KeyInfo:
@@ -131,20 +90,6 @@ def table_path() -> Path:
     return Path(templates_dir()) / "validate" / TABLE_NAME
 
 
-def format_table(table: KeyTable) -> str:
-    head = [
-        f"# DeepSpeed {DEEPSPEED_VERSION} configuration keys, generated from its sources by",
-        "# `python -m planner.check.deepspeed_rules --write` (planner/check/deepspeed_rules.py). Do not edit.",
-        "# section\tkey\tkind\tnote",
-    ]
-    body = ["\t".join(_clean(x) for x in row) for row in table.rows()]
-    return "\n".join(head + body) + "\n"
-
-
-def _clean(text: str) -> str:
-    return " ".join(str(text).split())
-
-
 def parse_table(text: str) -> KeyTable:
     table = KeyTable()
     table.policy[""] = IGNORE
@@ -167,301 +112,6 @@ def known_keys() -> KeyTable:
     return parse_table(path.read_text())
 
 
-# --------------------------------------------------------------------------- extraction from DeepSpeed
-
-
-class _Recording(dict):
-    """A dict that records every key looked up in it."""
-
-    def __init__(self, *args: Any, log: set | None = None, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.log: set = log if log is not None else set()
-
-    def get(self, key, default=None):
-        self.log.add(key)
-        return super().get(key, default)
-
-    def __getitem__(self, key):
-        self.log.add(key)
-        return super().__getitem__(key)
-
-    def __contains__(self, key):
-        self.log.add(key)
-        return super().__contains__(key)
-
-    def keys(self):
-        outer = self
-
-        class _Keys:
-            def __contains__(self, key):
-                outer.log.add(key)
-                return dict.__contains__(outer, key)
-
-            def __iter__(self):
-                return iter(dict.keys(outer))
-
-            def __len__(self):
-                return dict.__len__(outer)
-
-        return _Keys()
-
-
-#: sub-dicts that make DeepSpeed read further into a section while probing (e.g. optimizer.params is read only
-#: when optimizer.type is set)
-_SEEDS: dict[str, dict[str, Any]] = {"optimizer": {"type": "Adam"}, "scheduler": {"type": "WarmupLR"}}
-
-
-def _model_classes(annotation: Any) -> list[type]:
-    from pydantic import BaseModel
-
-    out = []
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    for arg in typing.get_args(annotation):
-        out.extend(_model_classes(arg))
-    return out
-
-
-def _add_model(table: KeyTable, section: str, cls: type, depth: int = 0) -> None:
-    extra = (getattr(cls, "model_config", {}) or {}).get("extra")
-    table.policy[section] = FORBID if extra == "forbid" else IGNORE
-    table.sections.setdefault(section, {})
-    for name, f in cls.model_fields.items():
-        extra_info = f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
-        names = [name] + [a for a in (f.alias, f.validation_alias if isinstance(f.validation_alias, str) else None) if a and a != name]
-        models = _model_classes(f.annotation)
-        for key in names:
-            if extra_info.get("deprecated"):
-                table.add(section, key, KeyInfo(DEPRECATED, str(extra_info.get("new_param", ""))))
-            elif models and depth < 6:
-                sub_extra = (getattr(models[0], "model_config", {}) or {}).get("extra")
-                table.add(section, key, KeyInfo(SECTION, FORBID if sub_extra == "forbid" else IGNORE))
-                _add_model(table, join(section, key), models[0], depth + 1)
-            else:
-                table.add(section, key, KeyInfo(VALUE))
-
-
-def _nested(path: list[str], leaf: dict) -> dict:
-    """{path[0]: {... path[-1]: leaf}} with probing seeds merged in along the way."""
-    out: Any = leaf
-    for i in range(len(path) - 1, -1, -1):
-        seed = dict(_SEEDS.get(".".join(path[: i + 1]), {})) if i < len(path) - 1 else {}
-        if i < len(path) - 1:
-            seed.update(out)
-            out = seed
-        out = {path[i]: out}
-    return out
-
-
-def _probe(C, hits: list, path: list[str]) -> tuple[list, set]:
-    """Run DeepSpeedConfig with a marker sub-dict at ``path``; the pydantic models that received it and the keys read."""
-    sub: set = set()
-    leaf = _Recording({**_SEEDS.get(".".join(path), {}), PROBE: 1}, log=sub)
-    cfg = _nested(path, leaf)
-    cfg.setdefault("train_batch_size", 1)
-    hits.clear()
-    try:
-        C.DeepSpeedConfig(_Recording(cfg))
-    except Exception:  # noqa: BLE001 - probing: most markers make DeepSpeed raise after reading
-        pass
-    return list(hits), sub - {PROBE}
-
-
-def _ast_keys_of(tree: ast.AST, names: set[str], func: str | None = None) -> set[str]:
-    """String keys tested or subscripted on a variable called one of ``names`` (``"k" in config``, ``config["k"]``)."""
-    out: set[str] = set()
-    roots = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == func] if func else [tree]
-    for root in roots:
-        for node in ast.walk(root):
-            if isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant) and isinstance(node.left.value, str):
-                if any(isinstance(op, ast.In) for op in node.ops) and any(isinstance(c, ast.Name) and c.id in names for c in node.comparators):
-                    out.add(node.left.value)
-            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in names:
-                if isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
-                    out.add(node.slice.value)
-    return out
-
-
-def _pipeline_keys(ds_root: Path) -> tuple[set[str], set[str]]:
-    """(keys get_pipeline_config accepts as defaults, keys the pipeline engine reads from _config.pipeline)."""
-    tree = ast.parse((ds_root / "runtime" / "config.py").read_text())
-    defaults: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef) and node.name == "get_pipeline_config":
-            for sub in ast.walk(node):
-                if isinstance(sub, ast.Dict):
-                    defaults |= {k.value for k in sub.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
-    read: set[str] = set()
-    for py in sorted((ds_root / "runtime" / "pipe").glob("*.py")):
-        for node in ast.walk(ast.parse(py.read_text())):
-            target, key = None, None
-            if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
-                target, key = node.value, node.slice.value
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" and node.args:
-                if isinstance(node.args[0], ast.Constant):
-                    target, key = node.func.value, node.args[0].value
-            if target is not None and isinstance(key, str) and ast.unparse(target).endswith("_config.pipeline"):
-                read.add(key)
-    return defaults, read
-
-
-def _engine_optimizer_keys(ds_root: Path) -> tuple[set[str], set[str]]:
-    """(keys DeepSpeedEngine pops from optimizer.params before calling the optimizer class, keys it passes itself).
-
-    Read from deepspeed/runtime/engine.py: ``optimizer_parameters.pop(KEY, ...)`` anywhere, and the dict keys that
-    ``get_optimizer_configuration`` returns as extra keyword arguments for the Adam classes.
-    """
-    import deepspeed.runtime.engine as engine
-
-    def name_of(arg: ast.AST) -> str | None:
-        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
-            return arg.value
-        if isinstance(arg, ast.Name) and isinstance(getattr(engine, arg.id, None), str):
-            return getattr(engine, arg.id)
-        return None
-
-    tree = ast.parse((ds_root / "runtime" / "engine.py").read_text())
-    popped: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "pop" and node.args:
-            if ast.unparse(node.func.value) == "optimizer_parameters" and name_of(node.args[0]):
-                popped.add(name_of(node.args[0]))  # type: ignore[arg-type]
-    passed: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef) and node.name == "get_optimizer_configuration":
-            for sub in ast.walk(node):
-                if isinstance(sub, ast.Dict):
-                    passed |= {n for n in (name_of(k) for k in sub.keys if k is not None) if n}
-                elif isinstance(sub, ast.Subscript) and isinstance(sub.ctx, ast.Store) and name_of(sub.slice):
-                    passed.add(name_of(sub.slice))  # type: ignore[arg-type]
-    return popped, passed
-
-
-def _kwargs_of(path: str) -> set[str]:
-    import importlib
-
-    mod, _, name = path.rpartition(".")
-    cls = getattr(importlib.import_module(mod), name)
-    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
-    return {p.name for p in params[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}  # params[0]: the parameters / optimizer
-
-
-def extract_key_table() -> KeyTable:
-    """Build the key table from the installed DeepSpeed (imports deepspeed and torch)."""
-    import logging
-
-    import deepspeed
-    import deepspeed.runtime.config as C
-    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-
-    logging.getLogger("DeepSpeed").setLevel(logging.CRITICAL)
-    ds_root = Path(deepspeed.__file__).parent
-    table = KeyTable()
-    table.policy[""] = IGNORE
-    hits: list = []
-    original = DeepSpeedConfigModel.__init__
-
-    def recording_init(self, strict=False, **data):
-        if PROBE in data:
-            hits.append((type(self), None))
-        for k, v in data.items():
-            if isinstance(v, dict) and PROBE in v:
-                hits.append((type(self), k))
-        return original(self, strict=strict, **data)
-
-    DeepSpeedConfigModel.__init__ = recording_init
-    try:
-        log: set = set()
-        C.DeepSpeedConfig(_Recording({"train_batch_size": 1}, log=log))
-        init_tree = ast.parse((ds_root / "__init__.py").read_text())
-        log |= _ast_keys_of(init_tree, {"config"}, func="initialize")
-        log |= _ast_keys_of(ast.parse((ds_root / "runtime" / "config.py").read_text()), {"config"})
-        removed_top = dict(getattr(C, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {}))
-        removed_zero = dict(getattr(C, "_REMOVED_ZERO_CONFIG_KEYS", {}))
-        for key in sorted(log):
-            if not isinstance(key, str):
-                continue
-            if key in removed_top:
-                table.add("", key, KeyInfo(REMOVED, removed_top[key]))
-            elif key != "pipeline":
-                _classify(C, table, hits, [key], set(removed_zero))
-        defaults, read = _pipeline_keys(ds_root)
-        table.add("", "pipeline", KeyInfo(SECTION, IGNORE))
-        for key in sorted(defaults | read):
-            if key in read:
-                table.add("pipeline", key, KeyInfo(VALUE))
-            else:
-                table.add("pipeline", key, KeyInfo(UNREAD, "accepted by get_pipeline_config but never read by the pipeline engine"))
-        for key, message in removed_zero.items():
-            table.add("zero_optimization", key, KeyInfo(REMOVED, message))
-    finally:
-        DeepSpeedConfigModel.__init__ = original
-    _optimizer_and_scheduler_params(table, ds_root)
-    for k in sorted(_kwargs_of("deepspeed.pipe.PipelineModule") | {"layers"}):  # not config keys: hints for misplaced ones
-        table.add("pipeline:module_args", k, KeyInfo(VALUE, "argument of deepspeed.pipe.PipelineModule"))
-    return table
-
-
-def _classify(C, table: KeyTable, hits: list, path: list[str], skip: set[str], depth: int = 0) -> None:
-    section, key = ".".join(path[:-1]), path[-1]
-    found, sub = _probe(C, hits, path)
-    if found:
-        cls, fld = next(((c, f) for c, f in found if f is None), found[0])
-        if fld is not None:
-            models = _model_classes(cls.model_fields[fld].annotation) if fld in cls.model_fields else []
-            if not models:
-                table.add(section, key, KeyInfo(VALUE))
-                return
-            cls = models[0]
-        extra = (getattr(cls, "model_config", {}) or {}).get("extra")
-        table.add(section, key, KeyInfo(SECTION, FORBID if extra == "forbid" else IGNORE))
-        _add_model(table, ".".join(path), cls)
-        return
-    sub = {k for k in sub if isinstance(k, str) and k not in skip}
-    if not sub or depth >= 4:
-        table.add(section, key, KeyInfo(VALUE))
-        return
-    table.add(section, key, KeyInfo(SECTION, IGNORE))
-    for k in sorted(sub):
-        _classify(C, table, hits, path + [k], set(), depth + 1)
-
-
-def _optimizer_and_scheduler_params(table: KeyTable, ds_root: Path) -> None:
-    import torch
-    import deepspeed.runtime.config as C
-    import deepspeed.runtime.lr_schedules as lr_schedules
-
-    popped, passed = _engine_optimizer_keys(ds_root)
-    ds_names = [str(n) for n in getattr(C, "DEEPSPEED_OPTIMIZERS", [])]
-    for name in ds_names:  # optimizer.type values DeepSpeed lower-cases and builds itself
-        table.add("optimizer:types", name, KeyInfo(VALUE, "built by DeepSpeed"))
-    for name, classes in OPTIMIZER_CLASSES.items():
-        if name not in ds_names:
-            continue
-        sec = f"optimizer.params:{name}"
-        table.policy[sec] = KWARGS
-        keys: set[str] = set()
-        for cls in classes:
-            keys |= _kwargs_of(cls)
-        if name in ("adam", "adamw"):  # get_optimizer_configuration pops some keys and passes others itself
-            keys = (keys | popped) - (passed - popped)
-        for k in sorted(keys):
-            table.add(sec, k, KeyInfo(VALUE))
-    for name in sorted(getattr(torch.optim, "__all__", [])):
-        cls = getattr(torch.optim, name, None)
-        if name.lower() in ds_names:  # "Adam" means DeepSpeed's adam, not torch.optim.Adam
-            continue
-        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer:
-            sec = f"optimizer.params:{name}"
-            table.policy[sec] = KWARGS
-            for k in sorted(_kwargs_of(f"torch.optim.{name}")):
-                table.add(sec, k, KeyInfo(VALUE))
-    for name in lr_schedules.VALID_LR_SCHEDULES:
-        sec = f"scheduler.params:{name}"
-        table.policy[sec] = KWARGS
-        for k in sorted(_kwargs_of(f"deepspeed.runtime.lr_schedules.{name}")):
-            table.add(sec, k, KeyInfo(VALUE))
-
 #: warn when the 1F1B bubble fraction (p - 1) / (m + p - 1) exceeds this
 BUBBLE_WARNING = 0.25
 #: a difflib ratio at least this high makes an unknown key a likely misspelling (error) rather than a stray key
@@ -483,210 +133,17 @@ RULES: dict[str, tuple[str, str]] = {
     "DS013": ("info", "world size or pipeline depth unknown: batch checks limited"),
     "DS014": ("error", "not a valid JSON object, or a key given twice"),
     "DS015": ("error", "optimizer or scheduler DeepSpeed cannot build from the config (unknown type, or params its class does not accept)"),
+    "DS016": ("error", "DeepSpeedConfig refuses the config (a value of the wrong type or out of range)"),
 }
-
-
-# --------------------------------------------------------------------------- JSON with key lines
-
-
-class JsonError(ValueError):
-    def __init__(self, message: str, line: int | None):
-        super().__init__(message)
-        self.line = line
-
-
-@dataclass
-class JsonDoc:
-    value: Any
-    lines: dict[tuple, int]  # key path -> 1-based line where the key is written
-    duplicates: list[tuple[tuple, int, int]]  # (path, line, line of the first occurrence)
-
-    def line(self, *path: Any) -> int | None:
-        """Line of the deepest written prefix of ``path``."""
-        p = tuple(path)
-        while p:
-            if p in self.lines:
-                return self.lines[p]
-            p = p[:-1]
-        return None
-
-
-_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?")
-_WS = re.compile(r"[ \t\n\r]*")
-
-
-def parse_json(text: str) -> JsonDoc:
-    """Parse JSON, keeping each object key's line and every duplicated key. Raises JsonError."""
-    try:
-        json.loads(text)
-    except json.JSONDecodeError as e:
-        raise JsonError(f"not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})", e.lineno) from None
-    starts = [0] + [m.end() for m in re.finditer("\n", text)]
-    lines: dict[tuple, int] = {}
-    dups: list[tuple[tuple, int, int]] = []
-    decoder = json.JSONDecoder()
-
-    def line_of(pos: int) -> int:
-        return bisect_right(starts, pos)
-
-    def ws(i: int) -> int:
-        return _WS.match(text, i).end()  # type: ignore[union-attr]
-
-    def value(i: int, path: tuple) -> tuple[Any, int]:
-        i = ws(i)
-        c = text[i]
-        if c == "{":
-            obj: dict = {}
-            i = ws(i + 1)
-            if text[i] == "}":
-                return obj, i + 1
-            while True:
-                i = ws(i)
-                key, j = json.decoder.scanstring(text, i + 1)  # type: ignore[attr-defined]
-                kline = line_of(i)
-                i = ws(j)
-                assert text[i] == ":"
-                v, i = value(i + 1, path + (key,))
-                if key in obj:
-                    dups.append((path + (key,), kline, lines.get(path + (key,), kline)))
-                else:
-                    lines[path + (key,)] = kline
-                obj[key] = v
-                i = ws(i)
-                if text[i] == ",":
-                    i += 1
-                    continue
-                assert text[i] == "}"
-                return obj, i + 1
-        if c == "[":
-            arr: list = []
-            i = ws(i + 1)
-            if text[i] == "]":
-                return arr, i + 1
-            while True:
-                v, i = value(i, path + (len(arr),))
-                arr.append(v)
-                i = ws(i)
-                if text[i] == ",":
-                    i += 1
-                    continue
-                assert text[i] == "]"
-                return arr, i + 1
-        v, j = decoder.raw_decode(text, i)
-        return v, j
-
-    val, _ = value(0, ())
-    return JsonDoc(val, lines, dups)
-
-
-# --------------------------------------------------------------------------- DeepSpeed's batch arithmetic
-
-
-class BatchError(ValueError):
-    """DeepSpeedConfig would raise for these batch values (the message says what it asserts)."""
-
-
-def deepspeed_batch(train_batch: Any, micro_batch: Any, grad_acc: Any, world_size: int) -> tuple[Any, Any, Any]:
-    """(train_batch_size, micro, gas) as DeepSpeedConfig fills and checks them for ``world_size`` data-parallel ranks.
-
-    Same statements, in the same order, as ``_set_batch_related_parameters`` and ``_batch_assertion``
-    (deepspeed/runtime/config.py, DeepSpeed 0.19.8); raises :class:`BatchError` where DeepSpeed raises.
-    """
-    try:
-        if train_batch is not None and micro_batch is not None and grad_acc is not None:
-            pass
-        elif train_batch is not None and micro_batch is not None:
-            grad_acc = train_batch // micro_batch
-            grad_acc //= world_size
-        elif train_batch is not None and grad_acc is not None:
-            micro_batch = train_batch // world_size
-            micro_batch //= grad_acc
-        elif micro_batch is not None and grad_acc is not None:
-            train_batch = micro_batch * grad_acc
-            train_batch *= world_size
-        elif train_batch is not None:
-            grad_acc = 1
-            micro_batch = train_batch // world_size
-        elif micro_batch is not None:
-            train_batch = micro_batch * world_size
-            grad_acc = 1
-        else:
-            raise BatchError("either train_batch_size or train_micro_batch_size_per_gpu needs to be provided")
-        if not train_batch > 0:
-            raise BatchError(f"train_batch_size {train_batch} has to be greater than 0")
-        if not micro_batch > 0:
-            raise BatchError(f"train_micro_batch_size_per_gpu {micro_batch} has to be greater than 0")
-        if not grad_acc > 0:
-            raise BatchError(f"gradient_accumulation_steps {grad_acc} has to be greater than 0")
-        if train_batch != micro_batch * grad_acc * world_size:
-            raise BatchError(
-                f"train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size: "
-                f"{train_batch} != {micro_batch} * {grad_acc} * {world_size}"
-            )
-    except ZeroDivisionError:
-        raise BatchError("a batch value of 0 makes DeepSpeed divide by zero while filling the missing values") from None
-    except TypeError:
-        raise BatchError(
-            f"batch values must be numbers (train_batch_size={train_batch!r}, train_micro_batch_size_per_gpu={micro_batch!r}, "
-            f"gradient_accumulation_steps={grad_acc!r})"
-        ) from None
-    return train_batch, micro_batch, grad_acc
+#: refusals our own rules already explain; the config is repaired at their keys before DeepSpeedConfig runs
+_EXPLAINED = ("DS003", "DS004", "DS010")
+#: the most DeepSpeedConfig refusals reported per config (each one found by removing the previous culprit)
+MAX_REFUSALS = 20
 
 
 def bubble_1f1b(p: int, m: int) -> float:
     """Idle fraction of a 1F1B (or GPipe) pipeline with equal stages: (p - 1) / (m + p - 1)."""
     return (p - 1) / (m + p - 1)
-
-
-# --------------------------------------------------------------------------- DeepSpeed's partition methods
-
-
-def partition_uniform(num_items: int, num_parts: int) -> list[int]:
-    """deepspeed.runtime.utils.partition_uniform: part boundaries, the first ``residual`` parts one item larger."""
-    if num_items <= num_parts:
-        return [min(p, num_items) for p in range(num_parts + 1)]
-    chunk = num_items // num_parts
-    residual = num_items - chunk * num_parts
-    parts = [p * chunk for p in range(num_parts + 1)]
-    for i in range(residual):
-        for k in range(i + 1, num_parts + 1):
-            parts[k] += 1
-    return parts
-
-
-def partition_balanced(weights: list[float], num_parts: int) -> list[int]:
-    """deepspeed.runtime.utils.partition_balanced ('parameters' method): the same DP (min of max - min part weight,
-    ties to the later split), so the boundaries are DeepSpeed's for the same weights."""
-    n, m = len(weights), num_parts
-    if n <= m:
-        return partition_uniform(n, m)
-    inf = float("inf")
-    dp_max = [[inf] * (m + 1) for _ in range(n + 1)]
-    dp_min = [[inf] * (m + 1) for _ in range(n + 1)]
-    dp_cost = [[inf] * (m + 1) for _ in range(n + 1)]
-    position = [[0] * (m + 1) for _ in range(n + 1)]
-    prefix = [0.0] * (n + 1)
-    for i, w in enumerate(weights):
-        prefix[i + 1] = prefix[i] + float(w)
-    dp_max[0][0] = 0
-    dp_cost[0][0] = 0
-    for i in range(1, n + 1):
-        for j in range(1, min(i, m) + 1):
-            for k in range(i):
-                seg = prefix[i] - prefix[k]
-                max_sum = max(dp_max[k][j - 1], seg)
-                min_sum = min(dp_min[k][j - 1], seg)
-                cost = max_sum - min_sum
-                if dp_cost[i][j] >= cost:
-                    dp_cost[i][j] = cost
-                    dp_max[i][j] = max_sum
-                    dp_min[i][j] = min_sum
-                    position[i][j] = k
-    parts = [n]
-    for i in reversed(range(1, m + 1)):
-        parts.append(position[parts[-1]][i])
-    parts.reverse()
-    return parts
 
 
 # --------------------------------------------------------------------------- the checks
@@ -705,6 +162,13 @@ class DSContext:
     scripts: tuple[str, ...] = ()  # Python files beside the config
     applies_checkpointing: bool = False  # one of them calls deepspeed.checkpointing.configure
     planned: tuple[int, int] | None = None  # (pp, micro-batches) plan.json chose after simulating the schedule
+
+    @property
+    def data_parallel(self) -> int | None:
+        """The world size DeepSpeedConfig sees: world / (pp x model-parallel), when known and whole."""
+        if self.world_size is None or self.pp is None or self.pp < 1 or self.mp < 1 or self.world_size % (self.pp * self.mp):
+            return None
+        return self.world_size // (self.pp * self.mp)
 
 
 @dataclass
@@ -736,15 +200,99 @@ def _dotted(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
+def _has(cfg: dict, path: tuple) -> bool:
+    node: Any = cfg
+    for part in path:
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def _delete(cfg: dict, path: tuple) -> bool:
+    """Remove ``path`` from nested dicts ``cfg``; whether it was there."""
+    node: Any = cfg
+    for part in path[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    if isinstance(node, dict) and path[-1] in node:
+        del node[path[-1]]
+        return True
+    return False
+
+
 class _Checker:
     def __init__(self, doc: JsonDoc, ctx: DSContext, table: KeyTable):
         self.doc, self.ctx, self.table = doc, ctx, table
         self.cfg: dict = doc.value
         self.out: list[Finding] = []
+        self.paths: list[tuple[str, tuple]] = []  # (rule, key path) of every finding with a path
 
     def add(self, rule: str, path: tuple | None, message: str, fix: str) -> None:
         line = self.doc.line(*path) if path else None
+        if path:
+            self.paths.append((rule, tuple(path)))
         self.out.append(Finding(rule, RULES[rule][0], self.ctx.file, line or 1, message, fix))  # type: ignore[arg-type]
+
+    # DeepSpeed's own verdict ------------------------------------------------
+    def engine(self, data_parallel: int | None) -> None:
+        """DS016 for each refusal of DeepSpeedConfig (or, without deepspeed, of the type and range checks)."""
+        if not deepspeed_engine.available():
+            sections = tuple(k for k, i in self.table.sections.get("", {}).items() if i.kind == SECTION)
+            for path, message in deepspeed_engine.type_problems(self.cfg, sections):
+                if self._explained(path):
+                    continue
+                self.add(
+                    "DS016", path,
+                    f"{message} (type and range checks of DeepSpeed {deepspeed_engine.VENDORED_VERSION}'s DeepSpeedConfig; "
+                    "deepspeed is not installed here, so DeepSpeedConfig itself was not run).",
+                    "give it a value of the type and range DeepSpeed documents",
+                )
+            return
+        dp = data_parallel or 1
+        cfg = self._repaired(dp)
+        seen: set[str] = set()
+        head = f"DeepSpeedConfig (DeepSpeed {deepspeed_engine.version()}, {dp} data-parallel rank{'s' if dp != 1 else ''}) refuses this config"
+        for _ in range(MAX_REFUSALS):
+            err = deepspeed_engine.refusal(cfg, dp)
+            if err is None:
+                return
+            text = deepspeed_engine.describe(err)
+            if text in seen:
+                return
+            seen.add(text)
+            key = self._culprit(cfg, text, dp)
+            if key is None:
+                self.add("DS016", None, f"{head}: {text}", "fix the config so that DeepSpeedConfig accepts it")
+                return
+            title = getattr(err, "title", type(err).__name__)
+            fields = [((key,) + loc, f"{title}: {msg}") for loc, msg in deepspeed_engine.field_errors(err) if loc and _has(cfg, (key,) + loc)]
+            for path, msg in fields or [((key,), text)]:
+                self.add("DS016", path, f"{head} at {_dotted(path)}: {msg}", f"give {_dotted(path)} a value of the type and range DeepSpeed documents")
+            for path, _ in fields or [((key,), text)]:
+                _delete(cfg, path)
+
+    def _explained(self, path: tuple) -> bool:
+        return any(rule in _EXPLAINED and path[: len(p)] == p for rule, p in self.paths)
+
+    def _repaired(self, dp: int) -> dict:
+        """The config with what other rules already report taken out: consistent batch values for ``dp`` ranks (DS001
+        checks the written ones) and the keys of DS003/DS004/DS010 findings removed."""
+        cfg = copy.deepcopy(self.cfg)
+        for key in deepspeed_engine.BATCH_KEYS:
+            cfg.pop(key, None)
+        cfg.update(train_batch_size=dp, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
+        for rule, path in self.paths:
+            if rule in _EXPLAINED:
+                _delete(cfg, path)
+        return cfg
+
+    def _culprit(self, cfg: dict, text: str, dp: int) -> str | None:
+        """The top-level key DeepSpeed refuses: the one whose removal changes its verdict."""
+        for key in [k for k in cfg if k not in deepspeed_engine.BATCH_KEYS]:
+            other = deepspeed_engine.refusal({k: v for k, v in cfg.items() if k != key}, dp)
+            if other is None or deepspeed_engine.describe(other) != text:
+                return key
+        return None
 
     # keys -------------------------------------------------------------------
     def keys(self) -> None:
@@ -941,7 +489,7 @@ class _Checker:
                 return  # reported where world and pp are compared (PLAN004 / usage error)
             dp = world // model
             try:
-                result.train_batch, result.micro_batch, result.grad_acc = deepspeed_batch(tbs, mb, gas, dp)
+                result.train_batch, result.micro_batch, result.grad_acc = deepspeed_engine.batch_values(tbs, mb, gas, dp)
             except BatchError as e:
                 self.add(
                     "DS001", (line_key if tbs is None else "train_batch_size",),
@@ -1073,6 +621,7 @@ def check_ds_config(text: str, ctx: DSContext) -> DSConfig:
     c.batch(result)
     c.schedule(result.grad_acc)
     c.checkpointing()
+    c.engine(ctx.data_parallel)
     pipe = cfg.get("pipeline") if isinstance(cfg.get("pipeline"), dict) else {}
     interval = pipe.get("activation_checkpoint_interval", 0)
     result.checkpoint_interval = interval if isinstance(interval, int) and not isinstance(interval, bool) else None
@@ -1084,21 +633,3 @@ def looks_like_ds_config(value: Any) -> bool:
     """A JSON object with at least one of DeepSpeed's characteristic top-level keys."""
     keys = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization", "pipeline", "fp16", "bf16", "optimizer", "steps_per_print"}
     return isinstance(value, dict) and "schema_version" not in value and bool(keys & set(value))
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m planner.check.deepspeed_rules [--write]``: print (or write) the key table from the installed DeepSpeed."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    text = format_table(extract_key_table())
-    if "--write" in argv:
-        path = table_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        sys.stdout.write(f"wrote {path}\n")
-    else:
-        sys.stdout.write(text)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -33,8 +33,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
-from planner.check.deepspeed_rules import DSConfig, DSContext, check_ds_config, looks_like_ds_config, partition_balanced
+from planner.check.deepspeed_engine import partition_balanced
+from planner.check.deepspeed_rules import DSConfig, DSContext, check_ds_config, looks_like_ds_config
 from planner.check.findings import Finding, exit_code, format_findings, from_megatron, sort_findings
+from planner.check.json_doc import JsonError, parse_json
+from planner.check.plan_fields import plan_problems
 from planner.errors import PlannerError, UsageError
 
 GiB = 1024**3
@@ -44,7 +47,8 @@ RULES: dict[str, tuple[str, str]] = {
     "PLAN002": ("error", "Megatron-LM flags disagree with plan.json"),
     "PLAN003": ("error", "plan.json is inconsistent or breaks an engine rule"),
     "PLAN004": ("error", "--gpus disagrees with the cluster plan.json was planned for"),
-    "PLAN005": ("error", "plan.json cannot be read"),
+    "PLAN005": ("error", "plan.json cannot be read, or a field is missing, of the wrong type, not finite or out of range"),
+    "PLAN006": ("error", "the engine's config or launch script is missing from the plan directory"),
     "MEM001": ("error", "a pipeline stage does not fit in its GPU's memory"),
     "MEM002": ("warning", "a pipeline stage uses more than the plan's memory target"),
     "MEM003": ("info", "memory not checked"),
@@ -86,7 +90,7 @@ def classify(path: Path, text: str) -> str | None:
     if suffix == ".json" or stripped.startswith("{"):
         try:
             value = json.loads(text)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             if path.name == "plan.json":
                 return "plan"
             if suffix == ".json" and re.search(r'"(train_batch_size|train_micro_batch_size_per_gpu|zero_optimization|gradient_accumulation_steps)"', text):
@@ -249,21 +253,37 @@ class _Ctx:
 
 
 def _load_plan(run: _Run, u: Unit) -> tuple[Any, dict | None]:
+    """plan.json of a plan directory, its fields checked (planner.check.plan_fields); PLAN005 findings and
+    (None, None) when it cannot be read or a field is wrong."""
     from planner.solve.plan import Plan
 
     path = u.directory / "plan.json"
     if not path.is_file():
         return None, None
     rel = display(path)
+    fix = "re-run `planner plan ... --out DIR` (plan.json is written by the planner; do not edit it by hand)"
     try:
-        data = json.loads(path.read_text())
-        return Plan.from_dict(data), data
-    except json.JSONDecodeError as e:
-        run.add("PLAN005", rel, e.lineno, f"plan.json is not valid JSON: {e.msg}.", "re-run `planner plan ... --out DIR`")
+        doc = parse_json(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        run.add("PLAN005", rel, 1, f"plan.json is not UTF-8 text (byte {e.start}: {e.reason}).", fix)
+        return None, None
+    except OSError as e:
+        run.add("PLAN005", rel, None, f"plan.json cannot be read: {e.strerror or e}.", "check the file's permissions")
+        return None, None
+    except JsonError as e:
+        run.add("PLAN005", rel, e.line, f"plan.json is {e}.", fix)
+        return None, None
+    problems = plan_problems(doc.value)
+    for key_path, message in problems:
+        run.add("PLAN005", rel, doc.line(*key_path) or 1, message + ".", fix)
+    if problems:
+        return None, None
+    try:
+        return Plan.from_dict(doc.value), doc.value
     except PlannerError as e:
-        run.add("PLAN005", rel, 1, e.message, e.hint or "re-run `planner plan ... --out DIR`")
+        run.add("PLAN005", rel, 1, e.message, e.hint or fix)
     except (KeyError, TypeError, ValueError) as e:
-        run.add("PLAN005", rel, 1, f"plan.json is not a planner plan (missing or unexpected field {e}).", "re-run `planner plan ... --out DIR`")
+        run.add("PLAN005", rel, 1, f"plan.json is not a planner plan (missing or unexpected field {e}).", fix)
     return None, None
 
 
@@ -318,6 +338,8 @@ def _check_plan(run: _Run, ctx: _Ctx) -> None:
     if lay.engine not in ENGINES:
         bad("engine", f"engine {lay.engine!r} is not one of {', '.join(ENGINES)}.")
         return
+    if ctx.unit.whole:
+        _check_engine_files(run, ctx)
     if lay.micro_batch * lay.num_microbatches * lay.dp != lay.global_batch:
         bad("global_batch", f"micro_batch {lay.micro_batch} x num_microbatches {lay.num_microbatches} x dp {lay.dp} = "
             f"{lay.micro_batch * lay.num_microbatches * lay.dp}, not global_batch {lay.global_batch}.")
@@ -345,6 +367,26 @@ def _check_plan(run: _Run, ctx: _Ctx) -> None:
         else:
             if n is not None and pos != n:
                 bad("stages", f"the stages end at piece {pos} but the model has {n} pieces.")
+
+
+#: the kinds of file (planner.check.validate.classify) a plan directory of each engine must hold, and what they are
+ENGINE_FILE_KINDS: dict[str, tuple[tuple[str, ...], str]] = {
+    "deepspeed": (("deepspeed",), "DeepSpeed config (ds_config.json)"),
+    "megatron": (("megatron-script", "megatron-args"), "Megatron-LM launch script (pretrain_gpt.sh)"),
+}
+
+
+def _check_engine_files(run: _Run, ctx: _Ctx) -> None:
+    """PLAN006 when the plan's engine file was deleted: without it there is nothing to launch (and nothing checked)."""
+    need = ENGINE_FILE_KINDS.get(ctx.plan.layout.engine)
+    if need is None or any(kind in need[0] for _, kind in ctx.unit.files):
+        return
+    run.add(
+        "PLAN006", ctx.plan_file, 1,
+        f"plan.json plans for {ctx.plan.layout.engine} but {display(ctx.unit.directory)} holds no {need[1]}: it was deleted or moved, "
+        "so the plan cannot be launched and its config was not checked.",
+        f"restore it (git checkout), or re-run `planner plan ... --engine {ctx.plan.layout.engine} --out DIR`",
+    )
 
 
 def _scripts(directory: Path) -> tuple[tuple[str, ...], bool]:
@@ -582,24 +624,21 @@ def _memory_plan(run: _Run, ctx: _Ctx) -> None:
 
 
 def _model_path(run: _Run, ctx: _Ctx) -> tuple[Path | None, str]:
-    """The model file: --model, else plan.json's inputs.model_file (as recorded, or relative to the plan directory)."""
+    """The model file to analyse: only the one --model names. plan.json's inputs.model_file is never imported
+    (validating someone else's plan directory must not run their code)."""
     if run.opts.model:
         return Path(run.opts.model), "--model"
-    plan = ctx.plan
-    if plan is None or not plan.inputs.get("model_file"):
-        return None, ""
-    recorded = Path(plan.inputs["model_file"])
-    for cand in (recorded, ctx.unit.directory / recorded):
-        if cand.is_file():
-            return cand, "plan.json"
-    return None, f"plan.json's model_file {str(recorded)!r} (not found)"
+    recorded = ctx.plan.inputs.get("model_file") if ctx.plan is not None else None
+    if recorded:
+        return None, f"plan.json names {str(recorded)!r}, but validate imports a model file only when --model names it"
+    return None, ""
 
 
 def _costs(run: _Run, ctx: _Ctx, rel: str, line: int, dtype: str):
     model, source = _model_path(run, ctx)
     if model is None:
         why = f"the model file is unknown ({source})" if source else "the model file is unknown"
-        run.add("MEM003", rel, line, f"memory not checked: {why}.", "pass --model path/to/model.py")
+        run.add("MEM003", rel, line, f"memory not checked: {why}.", "pass --model path/to/model.py (and --model-arg values) to check memory")
         return None
     if not model.is_file():
         raise UsageError(f"--model {str(model)!r} is not a file.")

@@ -1,0 +1,94 @@
+"""JSON for checkers: the parsed value, the line of every object key, and keys written twice.
+
+The value comes from :func:`json.loads`; the lines from a small scanner over the same (already valid) text that
+tracks objects, arrays and keys with an explicit stack, so arbitrarily deep documents cost no recursion.
+Documents nested deeper than :func:`json.loads` can parse are a :class:`JsonError`, not a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Any
+
+
+class JsonError(ValueError):
+    """Not a JSON document; ``line`` is 1-based (None when unknown)."""
+
+    def __init__(self, message: str, line: int | None):
+        super().__init__(message)
+        self.line = line
+
+
+@dataclass
+class JsonDoc:
+    value: Any
+    lines: dict[tuple, int]  # key path -> 1-based line where the key is first written
+    duplicates: list[tuple[tuple, int, int]]  # (path, line, line of the first occurrence)
+
+    def line(self, *path: Any) -> int | None:
+        """Line of the deepest written prefix of ``path``."""
+        p = tuple(path)
+        while p:
+            if p in self.lines:
+                return self.lines[p]
+            p = p[:-1]
+        return None
+
+
+# a string followed by a colon is a key; other strings are values (skipped); braces, brackets and commas structure
+_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"(\s*:)?|[{}\[\],]')
+
+
+def parse_json(text: str) -> JsonDoc:
+    """Parse ``text``, keeping each object key's line and every duplicated key. Raises JsonError."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise JsonError(f"not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})", e.lineno) from None
+    except RecursionError:
+        raise JsonError("nested too deeply to parse (JSON objects and arrays inside each other thousands of levels deep)", None) from None
+    lines, dups = key_lines(text)
+    return JsonDoc(value, lines, dups)
+
+
+def key_lines(text: str) -> tuple[dict[tuple, int], list[tuple[tuple, int, int]]]:
+    """(key path -> line, duplicates) of a valid JSON text. Array elements are path items by index."""
+    starts = [m.end() for m in re.finditer("\n", text)]
+    lines: dict[tuple, int] = {}
+    dups: list[tuple[tuple, int, int]] = []
+    dup_paths: set[tuple] = set()
+    # stack entries: [is_object, path of the container, last key path (objects) or element index (arrays)]
+    stack: list[list[Any]] = []
+
+    def value_path() -> tuple:
+        if not stack:
+            return ()
+        is_obj, path, last = stack[-1]
+        return last if is_obj else path + (last,)
+
+    for m in _TOKEN.finditer(text):
+        tok = m.group(0)
+        c = tok[0]
+        if c in "{[":
+            path = value_path()
+            stack.append([c == "{", path, path if c == "{" else 0])
+        elif c in "}]":
+            stack.pop()
+        elif c == ",":
+            if stack and not stack[-1][0]:
+                stack[-1][2] += 1
+        elif m.group(1) is not None and stack and stack[-1][0]:
+            key = json.loads(tok[: len(tok) - len(m.group(1))])
+            path = stack[-1][1] + (key,)
+            line = bisect_right(starts, m.start()) + 1
+            if path in lines:
+                if not any(path[:i] in dup_paths for i in range(1, len(path))):
+                    dups.append((path, line, lines[path]))
+                dup_paths.add(path)
+            else:
+                lines[path] = line
+            stack[-1][2] = path
+    return lines, dups
