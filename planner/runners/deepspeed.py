@@ -97,6 +97,30 @@ def init_distributed(device: torch.device) -> None:
         deepspeed.init_distributed(dist_backend="nccl")
 
 
+def local_device(device: torch.device) -> torch.device:
+    """The device this rank runs on: ``cuda:LOCAL_RANK`` on GPUs, the CPU otherwise."""
+    if device.type == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
+
+
+def cast_parameters(model: nn.Module, precision: str) -> nn.Module:
+    """Cast the parameters (not the buffers) to the precision's dtype, as ``deepspeed.initialize`` will.
+
+    DeepSpeed 0.19.8 casts parameters only under bf16/fp16
+    (``DeepSpeedEngine._configure_distributed_model``: fp32 buffers such as
+    rotary ``inv_freq`` are kept); casting first changes no value and lets a
+    torch.export graph be traced in the dtype it runs in.
+    """
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    if dtype is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.is_floating_point():
+                    p.data = p.data.to(dtype)
+    return model
+
+
 # ----------------------------------------------------------------------------- the pipeline module
 
 
@@ -253,6 +277,8 @@ class PlannedPipelineModule(PipelineModule):
             out = super().forward(forward_input)
         if isinstance(out, list):
             out = tuple(out)
+        if self.stage_id < self.num_stages - 1:  # sends need contiguous tensors (a permuted activation is not)
+            out = tuple(_contiguous(t) for t in out) if isinstance(out, tuple) else _contiguous(out)
         if self._no_grad_out:
             outs = list(out) if isinstance(out, tuple) else [out]
             for i in self._no_grad_out:
@@ -279,6 +305,10 @@ def _run_layers(funcs: Sequence[Callable[[Any], Any]]) -> Callable[..., Any]:
         return x
 
     return run
+
+
+def _contiguous(t: Any) -> Any:
+    return t.contiguous() if isinstance(t, torch.Tensor) else t
 
 
 def _anchor(out: Any, extra: list[torch.Tensor]) -> Any:
