@@ -457,6 +457,8 @@ def stats(
         "pieces": [module._local_start, module._local_stop],
         "step_times_s": [round(t, 6) for t in times],
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "precision": precision,
         "activation_checkpoint_interval": module.activation_checkpoint_interval,
         "forward_calls": forward_calls,

@@ -529,9 +529,14 @@ def write_json(path: str | Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def device_name(device: torch.device) -> str:
+    """The device's name as the driver reports it (``NVIDIA H100 80GB HBM3``), or ``cpu``."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def write_stats(pattern: str, env: Distributed, stage_ids: Sequence[int], plan: dict[str, Any], times: Sequence[float]) -> None:
     """The contract's per-rank stats file (``{rank}`` in ``pattern`` replaced by the global rank)."""
-    peak = torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda" else None
+    cuda = env.device.type == "cuda"
     write_json(
         pattern.replace("{rank}", str(env.topo.rank)),
         {
@@ -541,6 +546,8 @@ def write_stats(pattern: str, env: Distributed, stage_ids: Sequence[int], plan: 
             "stages": list(stage_ids),
             "pieces": [list(plan["stages"][j]["pieces"]) for j in stage_ids],
             "step_times_s": [round(t, 6) for t in times],
-            "peak_memory_bytes": peak,
+            "peak_memory_bytes": torch.cuda.max_memory_allocated(env.device) if cuda else None,
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(env.device) if cuda else None,
+            "device_name": device_name(env.device),
         },
     )
