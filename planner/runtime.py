@@ -84,7 +84,27 @@ class PlannedModel:
             traced = build_layer_graph(model, inputs, None, **self.trace_options)
         lg = impose_pieces(self.layer_graph, traced, self.model_file.path.name)
         retarget(lg, source, device)
-        return dataclasses.replace(self, layer_graph=lg)
+        run = dataclasses.replace(self, layer_graph=lg)
+        run.check_sendable()
+        return run
+
+    def check_sendable(self) -> None:
+        """Refuse a stage boundary crossed by a non-tensor value (a shape, an int): stages exchange tensors only.
+
+        The tracer keeps such values inside one piece; a plan whose stage cut
+        they cross (an edited or foreign plan.json) is refused here, naming
+        the value, instead of failing inside a send.
+        """
+        lg = self.layer_graph
+        for cut in self.bounds[1:-1]:
+            for node in lg.boundaries[cut]:
+                meta = lg.metas.get(node)
+                if meta is not None and not meta.is_tensor_like:
+                    raise PlanMismatch(
+                        f"value {node.name} crossing the stage boundary before piece {cut} ({self.piece_names[cut]}) is not a "
+                        "tensor; stages exchange tensors only. Re-run `planner plan` for this model (its pieces keep such "
+                        "values inside one stage)."
+                    )
 
     def stage(self, model: nn.Module, stage: int) -> nn.Module:
         """The module running planned stage ``stage`` of ``model`` (parameters shared with ``model``)."""

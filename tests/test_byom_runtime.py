@@ -7,6 +7,7 @@ settings with what the ranks really do.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -113,6 +114,40 @@ def test_flat_output_round_trip():
     back = flat.rebuild(tuple(t + 1 for t in flat.tensors))
     assert torch.equal(back["logits"], a + 1) and torch.equal(back["aux"][0], b + 1) and back["aux"][1] == 7 and back["name"] == "x"
     assert rt.FlatOutput.of(a).spec is None and rt.FlatOutput.of((a, b)).spec is None
+
+
+class SizeAtEnd(torch.nn.Module):
+    """Reads its input's batch size first and uses it last: a non-tensor value live across every cut."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x):
+        n = x.size(0)
+        for b in self.blocks:
+            x = b(x)
+        return x.reshape(n, -1)
+
+
+def test_non_tensor_value_across_a_stage_cut_is_refused_by_name():
+    """A plan cut where a non-tensor value crosses (the tracer never offers one) is refused, naming the value."""
+    from planner.model.trace import Piece, build_layer_graph
+    from planner.runtime import PlanMismatch, PlannedModel, impose_pieces
+
+    with torch.device("meta"):
+        model = SizeAtEnd()
+    traced = build_layer_graph(model, (torch.empty(2, 8, device="meta"),), tracer="fx")
+    assert traced.n == 1  # the tracer keeps the size and its use in one piece
+    nodes = traced.pieces[0].nodes
+    cut = next(i for i, n in enumerate(nodes) if n.op == "call_module" and n.target == "blocks.1")
+    template = [Piece(0, "a", "block", None, nodes[:cut], ()), Piece(1, "b", "block", None, nodes[cut:], ())]
+    imposed = impose_pieces(dataclasses.replace(traced, pieces=template, cut_kinds=["input", "block", "output"]), traced, "m.py")
+    assert [n.name for n in imposed.boundaries[1]] == ["size", "blocks_0"]
+    planned = PlannedModel(None, imposed, [0, 1, 2], ["a", "b"])
+    with pytest.raises(PlanMismatch, match="value size crossing the stage boundary before piece 1 .b. is not a tensor"):
+        planned.check_sendable()
+    PlannedModel(None, imposed, [0, 2], ["a", "b"]).check_sendable()  # one stage: nothing crosses a send
 
 
 # ----------------------------------------------------------------------------- smoke reporting

@@ -44,6 +44,7 @@ from planner.runners.contract import PlanChanged, contract_parser, read_plan  # 
 from planner.runtime import PlannedModel
 
 SHM_COMM_OP = "deepspeed_shm_comm"
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the dtype DeepSpeed casts parameters to
 
 
 # ----------------------------------------------------------------------------- start-up
@@ -104,6 +105,12 @@ def local_device(device: torch.device) -> torch.device:
     return device
 
 
+def cast_inputs(tensors: Sequence[torch.Tensor], precision: str) -> tuple[torch.Tensor, ...]:
+    """Floating-point model inputs in the precision's dtype (DeepSpeed feeds them to its bf16/fp16 weights as they come)."""
+    dtype = HALF_DTYPES.get(precision)
+    return tuple(t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in tensors)
+
+
 def cast_parameters(model: nn.Module, precision: str) -> nn.Module:
     """Cast the parameters (not the buffers) to the precision's dtype, as ``deepspeed.initialize`` will.
 
@@ -112,7 +119,7 @@ def cast_parameters(model: nn.Module, precision: str) -> nn.Module:
     rotary ``inv_freq`` are kept); casting first changes no value and lets a
     torch.export graph be traced in the dtype it runs in.
     """
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    dtype = HALF_DTYPES.get(precision)
     if dtype is not None:
         with torch.no_grad():
             for p in model.parameters():
@@ -365,6 +372,7 @@ def build_pipeline_module(
 
     ``model``'s other stages' weights are referenced only through ``model`` afterwards: drop it to free them.
     """
+    planned.check_sendable()
     check_boundaries(planned)
     pieces = [planned.piece(model, i) for i in range(planned.layer_graph.n)]
     tied = [(name, stages, model.get_parameter(name)) for name, stages in planned.tied_parameters(model)]

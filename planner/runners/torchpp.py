@@ -175,6 +175,7 @@ class StageModule(nn.Module):
         super().__init__()
         self.stage_index = stage
         self.precision, self.device_type, self.recompute = precision, device.type, recompute
+        planned.check_sendable()
         start, stop = planned.bounds[stage], planned.bounds[stage + 1]
         self.piece_range = (start, stop)
         self.num_stages = planned.num_stages
