@@ -6,22 +6,33 @@ ones the plan was made for (same names, same count: a changed model file
 fails loudly instead of training a different split), and wrap the planned
 piece ranges of the real model as stage modules. Parameters keep their model
 paths inside each stage (``h.3.attn.c_attn.weight``).
+
+A torch.export graph is static: devices, dtypes, sizes and constants of the
+traced run are baked into it (``arange(16, device=meta)``, dtype asserts,
+dropout probabilities). For such a model the scripts trace again on the real
+model as it will train (:meth:`PlannedModel.for_run`: its weights and dtype,
+dropout as configured, the planned micro-batch, fake inputs so nothing is
+computed), move what the graph pins to the tracing device onto the run
+device, and check the pieces against plan.json again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from planner.model.analyze import torch_dtype
 from planner.model.load import ModelFile, load_model_file
-from planner.model.trace import LayerGraph, build_layer_graph
+from planner.model.trace import LayerGraph, Piece, _free_nodes, build_layer_graph
 
 
 class PlanMismatch(RuntimeError):
@@ -36,6 +47,8 @@ class PlannedModel:
     layer_graph: LayerGraph
     bounds: list[int]  # piece index where each stage starts, then the piece count
     piece_names: list[str]
+    trace_options: dict[str, Any] = field(default_factory=dict)  # leaf_classes, tracer, sub_block_cuts
+    micro_batch: int = 1
 
     @property
     def num_stages(self) -> int:
@@ -46,6 +59,52 @@ class PlannedModel:
         seed_everything(seed)
         model = self.model_file.call("build_model")
         return model.to(dtype=dtype)
+
+    def for_run(self, model: nn.Module, device: torch.device | str) -> "PlannedModel":
+        """This plan traced on ``model`` as it will train, for a run on ``device`` (fx-traced plans: unchanged).
+
+        An export-traced plan is traced again on ``model`` (its weights, dtype and
+        dropout settings; call after casting it and after ``--no-dropout``) at the
+        planned micro-batch with fake inputs (no computation), the graph's device
+        arguments and constants moved from the weights' device to ``device`` and
+        its metadata asserts dropped (autocast changes dtypes the trace saw). The
+        pieces are checked against the plan again (:class:`PlanMismatch`).
+        """
+        if self.layer_graph.tracer != "export":
+            return self
+        device = torch.device(device)
+        source = next((t.device for t in model.parameters()), torch.device("cpu"))
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        with torch.random.fork_rng(devices=[]):
+            example = self.model_file.inputs_meta(self.micro_batch)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            inputs = tuple(
+                torch.empty(t.shape, dtype=dtype if t.is_floating_point() and dtype is not None else t.dtype, device=source) for t in example
+            )
+            traced = build_layer_graph(model, inputs, None, **self.trace_options)
+        lg = impose_pieces(self.layer_graph, traced, self.model_file.path.name)
+        retarget(lg, source, device)
+        run = dataclasses.replace(self, layer_graph=lg)
+        run.check_sendable()
+        return run
+
+    def check_sendable(self) -> None:
+        """Refuse a stage boundary crossed by a non-tensor value (a shape, an int): stages exchange tensors only.
+
+        The tracer keeps such values inside one piece; a plan whose stage cut
+        they cross (an edited or foreign plan.json) is refused here, naming
+        the value, instead of failing inside a send.
+        """
+        lg = self.layer_graph
+        for cut in self.bounds[1:-1]:
+            for node in lg.boundaries[cut]:
+                meta = lg.metas.get(node)
+                if meta is not None and not meta.is_tensor_like:
+                    raise PlanMismatch(
+                        f"value {node.name} crossing the stage boundary before piece {cut} ({self.piece_names[cut]}) is not a "
+                        "tensor; stages exchange tensors only. Re-run `planner plan` for this model (its pieces keep such "
+                        "values inside one stage)."
+                    )
 
     def stage(self, model: nn.Module, stage: int) -> nn.Module:
         """The module running planned stage ``stage`` of ``model`` (parameters shared with ``model``)."""
@@ -84,6 +143,105 @@ class PlannedModel:
         return sum(t.float().mean() for t in flat)
 
 
+def retarget(lg: LayerGraph, source: torch.device, device: torch.device) -> None:
+    """Point a static graph traced on ``source`` at ``device``, in place.
+
+    Device arguments equal to ``source`` (``arange(..., device=cpu)``, ``.to(cpu)``)
+    become ``device`` and tensor constants lifted into the graph module move
+    there; ``aten._assert_tensor_metadata`` nodes (checks of the traced dtype
+    and device, with no users) are removed from the graph and the pieces.
+    """
+    assert_op = torch.ops.aten._assert_tensor_metadata.default
+    gm = lg.gm
+    dropped = {n for n in gm.graph.nodes if n.op == "call_function" and n.target is assert_op and not n.users}
+    for piece in lg.pieces:
+        piece.nodes = [n for n in piece.nodes if n not in dropped]
+
+    def move(value: Any) -> Any:
+        return device if isinstance(value, torch.device) and value.type == source.type and value.index == source.index else value
+
+    for node in list(gm.graph.nodes):
+        if node in dropped:
+            gm.graph.erase_node(node)
+            continue
+        node.args = fx.node.map_aggregate(node.args, move)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, move)
+    if device != source:
+        params = {id(t) for t in gm.parameters()} | {id(t) for t in gm.buffers()}
+        for name in dir(gm):
+            value = getattr(gm, name, None)
+            if isinstance(value, torch.Tensor) and id(value) not in params and value.device == source:
+                setattr(gm, name, value.to(device))
+    gm.recompile()
+
+
+def impose_pieces(planned: LayerGraph, traced: LayerGraph, model_name: str) -> LayerGraph:
+    """``traced``'s graph cut where ``planned`` was cut: the plan's pieces on a graph traced at run time.
+
+    The tracer's sub-block cuts depend on byte counts, so a trace in another
+    dtype can offer other cuts; the plan's own must run. Cut k is placed
+    before the first node of planned piece k that the run-time graph has (nodes
+    are matched by name: the graphs come from one model, a few layout-only
+    nodes such as ``contiguous`` may exist in one of them only); every
+    computing node of the run-time graph belongs to the piece whose cut
+    precedes it, and the values crossing each cut are recomputed from the
+    run-time graph (the same on every rank). Raises :class:`PlanMismatch`
+    when a planned piece has no node in the run-time graph.
+    """
+    graph = traced.gm.graph
+    free = _free_nodes(graph)
+    by_name = {n.name: n for n in graph.nodes}
+    compute = [n for n in graph.nodes if n.op not in ("placeholder", "output") and n not in free]
+    pos = {n: i for i, n in enumerate(compute)}
+    starts = []
+    for piece in planned.pieces:
+        first = next((by_name[n.name] for n in piece.nodes if n.name in by_name and by_name[n.name] in pos), None)
+        if first is None or (starts and pos[first] <= starts[-1]):
+            raise PlanMismatch(
+                f"{model_name}: planned piece {piece.index} ({piece.name}) has no place in the graph traced at run time; "
+                "the model changed since planning. Re-run `planner plan` for this model."
+            )
+        starts.append(pos[first])
+    starts[0] = 0
+    bounds = starts + [len(compute)]
+    pieces = [
+        Piece(p.index, p.name, p.kind, p.block, compute[a:b], p.modules) for p, a, b in zip(planned.pieces, bounds, bounds[1:])
+    ]
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    end = len(compute)
+
+    def last_use(v: fx.Node) -> int:
+        """Index of the last computing node reading ``v`` (directly or through free nodes); ``end`` for the output."""
+        uses = [-1]
+        for u in v.users:
+            if u is out_node:
+                uses.append(end)
+            elif u in free:
+                uses.append(last_use(u))
+            else:
+                uses.append(pos[u])
+        return max(uses)
+
+    produced = {v: (pos[v] if v in pos else -1) for v in placeholders + compute}
+    used_until = {v: last_use(v) for v in produced}
+    boundaries = [[v for v in produced if produced[v] < k <= used_until[v]] for k in bounds[:-1]]
+    boundaries[0] = [v for v in placeholders if used_until[v] >= 0]
+    boundaries.append([v for v in out_node.all_input_nodes if v not in free])
+    return dataclasses.replace(traced, pieces=pieces, boundaries=boundaries, cut_kinds=list(planned.cut_kinds), blocks=list(planned.blocks))
+
+
+def _check_pieces(names: list[str], expected: list[str], model_name: str) -> None:
+    if names == expected:
+        return
+    diff = next((i for i, (a, b) in enumerate(zip(names, expected)) if a != b), min(len(names), len(expected)))
+    raise PlanMismatch(
+        f"{model_name} now traces into {len(names)} pieces, the plan was made for {len(expected)}; "
+        f"first difference at piece {diff}: {names[diff] if diff < len(names) else '(none)'} vs "
+        f"{expected[diff] if diff < len(expected) else '(none)'}. Re-run `planner plan` for this model."
+    )
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -102,23 +260,11 @@ def load_planned_model(plan: dict[str, Any] | str | Path, model_path: str | Path
     tracer = inputs.get("tracer_used", inputs.get("tracer", "auto"))
     # two samples: BatchNorm over (N, C) refuses a batch of one in training mode; torch.export graphs are
     # static, so they are traced at the micro-batch the scripts run
-    batch = plan["layout"]["micro_batch"] if tracer == "export" else 2
-    lg = build_layer_graph(
-        meta,
-        mf.inputs_meta(batch, dtype),
-        None,
-        leaf_classes=inputs.get("leaf", []),
-        tracer=tracer,
-        sub_block_cuts=inputs.get("sub_block_cuts", True),
-    )
+    micro_batch = int(plan["layout"]["micro_batch"])
+    batch = micro_batch if tracer == "export" else 2
+    options = {"leaf_classes": inputs.get("leaf", []), "tracer": tracer, "sub_block_cuts": inputs.get("sub_block_cuts", True)}
+    lg = build_layer_graph(meta, mf.inputs_meta(batch, dtype), None, **options)
     names = [p.name for p in lg.pieces]
-    expected = plan["model"]["pieces"]
-    if names != expected:
-        diff = next((i for i, (a, b) in enumerate(zip(names, expected)) if a != b), min(len(names), len(expected)))
-        raise PlanMismatch(
-            f"{path.name} now traces into {len(names)} pieces, the plan was made for {len(expected)}; "
-            f"first difference at piece {diff}: {names[diff] if diff < len(names) else '(none)'} vs "
-            f"{expected[diff] if diff < len(expected) else '(none)'}. Re-run `planner plan` for this model."
-        )
+    _check_pieces(names, plan["model"]["pieces"], path.name)
     bounds = [s["pieces"][0] for s in plan["stages"]] + [plan["stages"][-1]["pieces"][1]]
-    return PlannedModel(mf, lg, bounds, names)
+    return PlannedModel(mf, lg, bounds, names, options, micro_batch)

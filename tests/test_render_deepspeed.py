@@ -428,3 +428,22 @@ def test_bf16_on_cpu_runs_bf16_optimizer_with_fp32_accumulation(tmp_path):
     ref_losses, _ = reference(plan, len(losses), LR, 1.0)
     assert all(abs(g - w) <= 2e-3 * w for g, w in zip(losses, ref_losses)), (losses, ref_losses)
     assert {(s["optimizer"], s["grad_accum_dtype"], s["precision"]) for s in stats} == {("BF16_Optimizer", "float32", "bf16")}
+
+
+@pytest.mark.slow
+def test_bf16_export_traced_float_input_model_trains(tmp_path):
+    """An export-traced model with float inputs under bf16: traced again in bf16, inputs cast to the weights' dtype."""
+    from typer.testing import CliRunner
+
+    from planner.cli import app
+
+    out = tmp_path / "planned"
+    model = Path(__file__).parent / "models" / "shaperoot.py"
+    r = CliRunner().invoke(app, ["plan", str(model), "--gpus", "2xcpu", "--engine", "deepspeed", "--pp", "2", "--out", str(out), "--quiet"])
+    assert r.exit_code == 0, r.output
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["inputs"]["tracer_used"] == "export"
+    losses, stats, _ = train(plan, tmp_path, 2, extra=["--precision", "bf16"])
+    ref_losses, _ = reference(plan, len(losses), LR, 1.0)
+    assert {s["precision"] for s in stats} == {"bf16"}
+    assert all(abs(g - w) <= 2e-2 * max(abs(w), 0.1) for g, w in zip(losses, ref_losses)), (losses, ref_losses)

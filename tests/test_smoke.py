@@ -4,6 +4,7 @@ Each run launches real processes with torchrun and gloo (15-25 s each on 2 cores
 """
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from planner.cli import app
@@ -70,7 +72,7 @@ def test_crashing_rank_is_named_with_its_log(tmp_path):
     r, doc = smoke(d)
     assert r.exit_code == 1
     check = doc["checks"][0]
-    assert not check["ok"] and "failing rank 1" in check["detail"] and "injected failure on rank 1" in check["detail"]
+    assert not check["ok"] and "failing rank 1: RuntimeError: injected failure on rank 1" in check["detail"]
 
 
 def test_hanging_rank_times_out_and_nothing_is_left_running(tmp_path):
@@ -135,3 +137,37 @@ def test_model_traced_with_torch_export_trains_in_a_pipeline(tmp_path):
     r, doc = smoke(out)
     assert r.exit_code == 0, r.output
     assert doc["max_relative_difference"] <= 1e-5
+
+
+# ----------------------------------------------------------------------------- transformers models as users build them
+
+HF_RUNS = [
+    pytest.param("hf_gpt2.py", "torch", id="gpt2-torch"),
+    pytest.param("hf_llama.py", "deepspeed", id="llama-deepspeed"),
+    pytest.param("hf_gpt2.py", "deepspeed", id="gpt2-deepspeed", marks=pytest.mark.slow),
+    pytest.param("hf_llama.py", "torch", id="llama-torch", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("model, engine", HF_RUNS)
+def test_transformers_model_trains_pipelined_like_one_process(tmp_path, model, engine):
+    """A tiny transformers GPT-2 / Llama (export-traced, ModelOutput returned) on 2 CPU ranks equals one process."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "plan"
+    r = runner.invoke(app, ["plan", str(Path(__file__).parent / "models" / model), "--gpus", "2xcpu", "--engine", engine, "--pp", "2", "--out", str(out), "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "plan.json").read_text())["inputs"]["tracer_used"] == "export"
+    r, doc = smoke(out)
+    assert r.exit_code == 0, r.output
+    assert doc["ok"] and doc["ranks"] == 2 and doc["max_relative_difference"] <= 1e-5
+    assert len(doc["losses"]) == 2 and all(math.isfinite(x) for x in doc["losses"])
+    # measurements for calibration: one record per rank, the warm-up step left out
+    assert [p["rank"] for p in doc["per_rank"]] == [0, 1]
+    assert all(len(p["step_times_s"]) == 1 and p["step_times_s"][0] > 0 for p in doc["per_rank"])
+    assert all(p["peak_allocated_bytes"] is None and p["peak_reserved_bytes"] is None for p in doc["per_rank"])  # CPU
+    env = doc["environment"]
+    assert env["world_size"] == 2 and env["device_name"] == "cpu" and env["torch"] == torch.__version__
+    if engine == "deepspeed":
+        import deepspeed
+
+        assert env["deepspeed"] == deepspeed.__version__

@@ -20,9 +20,11 @@ are compared with the plan's prediction.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -31,8 +33,9 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from planner.errors import InfeasibleError, UsageError
 from planner.fileio import dumps_json, write_text_atomic
@@ -40,6 +43,19 @@ from planner.solve.plan import Plan, load_plan
 
 SCRIPTS = {"deepspeed": "train_deepspeed.py", "torch": "train_pipeline.py"}
 MAX_CPU_RANKS = 4
+RANK_THREADS = 1  # OMP_NUM_THREADS of every rank; the reference runs with as many torch threads
+WARMUP_STEPS = 1  # steps left out of per_rank step times (start-up, allocator growth, shape inference)
+# what a rank prints when another rank died first: never the cause
+SECONDARY_ERRORS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "remote worker crashing",
+    "broken pipe",
+    "signal 15",
+    "sigterm",
+    "socket timeout",
+    "timed out",
+)
 
 
 @dataclass
@@ -66,6 +82,8 @@ class SmokeResult:
     reference_losses: list[float] | None = None
     max_relative_difference: float | None = None
     ranks_stats: list[dict[str, Any]] = field(default_factory=list)
+    per_rank: list[dict[str, Any]] = field(default_factory=list)  # rank, step_times_s (after warm-up), peak bytes
+    environment: dict[str, Any] = field(default_factory=dict)  # device_name, world_size, versions, threads
     predicted: dict[str, Any] = field(default_factory=dict)
     trained: bool = True
     wall_s: float = 0.0
@@ -187,8 +205,60 @@ def _rank_logs(log_dir: Path) -> dict[int, str]:
     return out
 
 
+def _log_times(log_dir: Path) -> dict[int, float]:
+    """When each rank last wrote to its log (the latest mtime of its stdout/stderr), seconds since the epoch."""
+    out: dict[int, float] = {}
+    for f in log_dir.rglob("std*.log"):
+        try:
+            rank = int(f.parent.name)
+            out[rank] = max(out.get(rank, 0.0), f.stat().st_mtime)
+        except (ValueError, OSError):
+            continue
+    return out
+
+
 def _tail(text: str, lines: int = 15) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def _error_of(text: str) -> str | None:
+    """The error a rank's log ends with: the last exception line of a traceback, or the scripts' ``error (rank N): ...``."""
+    lines = [ln.split("]: ", 1)[1] if ln.startswith("[rank") and "]: " in ln else ln for ln in text.splitlines()]
+    for i in range(len(lines) - 1, -1, -1):
+        ln = lines[i].strip()
+        if ln.startswith("error (rank"):
+            return ln
+        if "Traceback (most recent call last)" in ln:
+            # the exception line is the first unindented line after the traceback's frames
+            for follow in lines[i + 1 :]:
+                if follow and not follow.startswith(" "):
+                    return follow.strip()
+            return ln
+    return None
+
+
+def failing_rank(logs: dict[int, str], finished_at: dict[int, float]) -> tuple[int, str | None]:
+    """The rank whose error caused the failure, and that error.
+
+    A rank that failed because another one died first reports a closed or
+    reset connection (gloo, NCCL) or a termination signal; those are passed
+    over for a real exception. Among real exceptions the earliest log wins (the
+    time its log was last written, ``finished_at``), then the lowest rank.
+    Returns (-1, None) when no rank log holds an error.
+    """
+    found = []
+    for rank, text in logs.items():
+        if rank < 0:
+            continue
+        err = _error_of(text)
+        if err is None:
+            continue
+        secondary = any(k in err.lower() for k in SECONDARY_ERRORS)
+        found.append((secondary, finished_at.get(rank, 0.0), rank, err))
+    if not found:
+        return -1, None
+    _, _, rank, err = min(found)
+    return rank, err
 
 
 def _descendants(pid: int) -> list[int]:
@@ -259,7 +329,7 @@ def launch(run_dir: Path, script: str, ranks: int, args: list[str], env: dict[st
         script,
         *args,
     ]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
+    full_env = {**os.environ, "OMP_NUM_THREADS": str(RANK_THREADS), "PYTHONUNBUFFERED": "1", **env}
     proc = subprocess.Popen(cmd, cwd=run_dir, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -387,9 +457,10 @@ def _run(plan_dir: Path, small: Plan, req, notes: list[str], run_dir: Path, work
             detail += f"\n--- rank {r} log (tail) ---\n{_tail(logs.get(r) or '(no output)')}"
         result.checks.append(Check("ranks exit 0 within the timeout", False, detail))
     elif code != 0:
-        failing = [r for r, text in sorted(logs.items()) if r >= 0 and ("Traceback" in text or "Error" in text)]
-        r = failing[0] if failing else -1
+        r, err = failing_rank(logs, _log_times(work / "logs"))
         detail = f"torchrun exited {code}; failing rank {r if r >= 0 else '(unknown)'}"
+        if err:
+            detail += f": {err}"
         detail += f"\n--- rank {r} log (tail) ---\n{_tail(logs.get(r, logs.get(-1, '(no output)')))}"
         result.checks.append(Check("ranks exit 0 within the timeout", False, detail))
     else:
@@ -409,12 +480,7 @@ def _loss_checks(result: SmokeResult, work: Path, small: Plan, req, steps: int, 
     result.losses = losses
     finite = all(math.isfinite(x) for x in losses) and len(losses) == steps
     result.checks.append(Check("every loss finite", finite, f"{len(losses)} steps: " + ", ".join(f"{x:.6g}" for x in losses)))
-    from planner.runners.reference import reference_losses
-    from planner.runtime import load_planned_model
-
-    plan_dict = small.to_dict()
-    planned = load_planned_model(plan_dict, req.model_file)
-    ref = reference_losses(planned, plan_dict, steps, seed, 1e-4, device, "fp32" if device == "cpu" else "auto")
+    _, ref = reference_run(small, req.model_file, steps, seed, device)
     result.reference_losses = ref
     diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref)]
     result.max_relative_difference = max(diffs) if diffs else None
@@ -431,11 +497,70 @@ def _loss_checks(result: SmokeResult, work: Path, small: Plan, req, steps: int, 
     )
 
 
+def reference_run(small: Plan, model_file: str, steps: int, seed: int, device: str):
+    """(the traced model, its per-step losses) of the single-process reference, run with the ranks' thread count."""
+    from planner.runners.reference import reference_losses
+    from planner.runtime import load_planned_model
+
+    plan_dict = small.to_dict()
+    planned = load_planned_model(plan_dict, model_file)
+    with torch_threads(RANK_THREADS):  # another thread count sums floats in another order
+        ref = reference_losses(planned, plan_dict, steps, seed, 1e-4, device, "fp32" if device == "cpu" else "auto")
+    return planned, ref
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the block with ``n`` torch intra-op threads (the ranks' OMP_NUM_THREADS), then restore the count."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def per_rank_record(stats: dict[str, Any], warmup: int = WARMUP_STEPS) -> dict[str, Any]:
+    """One rank's measurements for smoke.json: step times after ``warmup`` steps, peak allocated/reserved bytes (GPUs)."""
+    times = list(stats.get("step_times_s") or [])
+    return {
+        "rank": stats.get("rank"),
+        "step_times_s": times[warmup:] if len(times) > warmup else times,
+        "peak_allocated_bytes": stats.get("peak_memory_bytes"),
+        "peak_reserved_bytes": stats.get("peak_reserved_bytes"),
+    }
+
+
+def environment(stats: list[dict[str, Any]], engine: str, device: str, world: int) -> dict[str, Any]:
+    """What the measurements were taken on: device name, world size, library versions, threads per rank."""
+    def ver(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    names = sorted({s.get("device_name") for s in stats if s.get("device_name")})
+    return {
+        "device": device,
+        "device_name": names[0] if len(names) == 1 else (names or None),
+        "world_size": world,
+        "engine": engine,
+        "torch": ver("torch"),
+        "deepspeed": ver("deepspeed") if engine == "deepspeed" else None,
+        "python": platform.python_version(),
+        "threads_per_rank": RANK_THREADS,
+    }
+
+
 def _stats_checks(result: SmokeResult, work: Path, small: Plan, device: str) -> None:
     stats = []
     for f in sorted(work.glob("stats-*.json"), key=lambda p: int(p.stem.split("-")[1])):
         stats.append(json.loads(f.read_text()))
     result.ranks_stats = stats
+    result.per_rank = [per_rank_record(s) for s in stats]
+    result.environment = environment(stats, small.layout.engine, device, result.ranks)
     if device != "cuda" or not stats:
         return
     lines = []

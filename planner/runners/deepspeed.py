@@ -44,6 +44,7 @@ from planner.runners.contract import PlanChanged, contract_parser, read_plan  # 
 from planner.runtime import PlannedModel
 
 SHM_COMM_OP = "deepspeed_shm_comm"
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the dtype DeepSpeed casts parameters to
 
 
 # ----------------------------------------------------------------------------- start-up
@@ -95,6 +96,36 @@ def init_distributed(device: torch.device) -> None:
         deepspeed.init_distributed(dist_backend="gloo")
     else:
         deepspeed.init_distributed(dist_backend="nccl")
+
+
+def local_device(device: torch.device) -> torch.device:
+    """The device this rank runs on: ``cuda:LOCAL_RANK`` on GPUs, the CPU otherwise."""
+    if device.type == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
+
+
+def cast_inputs(tensors: Sequence[torch.Tensor], precision: str) -> tuple[torch.Tensor, ...]:
+    """Floating-point model inputs in the precision's dtype (DeepSpeed feeds them to its bf16/fp16 weights as they come)."""
+    dtype = HALF_DTYPES.get(precision)
+    return tuple(t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in tensors)
+
+
+def cast_parameters(model: nn.Module, precision: str) -> nn.Module:
+    """Cast the parameters (not the buffers) to the precision's dtype, as ``deepspeed.initialize`` will.
+
+    DeepSpeed 0.19.8 casts parameters only under bf16/fp16
+    (``DeepSpeedEngine._configure_distributed_model``: fp32 buffers such as
+    rotary ``inv_freq`` are kept); casting first changes no value and lets a
+    torch.export graph be traced in the dtype it runs in.
+    """
+    dtype = HALF_DTYPES.get(precision)
+    if dtype is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.is_floating_point():
+                    p.data = p.data.to(dtype)
+    return model
 
 
 # ----------------------------------------------------------------------------- the pipeline module
@@ -253,6 +284,8 @@ class PlannedPipelineModule(PipelineModule):
             out = super().forward(forward_input)
         if isinstance(out, list):
             out = tuple(out)
+        if self.stage_id < self.num_stages - 1:  # sends need contiguous tensors (a permuted activation is not)
+            out = tuple(_contiguous(t) for t in out) if isinstance(out, tuple) else _contiguous(out)
         if self._no_grad_out:
             outs = list(out) if isinstance(out, tuple) else [out]
             for i in self._no_grad_out:
@@ -279,6 +312,10 @@ def _run_layers(funcs: Sequence[Callable[[Any], Any]]) -> Callable[..., Any]:
         return x
 
     return run
+
+
+def _contiguous(t: Any) -> Any:
+    return t.contiguous() if isinstance(t, torch.Tensor) else t
 
 
 def _anchor(out: Any, extra: list[torch.Tensor]) -> Any:
@@ -335,6 +372,7 @@ def build_pipeline_module(
 
     ``model``'s other stages' weights are referenced only through ``model`` afterwards: drop it to free them.
     """
+    planned.check_sendable()
     check_boundaries(planned)
     pieces = [planned.piece(model, i) for i in range(planned.layer_graph.n)]
     tied = [(name, stages, model.get_parameter(name)) for name, stages in planned.tied_parameters(model)]
@@ -427,6 +465,8 @@ def stats(
         "pieces": [module._local_start, module._local_stop],
         "step_times_s": [round(t, 6) for t in times],
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "precision": precision,
         "activation_checkpoint_interval": module.activation_checkpoint_interval,
         "forward_calls": forward_calls,

@@ -175,9 +175,12 @@ class StageModule(nn.Module):
         super().__init__()
         self.stage_index = stage
         self.precision, self.device_type, self.recompute = precision, device.type, recompute
+        planned.check_sendable()
         start, stop = planned.bounds[stage], planned.bounds[stage + 1]
         self.piece_range = (start, stop)
+        self.num_stages = planned.num_stages
         self.clone_outputs = clone_outputs and stage < planned.num_stages - 1
+        self.last_output: FlatOutput | None = None
         if recompute:
             self.pieces = nn.ModuleList(planned.piece(model, i) for i in range(start, stop))
         else:
@@ -192,9 +195,59 @@ class StageModule(nn.Module):
                 for piece in self.pieces:
                     values = out if isinstance(out, tuple) else (out,)
                     out = checkpoint(piece, *values, use_reentrant=False)
-        if self.clone_outputs:
-            out = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in out) if isinstance(out, tuple) else out.clone()
-        return out
+        if self.stage_index == self.num_stages - 1:
+            # the model's own output (a ModelOutput, dict, tuple): torch's stages take tensors only, the loss
+            # function gets the structure back (LossFunction)
+            flat = FlatOutput.of(out)
+            self.last_output = flat
+            return flat.tensors if flat.spec is not None else out
+        # sends need contiguous tensors (a permuted activation is not); zero bubble needs copies (see above)
+        outs = out if isinstance(out, tuple) else (out,)
+        outs = tuple(_send_ready(t, self.clone_outputs) for t in outs)
+        return outs if isinstance(out, tuple) else outs[0]
+
+
+def _send_ready(t: Any, clone: bool) -> Any:
+    """A tensor as a stage sends it: contiguous, and a copy of its own when ``clone``."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if clone:
+        return t.clone(memory_format=torch.contiguous_format)
+    return t.contiguous()
+
+
+@dataclass
+class FlatOutput:
+    """The last stage's output as the tensors torch's PipelineStage accepts, and how to rebuild the model's own.
+
+    ``spec`` is None when the output already is a tensor or a tuple of tensors;
+    otherwise (a ModelOutput, a dict, nested or with non-tensor leaves) it is
+    the pytree spec, ``leaves`` the flat leaves with tensors at ``positions``.
+    """
+
+    tensors: tuple[torch.Tensor, ...]
+    spec: Any = None
+    leaves: tuple[Any, ...] = ()
+    positions: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, out: Any) -> "FlatOutput":
+        if isinstance(out, torch.Tensor):
+            return cls((out,))
+        if type(out) is tuple and all(isinstance(t, torch.Tensor) for t in out):
+            return cls(out)
+        leaves, spec = torch.utils._pytree.tree_flatten(out)
+        positions = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
+        return cls(tuple(leaves[i] for i in positions), spec, tuple(leaves), positions)
+
+    def rebuild(self, tensors: Any) -> Any:
+        """The model's output structure around ``tensors`` (what the stage returned); unchanged when ``spec`` is None."""
+        if self.spec is None:
+            return tensors
+        leaves = list(self.leaves)
+        for i, t in zip(self.positions, tensors if isinstance(tensors, (tuple, list)) else (tensors,)):
+            leaves[i] = t
+        return torch.utils._pytree.tree_unflatten(leaves, self.spec)
 
 
 def splits_backward(schedule: str) -> bool:
@@ -277,12 +330,19 @@ def schedule_class(name: str) -> type:
 
 
 class LossFunction:
-    """The model file's loss for the schedule: optional target, times the fp16 loss scale."""
+    """The model file's loss for the schedule: optional target, times the fp16 loss scale.
 
-    def __init__(self, planned: PlannedModel, has_target: bool, scaler: LossScaler):
-        self.planned, self.has_target, self.scaler = planned, has_target, scaler
+    ``last`` is the local StageModule of the last stage, if any: its flattened
+    output is rebuilt into the model's own structure (a ModelOutput's
+    ``.logits``) before the model file's loss_fn sees it.
+    """
+
+    def __init__(self, planned: PlannedModel, has_target: bool, scaler: LossScaler, last: StageModule | None = None):
+        self.planned, self.has_target, self.scaler, self.last = planned, has_target, scaler, last
 
     def __call__(self, output: Any, target: Any) -> torch.Tensor:
+        if self.last is not None and self.last.last_output is not None:
+            output = self.last.last_output.rebuild(output)
         loss = self.planned.loss(output, target if self.has_target else None)
         return loss * self.scaler.scale if self.scaler.enabled else loss
 
@@ -470,9 +530,14 @@ def write_json(path: str | Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def device_name(device: torch.device) -> str:
+    """The device's name as the driver reports it (``NVIDIA H100 80GB HBM3``), or ``cpu``."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def write_stats(pattern: str, env: Distributed, stage_ids: Sequence[int], plan: dict[str, Any], times: Sequence[float]) -> None:
     """The contract's per-rank stats file (``{rank}`` in ``pattern`` replaced by the global rank)."""
-    peak = torch.cuda.max_memory_allocated(env.device) if env.device.type == "cuda" else None
+    cuda = env.device.type == "cuda"
     write_json(
         pattern.replace("{rank}", str(env.topo.rank)),
         {
@@ -482,6 +547,8 @@ def write_stats(pattern: str, env: Distributed, stage_ids: Sequence[int], plan: 
             "stages": list(stage_ids),
             "pieces": [list(plan["stages"][j]["pieces"]) for j in stage_ids],
             "step_times_s": [round(t, 6) for t in times],
-            "peak_memory_bytes": peak,
+            "peak_memory_bytes": torch.cuda.max_memory_allocated(env.device) if cuda else None,
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(env.device) if cuda else None,
+            "device_name": device_name(env.device),
         },
     )

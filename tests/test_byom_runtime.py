@@ -1,0 +1,211 @@
+"""Run-time side of bring-your-own-model: the rendered scripts' stage modules for models traced with torch.export.
+
+The stage modules are compared with the model itself (a plain forward of the
+real model on the same inputs), and smoke's failure reporting and reference
+settings with what the ranks really do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from planner.check import smoke as sm
+from planner.cli import app
+from planner.runners import torchpp as rt
+from planner.runners.reference import build_model
+from planner.runtime import load_planned_model
+
+pytest.importorskip("transformers")
+
+MODELS = Path(__file__).parent / "models"
+runner = CliRunner()
+
+
+def plan_dir(tmp_path: Path, model: str, engine: str = "torch", *pins: str) -> Path:
+    out = tmp_path / f"{Path(model).stem}-{engine}"
+    args = ["plan", str(MODELS / model), "--gpus", "2xcpu", "--engine", engine, "--pp", "2", "--out", str(out), "--quiet", *pins]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt2_plan(tmp_path_factory) -> Path:
+    return plan_dir(tmp_path_factory.mktemp("gpt2"), "hf_gpt2.py", "torch", "--schedule", "1f1b", "--micro-batch", "2")
+
+
+def _meta_or_asserts(gm: torch.fx.GraphModule) -> list[str]:
+    bad = []
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten._assert_tensor_metadata.default:
+            bad.append(f"{node.name}: assert")
+        for v in list(node.args) + list(node.kwargs.values()):
+            if isinstance(v, torch.device) and v.type == "meta":
+                bad.append(f"{node.name}: {v}")
+    return bad
+
+
+def test_export_plan_stages_equal_the_real_model(gpt2_plan):
+    """Stages built at run time for an export-traced GPT-2 chain to the model's own forward, exactly."""
+    planned = load_planned_model(gpt2_plan)
+    assert planned.layer_graph.tracer == "export"
+    assert _meta_or_asserts(planned.layer_graph.gm)  # the planning graph is pinned to meta: it cannot run
+    model = build_model(planned, seed=0, no_dropout=True)
+    run = planned.for_run(model, "cpu")
+    assert [p.name for p in run.layer_graph.pieces] == planned.piece_names
+    assert not _meta_or_asserts(run.layer_graph.gm)
+    inputs, _ = planned.example_batch(2, seed=1)
+    stages = [rt.StageModule(run, model, s, "fp32", torch.device("cpu")) for s in range(run.num_stages)]
+    x = stages[0](*inputs)
+    flat = stages[1](*(x if isinstance(x, tuple) else (x,)))
+    out = stages[1].last_output.rebuild(flat)
+    assert type(out).__name__ == "CausalLMOutputWithCrossAttentions"  # the model's own structure for loss_fn
+    assert torch.equal(out.logits, model(*inputs).logits)
+
+
+def test_for_run_moves_device_arguments(gpt2_plan):
+    """The graph traced on the CPU weights names the run device wherever it named the tracing device."""
+    planned = load_planned_model(gpt2_plan)
+    model = build_model(planned, seed=0, no_dropout=True)
+    run = planned.for_run(model, "meta")
+    devices = {v for n in run.layer_graph.gm.graph.nodes for v in list(n.args) + list(n.kwargs.values()) if isinstance(v, torch.device)}
+    assert devices == {torch.device("meta")}
+    cpu = planned.for_run(model, "cpu")
+    assert {v for n in cpu.layer_graph.gm.graph.nodes for v in n.kwargs.values() if isinstance(v, torch.device)} == {torch.device("cpu")}
+
+
+def test_no_dropout_reaches_the_run_time_graph(gpt2_plan):
+    """torch.export bakes dropout probabilities in: the run-time trace sees --no-dropout, the planning one does not."""
+    planned = load_planned_model(gpt2_plan)
+
+    def dropout_ps(gm):
+        return sorted({float(n.args[1]) for n in gm.graph.nodes if "dropout" in str(n.target) and len(n.args) > 1})
+
+    assert dropout_ps(planned.layer_graph.gm) and max(dropout_ps(planned.layer_graph.gm)) > 0
+    run = planned.for_run(build_model(planned, seed=0, no_dropout=True), "cpu")
+    assert dropout_ps(run.layer_graph.gm) in ([], [0.0])
+
+
+def test_stage_outputs_are_contiguous(tmp_path):
+    """A block returning a transposed view crosses the stage boundary as a contiguous tensor (gloo refuses others)."""
+    d = plan_dir(tmp_path, "permuted.py")
+    planned = load_planned_model(d)
+    model = build_model(planned, seed=0)
+    x = planned.example_batch(2, seed=0)[0][0]
+    raw = planned.stage(model, 0)(x)
+    assert not raw.is_contiguous()
+    for clone in (False, True):
+        out = rt.StageModule(planned, model, 0, "fp32", torch.device("cpu"), clone_outputs=clone)(x)
+        assert out.is_contiguous() and torch.equal(out, raw)
+
+
+def test_flat_output_round_trip():
+    """Dicts and nested outputs with non-tensor leaves go to PipelineStage as tensors and come back whole."""
+    a, b = torch.ones(2), torch.zeros(3)
+    value = {"logits": a, "aux": (b, 7), "name": "x"}
+    flat = rt.FlatOutput.of(value)
+    assert all(isinstance(t, torch.Tensor) for t in flat.tensors) and len(flat.tensors) == 2
+    back = flat.rebuild(tuple(t + 1 for t in flat.tensors))
+    assert torch.equal(back["logits"], a + 1) and torch.equal(back["aux"][0], b + 1) and back["aux"][1] == 7 and back["name"] == "x"
+    assert rt.FlatOutput.of(a).spec is None and rt.FlatOutput.of((a, b)).spec is None
+
+
+class SizeAtEnd(torch.nn.Module):
+    """Reads its input's batch size first and uses it last: a non-tensor value live across every cut."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x):
+        n = x.size(0)
+        for b in self.blocks:
+            x = b(x)
+        return x.reshape(n, -1)
+
+
+def test_non_tensor_value_across_a_stage_cut_is_refused_by_name():
+    """A plan cut where a non-tensor value crosses (the tracer never offers one) is refused, naming the value."""
+    from planner.model.trace import Piece, build_layer_graph
+    from planner.runtime import PlanMismatch, PlannedModel, impose_pieces
+
+    with torch.device("meta"):
+        model = SizeAtEnd()
+    traced = build_layer_graph(model, (torch.empty(2, 8, device="meta"),), tracer="fx")
+    assert traced.n == 1  # the tracer keeps the size and its use in one piece
+    nodes = traced.pieces[0].nodes
+    cut = next(i for i, n in enumerate(nodes) if n.op == "call_module" and n.target == "blocks.1")
+    template = [Piece(0, "a", "block", None, nodes[:cut], ()), Piece(1, "b", "block", None, nodes[cut:], ())]
+    imposed = impose_pieces(dataclasses.replace(traced, pieces=template, cut_kinds=["input", "block", "output"]), traced, "m.py")
+    assert [n.name for n in imposed.boundaries[1]] == ["size", "blocks_0"]
+    planned = PlannedModel(None, imposed, [0, 1, 2], ["a", "b"])
+    with pytest.raises(PlanMismatch, match="value size crossing the stage boundary before piece 1 .b. is not a tensor"):
+        planned.check_sendable()
+    PlannedModel(None, imposed, [0, 2], ["a", "b"]).check_sendable()  # one stage: nothing crosses a send
+
+
+# ----------------------------------------------------------------------------- smoke reporting
+
+GLOO_CLOSED = """[rank0]: Traceback (most recent call last):
+[rank0]:   File "train_pipeline.py", line 120, in <module>
+[rank0]:     work.wait()
+[rank0]: RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:50598
+"""
+REAL = """[rank1]: Traceback (most recent call last):
+[rank1]:   File "train_pipeline.py", line 99, in main
+[rank1]:     out = self.body(*args)
+[rank1]: RuntimeError: input tensor has to be contiguous
+"""
+
+
+def test_failing_rank_is_the_real_exception_not_the_closed_connection():
+    now = time.time()
+    rank, err = sm.failing_rank({0: GLOO_CLOSED, 1: REAL, -1: "torchrun summary"}, {0: now - 5, 1: now})
+    assert rank == 1 and err == "RuntimeError: input tensor has to be contiguous"
+    # two real exceptions: the earlier one caused the failure
+    rank, err = sm.failing_rank({0: REAL.replace("rank1", "rank0"), 1: REAL}, {0: now, 1: now - 3})
+    assert rank == 1
+    # the scripts' own one-line errors count (exit 2)
+    rank, err = sm.failing_rank({0: GLOO_CLOSED, 1: "error (rank 1): PlanMismatch: changed"}, {})
+    assert rank == 1 and err.startswith("error (rank 1): PlanMismatch")
+    assert sm.failing_rank({0: "step 1/2 loss 4.5"}, {}) == (-1, None)
+
+
+def test_reference_runs_with_the_ranks_thread_count(tmp_path):
+    """The single-process reference runs with the ranks' torch thread count, then the caller's is restored."""
+    (tmp_path / "m.py").write_text(
+        "import torch\nimport torch.nn as nn\nSEEN = []\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])\n"
+        "    def forward(self, x):\n        SEEN.append(torch.get_num_threads())\n"
+        "        for l in self.layers:\n            x = l(x)\n        return x\n"
+        "def build_model():\n    return M()\n"
+        "def example_inputs(batch_size):\n    return (torch.randn(batch_size, 4),)\n"
+    )
+    d = tmp_path / "plan"
+    r = runner.invoke(app, ["plan", str(tmp_path / "m.py"), "--gpus", "2xcpu", "--engine", "torch", "--pp", "2", "--out", str(d), "--quiet"])
+    assert r.exit_code == 0, r.output
+    from planner.solve.plan import load_plan
+
+    small = load_plan(d)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        planned, ref = sm.reference_run(small, str(tmp_path / "m.py"), 1, 0, "cpu")
+        forwards = small.layout.num_microbatches * small.layout.dp  # one step; earlier entries are the trace's
+        seen = planned.model_file.module.SEEN
+        assert len(seen) >= forwards and seen[-forwards:] == [sm.RANK_THREADS] * forwards and len(ref) == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_per_rank_record_drops_warm_up():
+    rec = sm.per_rank_record({"rank": 3, "step_times_s": [2.0, 0.5, 0.4], "peak_memory_bytes": 10, "peak_reserved_bytes": 12})
+    assert rec == {"rank": 3, "step_times_s": [0.5, 0.4], "peak_allocated_bytes": 10, "peak_reserved_bytes": 12}
