@@ -67,6 +67,7 @@ def analyze(
     if progress:
         progress("trace", 0, 1)
     lg = build_layer_graph(model, inputs, inputs2, leaf_classes=leaf or (), tracer=tracer, sub_block_cuts=sub_block_cuts)
+    lg.notes = list(mf.notes) + lg.notes
     seq = infer_seq_len(arch, inputs)
     costs = cost_layers(
         lg,

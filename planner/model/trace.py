@@ -104,6 +104,8 @@ class _Tracer(fx.Tracer):
 
 
 class TraceFailure(Exception):
+    """Why one tracer failed: the module it failed in (fx), the user's source line, the original exception."""
+
     def __init__(self, module: tuple[str, str] | None, where: str, cause: BaseException):
         super().__init__(str(cause))
         self.module = module
@@ -115,7 +117,7 @@ def _where(exc: BaseException) -> str:
     """'file.py line N: code' of the deepest frame outside torch, the user's source line."""
     torch_dir = str(Path(torch.__file__).parent)
     here = str(Path(__file__).parent.parent)
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith((torch_dir, here))]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith((torch_dir, here, "<"))]
     if not frames:
         return "an unknown line"
     f = frames[-1]
@@ -475,9 +477,9 @@ def build_layer_graph(
             gm = _export_trace(model, inputs)
             used = "export"
             if fx_error is not None:
-                notes.append(f"torch.fx could not trace the model ({fx_error.where}); traced with torch.export instead")
+                notes.append(f"torch.fx could not trace the model ({_failure_text(fx_error)}); traced with torch.export instead")
         except TraceFailure as e:
-            raise _trace_error(fx_error or e, e if fx_error else None, model) from e.cause
+            raise _trace_error(fx_error, e, model) from e.cause
 
     try:
         metas = _propagate(gm, inputs)
@@ -534,25 +536,55 @@ def _meta_error(e: BaseException, model: nn.Module) -> UsageError:
     )
 
 
-def _trace_error(fx_err: TraceFailure, export_err: TraceFailure | None, model: nn.Module) -> UsageError:
-    where = fx_err.where
-    if fx_err.module:
+def _failure_text(f: TraceFailure) -> str:
+    """'ExcType at file.py line N: first line of the message' (the location only when a user frame is known)."""
+    exc: BaseException | None = f.cause
+    while exc is not None and not str(exc).strip() and exc.__cause__ is not None:
+        exc = exc.__cause__  # torch.export re-raises some failures with an empty message
+    exc = exc or f.cause
+    lines = [x for x in str(exc).strip().splitlines() if x.strip()]
+    first = lines[0].strip() if lines else ""
+    if len(first) > 300:
+        first = first[:297] + "..."
+    at = f" (at {f.where})" if f.where != "an unknown line" else ""
+    return f"{type(exc).__name__}" + (f": {first}" if first else "") + at
+
+
+def _trace_error(fx_err: TraceFailure | None, export_err: TraceFailure | None, model: nn.Module) -> UsageError:
+    """The error for a model neither tracer could trace: each tracer's real cause, and only hints not yet tried."""
+    main = fx_err or export_err
+    assert main is not None
+    if fx_err is not None and fx_err.module:
         path, cls = fx_err.module
         mod = f"module {path or '(root)'} ({cls})"
-        leaf = f"--leaf {cls}" if path else "--tracer export"
     else:
-        mod, leaf = f"the model ({type(model).__name__})", "--tracer export"
-    msg = f"Cannot trace {mod}: {type(fx_err.cause).__name__} at {where}."
-    if "control flow" in str(fx_err.cause) or "bool" in str(fx_err.cause).lower():
-        msg += " Its forward() branches on tensor values, which a static trace cannot follow."
+        path, cls = None, None
+        mod = f"the model ({type(model).__name__})"
+    parts = []
+    if fx_err is not None:
+        parts.append(f"torch.fx: {_failure_text(fx_err)}")
     if export_err is not None:
-        msg += f" torch.export also failed ({type(export_err.cause).__name__} at {export_err.where})."
-    hint = (
-        f"Make that module a single piece with {leaf}, or try --tracer export"
-        if leaf != "--tracer export"
-        else "Try --tracer export, or move the branch into a submodule and name its class with --leaf"
-    )
-    return UsageError(msg, hint + "; or rewrite the branch with torch.where so it does not depend on tensor values.")
+        parts.append(f"torch.export: {_failure_text(export_err)}")
+    msg = f"Cannot trace {mod}. " + "; ".join(parts) + "."
+    causes = " ".join(str(f.cause) for f in (fx_err, export_err) if f is not None)
+    branch = "control flow" in causes or "data-dependent" in causes.lower()
+    if branch:
+        msg += " Its forward() branches on tensor values, which a static trace cannot follow."
+    hints = []
+    if "register a pytree" in causes or "not a known type" in causes:
+        hints.append(
+            "the forward returns an object torch.export cannot return: return tensors (or tuples, dicts or dataclasses "
+            "of tensors), or turn off the inference-only switch that returns it"
+        )
+    if path:
+        hints.append(f"make that module a single piece with --leaf {cls}")
+    elif branch:
+        hints.append("move the branch into a submodule and name its class with --leaf")
+    if export_err is None:
+        hints.append("try --tracer export")
+    hints.append("rewrite branches on tensor values with torch.where so they do not depend on the values")
+    hint = "; ".join(hints)
+    return UsageError(msg, hint[0].upper() + hint[1:] + ".")
 
 
 def _split(model: nn.Module, gm: fx.GraphModule, metas: dict[fx.Node, ValueMeta], blocks: list[str], tracer: str, sub_block_cuts: bool) -> LayerGraph:
