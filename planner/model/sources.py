@@ -262,6 +262,8 @@ def hf_architecture(config: Any, seq_len: int) -> dict[str, Any] | None:
     """
     if getattr(config, "is_encoder_decoder", False):
         return None
+    if any(getattr(_text_config(config), k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts")):
+        return None  # mixture of experts: the architecture keys describe dense models only
     c = _text_config(config)
     get = lambda *names, default=None: next((getattr(c, n) for n in names if getattr(c, n, None) is not None), default)  # noqa: E731
     layers = get("num_hidden_layers", "n_layer")

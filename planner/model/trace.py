@@ -501,7 +501,8 @@ def build_layer_graph(
                 dim = diff[0] if diff else None
             batch_dims[node] = dim
 
-    lg = _split(model, gm, metas, blocks, used, sub_block_cuts)
+    whole = {b for b in blocks if type(model.get_submodule(b)).__name__ in leaf_classes}  # --leaf: one piece each
+    lg = _split(model, gm, metas, blocks, used, sub_block_cuts, whole)
     lg.notes = notes + lg.notes
     lg.batch_dims = batch_dims
     return lg
@@ -587,7 +588,15 @@ def _trace_error(fx_err: TraceFailure | None, export_err: TraceFailure | None, m
     return UsageError(msg, hint[0].upper() + hint[1:] + ".")
 
 
-def _split(model: nn.Module, gm: fx.GraphModule, metas: dict[fx.Node, ValueMeta], blocks: list[str], tracer: str, sub_block_cuts: bool) -> LayerGraph:
+def _split(
+    model: nn.Module,
+    gm: fx.GraphModule,
+    metas: dict[fx.Node, ValueMeta],
+    blocks: list[str],
+    tracer: str,
+    sub_block_cuts: bool,
+    whole: set[str] = frozenset(),  # type: ignore[assignment]
+) -> LayerGraph:
     graph = gm.graph
     free = _free_nodes(graph)
     block_set = set(blocks)
@@ -661,7 +670,7 @@ def _split(model: nn.Module, gm: fx.GraphModule, metas: dict[fx.Node, ValueMeta]
     for ri in range(start_run, len(runs)):
         own, nodes = runs[ri]
         if own in block_set:
-            parts = _block_parts(nodes, own, pos, crossing, crossing_bytes, metas) if sub_block_cuts else [nodes]
+            parts = _block_parts(nodes, own, pos, crossing, crossing_bytes, metas) if sub_block_cuts and own not in whole else [nodes]
             if len(parts) == 1:
                 pieces_spec.append((own, "block", own, nodes))
             else:
