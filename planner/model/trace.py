@@ -20,6 +20,7 @@ training scripts all use one split.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import traceback
 from contextlib import contextmanager
@@ -124,15 +125,42 @@ def _where(exc: BaseException) -> str:
     return f"{Path(f.filename).name} line {f.lineno}: {(f.line or '').strip()}"
 
 
-def _fx_trace(model: nn.Module, blocks: list[str], leaf_classes: set[str]) -> tuple[fx.GraphModule, list[str]]:
-    """Trace with fx; blocks whose class cannot be traced into are kept whole (returned as notes)."""
+def _defaults_beyond(model: nn.Module, n_inputs: int) -> dict[str, Any]:
+    """forward()'s parameters after the ``n_inputs`` given ones, with their defaults (``attn_mask=None``)."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return {p.name: p.default for p in named[n_inputs:] if p.default is not inspect.Parameter.empty}
+
+
+def _bind_defaults(graph: fx.Graph, defaults: dict[str, Any], n_inputs: int) -> None:
+    """Replace the placeholders of arguments the inputs do not give by their default values (fx specialises them)."""
+    for ph in [n for n in graph.nodes if n.op == "placeholder"][n_inputs:]:
+        name = str(ph.target).rstrip("_1234567890") if str(ph.target) not in defaults else str(ph.target)
+        if name not in defaults:
+            continue
+        value = defaults[name]
+        for user in list(ph.users):
+            user.args = fx.node.map_arg(user.args, lambda a, ph=ph, value=value: value if a is ph else a)
+            user.kwargs = fx.node.map_arg(user.kwargs, lambda a, ph=ph, value=value: value if a is ph else a)
+        graph.erase_node(ph)
+
+
+def _fx_trace(model: nn.Module, blocks: list[str], leaf_classes: set[str], n_inputs: int | None = None) -> tuple[fx.GraphModule, list[str]]:
+    """Trace with fx; blocks whose class cannot be traced into are kept whole (returned as notes).
+
+    forward() arguments beyond the ``n_inputs`` the example inputs give are traced at their defaults.
+    """
+    defaults = _defaults_beyond(model, n_inputs) if n_inputs is not None else {}
     opaque: set[str] = set()
     notes: list[str] = []
     block_set = set(blocks)
     for _ in range(len(blocks) + 1):
         tracer = _Tracer(block_set, opaque, leaf_classes)
         try:
-            graph = tracer.trace(model)
+            graph = tracer.trace(model, concrete_args=dict(defaults) or None)
         except Exception as e:  # noqa: BLE001 - any tracing failure is reported or retried
             path, cls = getattr(e, "_planner_module", (None, None))
             inside = next((b for b in sorted(block_set - opaque, key=len) if path and (path == b or path.startswith(b + "."))), None)
@@ -145,6 +173,8 @@ def _fx_trace(model: nn.Module, blocks: list[str], leaf_classes: set[str]) -> tu
                 f"({_where(e)}: {type(e).__name__}); they are kept whole, so no cut is offered inside them"
             )
             continue
+        if defaults:
+            _bind_defaults(graph, defaults, n_inputs or 0)
         return fx.GraphModule(model, graph), notes
     raise AssertionError("unreachable")
 
@@ -222,7 +252,15 @@ def _meta_of(value: Any) -> ValueMeta:
     return ValueMeta(tensors, ok)
 
 
-def _propagate(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> dict[fx.Node, ValueMeta]:
+def _plain(value: Any) -> bool:
+    """A Python constant that can be written into a graph: numbers, bools, None, torch.Size, tuples/lists of them."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        return True
+    return isinstance(value, (tuple, list)) and all(_plain(v) for v in value)
+
+
+def _propagate(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], consts: dict[fx.Node, Any] | None = None) -> dict[fx.Node, ValueMeta]:
+    """Run ``gm`` on meta ``inputs``: each node's ValueMeta (and, into ``consts``, the plain non-tensor values)."""
     metas: dict[fx.Node, ValueMeta] = {}
 
     class Prop(fx.Interpreter):
@@ -234,6 +272,8 @@ def _propagate(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> dict[fx.
                     e._planner_node = n  # type: ignore[attr-defined]
                 raise
             metas[n] = _meta_of(out)
+            if consts is not None and not metas[n].is_tensor_like and _plain(out):
+                consts[n] = out
             return out
 
     with torch.device("meta"):
@@ -464,7 +504,7 @@ def build_layer_graph(
     used = tracer
     if tracer in ("auto", "fx"):
         try:
-            gm, notes = _fx_trace(model, blocks, leaf_classes)
+            gm, notes = _fx_trace(model, blocks, leaf_classes, len(inputs))
             used = "fx"
         except TraceFailure as e:
             fx_error = e
@@ -481,8 +521,10 @@ def build_layer_graph(
         except TraceFailure as e:
             raise _trace_error(fx_error, e, model) from e.cause
 
+    consts: dict[fx.Node, Any] = {}
+    consts2: dict[fx.Node, Any] = {}
     try:
-        metas = _propagate(gm, inputs)
+        metas = _propagate(gm, inputs, consts)
     except Exception as e:  # noqa: BLE001
         raise _meta_error(e, model) from e
     batch_dims: dict[fx.Node, int | None] = {}
@@ -491,7 +533,7 @@ def build_layer_graph(
             by_name = {n.name: m for n, m in _propagate(_export_trace(model, inputs_2x), inputs_2x).items()}
             metas2 = {n: by_name.get(n.name) for n in metas}
         else:
-            metas2 = _propagate(gm, inputs_2x)
+            metas2 = _propagate(gm, inputs_2x, consts2)
         for node, m in metas.items():
             m2 = metas2.get(node)
             dim = None
@@ -501,11 +543,53 @@ def build_layer_graph(
                 dim = diff[0] if diff else None
             batch_dims[node] = dim
 
+    if used == "fx" and inputs_2x is not None:
+        notes += _bake_constants(gm, consts, consts2, set(blocks), model)
     whole = {b for b in blocks if type(model.get_submodule(b)).__name__ in leaf_classes}  # --leaf: one piece each
     lg = _split(model, gm, metas, blocks, used, sub_block_cuts, whole)
     lg.notes = notes + lg.notes
     lg.batch_dims = batch_dims
     return lg
+
+
+def _bake_constants(gm: fx.GraphModule, consts: dict[fx.Node, Any], consts2: dict[fx.Node, Any], blocks: set[str], model: nn.Module) -> list[str]:
+    """Write non-tensor values that do not change with the batch size (``x.shape[-2:]``) into the graph as constants.
+
+    A piece cannot receive a Python value from the stage before it; a value read from the input's shape and
+    used pieces later (a segmentation head resizing to the input size) would otherwise hold every piece in
+    between together. Values that change with the batch size stay, and the pieces they join are noted.
+    """
+    containers = {name for name, m in model.named_modules() if name and isinstance(m, CONTAINERS)}
+    order = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(order)}
+    owners = [_owner(n, blocks, containers) for n in order]
+    crossing: list[str] = []
+    for node in order:
+        if node not in consts or node not in consts2 or node.op == "placeholder" or not node.users:
+            continue
+        value = consts[node]
+        if value != consts2[node] or not node.all_input_nodes:
+            continue
+        # only values whose reads span another module's code could have a cut between them
+        last = max(index[u] for u in node.users)
+        mine = owners[index[node]]
+        if not any(o is not None and o != mine for o in owners[index[node] + 1 : last]):
+            continue
+        crossing.append(node.name)
+        for user in list(node.users):
+            user.args = fx.node.map_arg(user.args, lambda a, node=node, value=value: value if a is node else a)
+            user.kwargs = fx.node.map_arg(user.kwargs, lambda a, node=node, value=value: value if a is node else a)
+    # drop the shape reads nothing uses any more
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op in ("call_function", "call_method") and not node.users and node in consts:
+            gm.graph.erase_node(node)
+    gm.recompile()
+    if not crossing:
+        return []
+    return [
+        f"non-tensor values used by later pieces ({', '.join(crossing[:4])}) do not depend on the batch size: "
+        "they are fixed at the traced input size so that pieces can be cut between where they are read and used"
+    ]
 
 
 def _meta_error(e: BaseException, model: nn.Module) -> UsageError:
@@ -705,10 +789,13 @@ def _split(
 
     # 3. merge pieces across cuts that a non-tensor value would have to cross
     merged: list[tuple[str, str, str | None, list[fx.Node]]] = []
+    merge_notes: dict[str, list[str]] = {}
     for spec in pieces_spec:
         if merged:
             j = pos[spec[3][0]]
-            if any(not metas[v].is_tensor_like for v in crossing(j) if v in metas):
+            blocking = [v.name for v in crossing(j) if v in metas and not metas[v].is_tensor_like]
+            if blocking:
+                merge_notes.setdefault(", ".join(blocking[:3]), []).append(spec[0])
                 name, kind, blk, nodes = merged[-1]
                 merged[-1] = (name, kind, blk if blk == spec[2] else None, nodes + spec[3])
                 continue
@@ -754,7 +841,12 @@ def _split(
                 g[src][dst]["bytes"] += metas[v].bytes if v in metas else 0
             else:
                 g.add_edge(src, dst, values=[v.name], bytes=metas[v].bytes if v in metas else 0)
-    return LayerGraph(model, gm, pieces, boundaries, kinds, metas, g, tracer, blocks, [])
+    notes = [
+        f"no cut before {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} ({len(names)} piece(s) joined to the one "
+        f"before): the non-tensor value(s) {vals} would cross it, and they change with the batch size"
+        for vals, names in merge_notes.items()
+    ]
+    return LayerGraph(model, gm, pieces, boundaries, kinds, metas, g, tracer, blocks, notes)
 
 
 def _has(model: nn.Module, path: str) -> bool:
