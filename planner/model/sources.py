@@ -315,8 +315,12 @@ def _vision_contract(spec: str, name: str, model_args: dict[str, Any], lib: str)
         if name not in names:
             raise UsageError(f"torchvision has no model {name!r}.{did_you_mean(name, names)}", "List the names with torchvision.models.list_models().")
 
+        builder = tv.models.get_model_builder(name)
+        # segmentation and detection builders fetch ImageNet backbone weights by default: never load weights
+        no_weights = {"weights": None} | ({"weights_backbone": None} if "weights_backbone" in inspect.signature(builder).parameters else {})
+
         def make() -> torch.nn.Module:
-            return tv.models.get_model(name, weights=None, **kwargs)
+            return builder(**no_weights, **kwargs)
 
         version = tv.__version__
     state: dict[str, Any] = {}
