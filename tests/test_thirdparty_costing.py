@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 from typer.testing import CliRunner
 
 from planner.cli import app
+from planner.errors import UsageError
 from planner.model.cost import cost_piece
 from planner.model.flops import flop_counter, grouped_mm_flop
 from planner.model.sources import require
-from planner.errors import UsageError
 
 MODELS = Path(__file__).resolve().parent / "models"
 runner = CliRunner()

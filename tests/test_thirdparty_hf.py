@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 
 transformers = pytest.importorskip("transformers")
 
-from planner.cli import app  # noqa: E402
-from planner.megatron_args import architecture_problem  # noqa: E402
-from planner.model.load import load_model_file  # noqa: E402
+from planner.cli import app
+from planner.megatron_args import architecture_problem
+from planner.model.load import load_model_file
 
 HF = Path(__file__).resolve().parent / "models" / "hf"
 runner = CliRunner()

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 torchvision = pytest.importorskip("torchvision")  # an ImportError (CUDA build next to +cpu torch) skips too
 
-from planner.cli import app  # noqa: E402
+from planner.cli import app
 
 runner = CliRunner()
 

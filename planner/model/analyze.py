@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from planner.errors import UsageError
 from planner.model.cost import cost_layers

@@ -23,17 +23,19 @@ shapes) are costed once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from planner.errors import UsageError
 from planner.model.flops import REGISTRY, flop_counter, uncounted_compute
 from planner.model.trace import LayerGraph, dtype_name
-from planner.errors import UsageError
 from planner.records import Cut, Layer, ModelCosts, TiedGroup
 
 _aten = torch.ops.aten

@@ -26,9 +26,10 @@ import hashlib
 import importlib
 import inspect
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -214,7 +215,7 @@ def _hf_contract(spec: str, rest: str, model_args: dict[str, Any]) -> LibraryCon
     causal = _names(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, cls_name)
     lm = causal or _names(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, cls_name) or _names(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, cls_name)
     params = [p for p in inspect.signature(concrete.forward).parameters if p != "self"]
-    classifier = cls_name.endswith("ForImageClassification") or cls_name.endswith("ForSequenceClassification")
+    classifier = cls_name.endswith(("ForImageClassification", "ForSequenceClassification"))
     num_labels = getattr(config, "num_labels", 2)
 
     def build_model(**_: Any) -> torch.nn.Module:
@@ -265,7 +266,7 @@ def hf_architecture(config: Any, seq_len: int) -> dict[str, Any] | None:
     if any(getattr(_text_config(config), k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts")):
         return None  # mixture of experts: the architecture keys describe dense models only
     c = _text_config(config)
-    get = lambda *names, default=None: next((getattr(c, n) for n in names if getattr(c, n, None) is not None), default)  # noqa: E731
+    get = lambda *names, default=None: next((getattr(c, n) for n in names if getattr(c, n, None) is not None), default)
     layers = get("num_hidden_layers", "n_layer")
     hidden = get("hidden_size", "n_embd")
     heads = get("num_attention_heads", "n_head")

@@ -23,16 +23,16 @@ from __future__ import annotations
 import inspect
 import logging
 import traceback
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import networkx as nx
 import torch
-import torch.fx as fx
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import fx, nn
 
 from planner.errors import UsageError
 from planner.records import TensorInfo
@@ -68,9 +68,7 @@ def find_blocks(model: nn.Module, leaf_classes: Iterable[str] = ()) -> list[str]
     def visit(mod: nn.Module, path: str) -> None:
         for name, child in mod.named_children():
             p = f"{path}.{name}" if path else name
-            if type(child).__name__ in leaf_classes:
-                blocks.append(p)
-            elif isinstance(mod, CONTAINERS) and not isinstance(child, CONTAINERS) and not builtin(child):
+            if type(child).__name__ in leaf_classes or isinstance(mod, CONTAINERS) and not isinstance(child, CONTAINERS) and not builtin(child):
                 blocks.append(p)
             else:
                 visit(child, p)
@@ -161,7 +159,7 @@ def _fx_trace(model: nn.Module, blocks: list[str], leaf_classes: set[str], n_inp
         tracer = _Tracer(block_set, opaque, leaf_classes)
         try:
             graph = tracer.trace(model, concrete_args=dict(defaults) or None)
-        except Exception as e:  # noqa: BLE001 - any tracing failure is reported or retried
+        except Exception as e:
             path, cls = getattr(e, "_planner_module", (None, None))
             inside = next((b for b in sorted(block_set - opaque, key=len) if path and (path == b or path.startswith(b + "."))), None)
             if inside is None:
@@ -201,7 +199,7 @@ def _export_trace(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.Grap
     try:
         with _quiet_torch_logs():
             ep = torch.export.export(model, inputs, strict=False)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise TraceFailure(None, _where(e), e) from e
     gm = ep.module()
     # input-shape guards re-check the example shapes at every call: the planner runs other batch sizes
@@ -331,7 +329,7 @@ class LayerGraph:
                 out.append(TensorInfo(name, shape, dtype_name(dtype), _numel(shape) * _itemsize(dtype), rg, self.batch_dims.get(node, 0)))
         return tuple(out)
 
-    def stage_module(self, start: int, stop: int, root: nn.Module | None = None) -> "PiecesModule":
+    def stage_module(self, start: int, stop: int, root: nn.Module | None = None) -> PiecesModule:
         """An nn.Module running pieces [start, stop): takes the values of cut ``start``, returns those of cut ``stop``.
 
         Parameters and buffers come from ``root`` (default: the traced model) by
@@ -525,7 +523,7 @@ def build_layer_graph(
     consts2: dict[fx.Node, Any] = {}
     try:
         metas = _propagate(gm, inputs, consts)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise _meta_error(e, model) from e
     batch_dims: dict[fx.Node, int | None] = {}
     if inputs_2x is not None:

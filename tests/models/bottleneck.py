@@ -4,7 +4,7 @@ A 1x1 map at the end (BatchNorm needs two samples to train), and a depthwise sta
 """
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 
 class Bottleneck(nn.Module):

@@ -1,6 +1,9 @@
 """Blocks and a model with optional forward arguments (attn_mask=None, scale=1.0) the example inputs do not give."""
 
-import torch, torch.nn as nn
+import torch
+from torch import nn
+
+
 class Block(nn.Module):
     def __init__(s): super().__init__(); s.a=nn.Linear(16,16); s.b=nn.Linear(16,16)
     def forward(s, x, attn_mask=None):

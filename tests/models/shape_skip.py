@@ -4,8 +4,8 @@
 """
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 
 class Net(nn.Module):

@@ -1,7 +1,7 @@
 """Blocks that pass a (hidden, aux) tuple to the next block, as many library blocks do."""
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 
 class Block(nn.Module):
