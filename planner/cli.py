@@ -99,7 +99,7 @@ Leaf = typer.Option(None, "--leaf", help="Class name to keep as one piece (repea
 
 @app.command()
 def inspect(
-    model: Path = typer.Argument(..., help="Model file defining build_model() and example_inputs()."),
+    model: Path = typer.Argument(..., help="Model file defining build_model() and example_inputs(), or hf:CONFIG.json, timm:NAME, torchvision:NAME."),
     micro_batch: int = typer.Option(1, "--micro-batch", "-b", help="Samples per micro-batch."),
     model_arg: Optional[List[str]] = ModelArg,
     dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp16 | fp32"),
@@ -154,7 +154,7 @@ def inspect(
 
 @app.command()
 def plan(
-    model: Path = typer.Argument(..., help="Model file defining build_model() and example_inputs()."),
+    model: Path = typer.Argument(..., help="Model file defining build_model() and example_inputs(), or hf:CONFIG.json, timm:NAME, torchvision:NAME."),
     gpus: str = typer.Option(..., "--gpus", help="Cluster, e.g. 8xA100, 64xH100, 4x8xA100-80GB, 8xA100+8xV100."),
     engine: str = typer.Option("deepspeed", "--engine", help="deepspeed | megatron | torch"),
     out_dir: Optional[Path] = typer.Option(None, "--out", help="Write plan.json, the engine's configs and launch scripts, and the report here."),
@@ -286,7 +286,7 @@ def hardware_show(name: str, hardware_profile: Optional[List[Path]] = typer.Opti
 
 @app.command()
 def profile(
-    model: Path = typer.Argument(..., help="Model file defining build_model() and example_inputs()."),
+    model: Path = typer.Argument(..., help="Model file defining build_model() and example_inputs(), or hf:CONFIG.json, timm:NAME, torchvision:NAME."),
     device: str = typer.Option("cuda", "--device", help="cuda | cpu"),
     out_path: Path = typer.Option(Path("profile.json"), "--out", "-o", help="Where to write the profile."),
     micro_batch: int = typer.Option(1, "--micro-batch", "-b", help="Samples per micro-batch (profile at the planned one)."),

@@ -85,7 +85,9 @@ def test_value_dependent_branch_in_a_block_names_module_and_line():
 def test_data_dependent_control_flow_at_the_root_names_module_and_line():
     out = _error(run("inspect", MODELS / "rootbranch.py"))
     assert "rootbranch.py line 14" in out and "if x.mean() > 0" in out
-    assert "--tracer export" in out and "--leaf" in out
+    # both tracers were tried: each one's cause is given, and --tracer export is not suggested again
+    assert "torch.fx:" in out and "torch.export:" in out
+    assert "--tracer export" not in out and "--leaf" in out
 
 
 def test_fx_only_tracer_reports_the_module():

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
+from torch import nn
 
 from planner.errors import UsageError
 from planner.model.cost import cost_layers
@@ -14,6 +16,7 @@ from planner.model.load import ModelFile, load_model_file
 from planner.model.trace import LayerGraph, build_layer_graph
 from planner.records import ModelCosts
 
+BATCH_STATS_MIN = 2  # the smallest micro-batch a BatchNorm layer trains on (one value per channel is refused)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -51,7 +54,11 @@ def analyze(
     sub_block_cuts: bool = True,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> Analysis:
-    """Load ``path``, build its model on meta, trace it and cost every piece for ``micro_batch`` samples."""
+    """Load ``path``, build its model on meta, trace it and cost every piece for ``micro_batch`` samples.
+
+    A model with BatchNorm layers is costed at BATCH_STATS_MIN samples at least (the costs record the
+    micro-batch they were taken at; the search scales them).
+    """
     if micro_batch < 1:
         raise UsageError(f"--micro-batch must be at least 1, got {micro_batch}.")
     if tracer not in ("auto", "fx", "export"):
@@ -61,12 +68,20 @@ def analyze(
     if progress:
         progress("build", 0, 1)
     model = mf.build_meta(tdtype)
+    notes: list[str] = []
+    if micro_batch < BATCH_STATS_MIN and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        notes.append(
+            f"costed at micro-batch {BATCH_STATS_MIN}, not {micro_batch}: BatchNorm needs more than one sample per "
+            "channel to train; per-sample costs are the same"
+        )
+        micro_batch = BATCH_STATS_MIN
     arch = mf.architecture()
     inputs = mf.inputs_meta(micro_batch, tdtype)
     inputs2 = mf.inputs_meta(2 * micro_batch, tdtype)
     if progress:
         progress("trace", 0, 1)
     lg = build_layer_graph(model, inputs, inputs2, leaf_classes=leaf or (), tracer=tracer, sub_block_cuts=sub_block_cuts)
+    lg.notes = list(mf.notes) + notes + lg.notes
     seq = infer_seq_len(arch, inputs)
     costs = cost_layers(
         lg,

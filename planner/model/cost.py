@@ -23,16 +23,18 @@ shapes) are costed once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+from planner.errors import UsageError
+from planner.model.flops import REGISTRY, flop_counter, uncounted_compute
 from planner.model.trace import LayerGraph, dtype_name
 from planner.records import Cut, Layer, ModelCosts, TiedGroup
 
@@ -105,6 +107,7 @@ class _OpMeter(TorchDispatchMode):
         self.op_bytes: list[float] = []
         self.resid_op_bytes: list[float] = []
         self.core_op_bytes: list[float] = []
+        self.uncounted: set[str] = set()
 
     def _is_core(self, tensors: list[torch.Tensor]) -> bool:
         s = self.seq_len
@@ -117,13 +120,15 @@ class _OpMeter(TorchDispatchMode):
         outs = _flat_tensors(out)
         core = self._is_core(ins + outs)
         packet = func.overloadpacket
-        if packet in flop_registry:
-            flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
+        if packet in REGISTRY:
+            flops = float(REGISTRY[packet](*args, **kwargs, out_val=out))
             self.op_flops.append(flops)
             if core:
                 self.core_flops += flops
                 self.core_op_flops.append(flops)
         elif not func.is_view and func not in _NO_TRAFFIC:
+            if uncounted_compute(func, ins):
+                self.uncounted.add(str(packet))
             moved = sum(_tensor_bytes(t) for t in ins) + sum(_tensor_bytes(t) for t in outs)
             self.mem_bytes += moved
             if moved:
@@ -171,6 +176,7 @@ class PieceCost:
     op_bytes_core: tuple[float, ...]
     op_bytes_fwd_resid: tuple[float, ...]
     op_bytes_bwd_resid: tuple[float, ...]
+    uncounted_ops: tuple[str, ...] = ()
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -190,7 +196,13 @@ def cost_piece(
     back-propagate a gradient of ones into every output that requires grad.
     """
     excluded = {_storage_key(p) for p in module.parameters()} | {_storage_key(b) for b in module.buffers()}
-    leaf_inputs = tuple(t.detach().requires_grad_(t.requires_grad and t.is_floating_point()) for t in inputs)
+    tmap = torch.utils._pytree.tree_map_only
+    # values between pieces may be tuples, dicts or ModelOutputs of tensors: every tensor in them is an input
+    leaf_inputs = tmap(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad and t.is_floating_point()), tuple(inputs))
+    # the piece may update an input in place (a ReLU(inplace=True) right after a cut): autograd refuses that on a
+    # leaf, so the piece gets a copy (made before the meters start: it is no work of the piece's)
+    with torch.device("meta"):
+        run_inputs = tmap(torch.Tensor, lambda t: t.clone() if t.requires_grad else t, leaf_inputs)
     saved: dict[int, int] = {}
     core_saved: dict[int, int] = {}
     refs: list[torch.Tensor] = []
@@ -205,12 +217,12 @@ def cost_piece(
             refs.append(t)
         return t
 
-    floats = [t for t in inputs if t.is_floating_point()]
+    floats = [t for t in _flat_tensors(inputs) if t.is_floating_point()]
     resid = tuple(floats[0].shape) if floats else None
     fwd_meter = _OpMeter(seq_len, batch, resid)
     with torch.device("meta"), GpuKernels(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with FlopCounterMode(display=False) as fc_fwd, fwd_meter:
-            out = module(*leaf_inputs)
+        with flop_counter() as fc_fwd, fwd_meter:
+            out = module(*run_inputs)
             target = loss(out) if loss is not None else None
     flops_fwd = float(fc_fwd.get_total_flops())
 
@@ -219,17 +231,17 @@ def cost_piece(
         roots, grads = ([target], [torch.ones_like(target)]) if target.requires_grad else ([], [])
     else:
         roots, grads = outs, [torch.ones_like(t) for t in outs]
-    grad_inputs = [t for t in leaf_inputs if t.requires_grad]
+    grad_inputs = [t for t in _flat_tensors(leaf_inputs) if t.requires_grad]
     flops_bwd_input = 0.0
     flops_bwd = 0.0
     bwd_meter = _OpMeter(seq_len, batch, resid)
     if roots:
         with torch.device("meta"):
             if grad_inputs:
-                with FlopCounterMode(display=False) as fc_in:
+                with flop_counter() as fc_in:
                     torch.autograd.grad(roots, grad_inputs, grads, retain_graph=True, allow_unused=True)
                 flops_bwd_input = float(fc_in.get_total_flops())
-            with FlopCounterMode(display=False) as fc_bwd, bwd_meter:
+            with flop_counter() as fc_bwd, bwd_meter:
                 torch.autograd.backward(roots, grads)
             flops_bwd = float(fc_bwd.get_total_flops())
     for p in module.parameters():
@@ -253,6 +265,7 @@ def cost_piece(
         op_bytes_core=tuple(fwd_meter.core_op_bytes),
         op_bytes_fwd_resid=tuple(fwd_meter.resid_op_bytes),
         op_bytes_bwd_resid=tuple(bwd_meter.resid_op_bytes),
+        uncounted_ops=tuple(sorted(fwd_meter.uncounted | bwd_meter.uncounted)),
     )
     detached = torch.utils._pytree.tree_map(lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, out)
     return cost, detached
@@ -290,7 +303,8 @@ def piece_structure(mod, block: str | None) -> tuple:
 
 def _signature(module: nn.Module, inputs: tuple[torch.Tensor, ...], block: str | None) -> tuple:
     """A piece's structure plus the shapes, dtypes and grad flags of its inputs: equal pieces cost the same."""
-    ins = tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in inputs)
+    flat, spec = torch.utils._pytree.tree_flatten(tuple(inputs))
+    ins = (str(spec), tuple((tuple(t.shape), t.dtype, t.requires_grad) if isinstance(t, torch.Tensor) else repr(t) for t in flat))
     return (piece_structure(module, block), ins)
 
 
@@ -323,7 +337,15 @@ def cost_layers(
     """
     layers: list[Layer] = []
     cache: dict[tuple, tuple[PieceCost, Any]] = {}
-    values: dict[Any, torch.Tensor] = {node: t for node, t in zip(lg.boundaries[0], inputs)}
+    placeholders = [n for n in lg.gm.graph.nodes if n.op == "placeholder"]
+    values: dict[Any, Any] = dict(zip(placeholders, inputs))
+    missing = [n.name for n in lg.boundaries[0] if n not in values]
+    if missing:
+        raise UsageError(
+            f"The model reads forward() argument(s) {', '.join(missing)} that example_inputs() does not give.",
+            "Return every tensor forward() uses from example_inputs(), in forward()'s order.",
+        )
+    uncounted: dict[str, list[str]] = {}
     param_owner: dict[int, list[int]] = {}
     param_info: dict[int, tuple[str, int]] = {}
     loss = _loss_closure(model_file, micro_batch)
@@ -339,9 +361,12 @@ def cost_layers(
             cost, out_cached = hit
             out = out_cached
         if i < lg.n - 1:
-            outs = out if isinstance(out, tuple) else (out,)
+            # a piece passing one value returns it bare, even when that value is itself a tuple
+            outs = out if len(lg.boundaries[i + 1]) != 1 else (out,)
             for node, t in zip(lg.boundaries[i + 1], outs):
                 values[node] = t
+        for op in cost.uncounted_ops:
+            uncounted.setdefault(op, []).append(piece.name)
         params = {id(p): (n, p) for n, p in mod.gm.named_parameters(remove_duplicate=True)}
         for pid, (n, p) in params.items():
             param_owner.setdefault(pid, []).append(i)
@@ -403,5 +428,9 @@ def cost_layers(
         seq_len=seq_len,
         tied=tied,
         architecture=architecture,
-        notes=tuple(lg.notes),
+        notes=tuple(lg.notes) + tuple(
+            f"{op} (in {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) has no FLOP formula: its arithmetic is "
+            "not counted, only its memory traffic; the compute time of these pieces is underestimated"
+            for op, names in sorted(uncounted.items())
+        ),
     )

@@ -5,6 +5,14 @@ The model-file contract (see README): ``build_model(**kwargs)``,
 target)``, ``example_target(batch_size, **kwargs)`` and
 ``architecture(**kwargs)``. ``--model-arg KEY=VALUE`` values are passed to
 every function that accepts them.
+
+A model spec ``hf:CONFIG.json``, ``timm:NAME`` or ``torchvision:NAME`` needs
+no model file: :mod:`planner.model.sources` builds the same contract from the
+library (see :func:`load_model_file`).
+
+Inference-only switches that break training or tracing (a transformers
+config's ``use_cache``) are turned off on every model ``build_model`` returns,
+and the ModelFile's ``notes`` say so.
 """
 
 from __future__ import annotations
@@ -15,14 +23,16 @@ import importlib.util
 import inspect
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from planner.errors import UsageError
+from planner.model.sources import LIBRARY_PREFIXES, library_contract
 
 CONTRACT = ("build_model", "example_inputs", "loss_fn", "example_target", "architecture")
 
@@ -51,10 +61,17 @@ class ModelFile:
     """A loaded model file: its contract functions and the arguments to call them with."""
 
     path: Path
-    module: ModuleType
+    module: ModuleType | None
     model_args: dict[str, Any]
     sha256: str
     funcs: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    spec: str | None = None  # the model spec as given (a file path, or hf:/timm:/torchvision:...)
+
+    @property
+    def name(self) -> str:
+        """How messages name the model: the file name, or the library spec."""
+        return self.spec if self.spec and self.spec.partition(":")[0] in LIBRARY_PREFIXES else self.path.name
 
     def _kwargs(self, name: str) -> dict[str, Any]:
         fn = self.funcs[name]
@@ -66,14 +83,19 @@ class ModelFile:
     def call(self, name: str, *args: Any) -> Any:
         """Call contract function ``name``; errors raised by user code become a UsageError naming it."""
         try:
-            return self.funcs[name](*args, **self._kwargs(name))
+            result = self.funcs[name](*args, **self._kwargs(name))
         except UsageError:
             raise
         except Exception as e:  # user code: report where it failed
             raise UsageError(
-                f"{self.path.name}: {name}() raised {type(e).__name__}: {e} ({_user_frame(e, self.path)}).",
+                f"{self.name}: {name}() raised {type(e).__name__}: {e} ({_user_frame(e, self.path)}).",
                 "Fix the model file or the --model-arg values; the model-file contract is in the README.",
             ) from e
+        if name == "build_model" and isinstance(result, torch.nn.Module):
+            for note in training_switches(result):
+                if note not in self.notes:
+                    self.notes.append(note)
+        return result
 
     def has(self, name: str) -> bool:
         return name in self.funcs
@@ -84,13 +106,13 @@ class ModelFile:
             model = self.call("build_model")
         if not isinstance(model, torch.nn.Module):
             raise UsageError(
-                f"{self.path.name}: build_model() returned {type(model).__name__}, not a torch.nn.Module.",
+                f"{self.name}: build_model() returned {type(model).__name__}, not a torch.nn.Module.",
                 "Return the model object from build_model().",
             )
         real = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.device.type != "meta"]
         if real:
             raise UsageError(
-                f"{self.path.name}: build_model() created tensors outside the meta device (e.g. {real[0]!r}).",
+                f"{self.name}: build_model() created tensors outside the meta device (e.g. {real[0]!r}).",
                 "Create parameters and buffers without an explicit device=... so that the planner's meta device applies.",
             )
         model = model.to(dtype=dtype) if dtype is not None else model
@@ -105,7 +127,7 @@ class ModelFile:
             inputs = (inputs,)
         if not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in inputs):
             raise UsageError(
-                f"{self.path.name}: example_inputs() must return a tensor or a tuple of tensors.",
+                f"{self.name}: example_inputs() must return a tensor or a tuple of tensors.",
                 "Return e.g. (torch.randint(0, vocab, (batch_size, seq_len)),).",
             )
         inputs = tuple(t if t.device.type == "meta" else t.to("meta") for t in inputs)
@@ -115,6 +137,27 @@ class ModelFile:
 
     def architecture(self) -> dict[str, Any] | None:
         return self.call("architecture") if self.has("architecture") else None
+
+
+def training_switches(model: torch.nn.Module) -> list[str]:
+    """Turn off inference-only switches on ``model`` in place; one note per switch turned off.
+
+    transformers models default to ``config.use_cache=True``: the forward then
+    returns a KV cache object, which training never reads and torch.export cannot
+    return.
+    """
+    notes: list[str] = []
+    seen: set[int] = set()
+    for path, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if config is None or id(config) in seen:
+            continue
+        seen.add(id(config))
+        if getattr(config, "use_cache", False) is True:
+            config.use_cache = False
+            where = f"{path}.config" if path else "config"
+            notes.append(f"{where}.use_cache set to False: the KV cache is for inference, training does not use it")
+    return notes
 
 
 def _user_frame(exc: BaseException, path: Path) -> str:
@@ -127,7 +170,15 @@ def _user_frame(exc: BaseException, path: Path) -> str:
 
 
 def load_model_file(path: str | Path, model_args: dict[str, Any] | None = None) -> ModelFile:
-    """Import ``path`` as a module and check that it follows the contract."""
+    """Import ``path`` as a module and check that it follows the contract.
+
+    ``hf:CONFIG.json``, ``timm:NAME`` and ``torchvision:NAME`` build the contract
+    from those libraries instead (planner.model.sources).
+    """
+    prefix = str(path).partition(":")[0]
+    if prefix in LIBRARY_PREFIXES:
+        lib = library_contract(str(path), dict(model_args or {}))
+        return ModelFile(path=Path(str(path)), module=None, model_args=lib.model_args, sha256=lib.sha256, funcs=lib.funcs, spec=str(path))
     path = Path(path)
     if not path.is_file():
         hint = "Pass the path of a Python file that defines build_model() and example_inputs()."
@@ -158,6 +209,7 @@ def load_model_file(path: str | Path, model_args: dict[str, Any] | None = None) 
             "tensors (optionally loss_fn, example_target, architecture); see examples/gpt2.py.",
         )
     mf = ModelFile(path=path, module=module, model_args=dict(model_args or {}), sha256=hashlib.sha256(source).hexdigest(), funcs=funcs)
+    mf.spec = str(path)
     _check_model_args(mf)
     return mf
 
@@ -175,6 +227,6 @@ def _check_model_args(mf: ModelFile) -> None:
         from planner.errors import did_you_mean
 
         raise UsageError(
-            f"{mf.path.name} does not accept --model-arg {', '.join(unknown)}.{did_you_mean(unknown[0], accepted)}",
+            f"{mf.name} does not accept --model-arg {', '.join(unknown)}.{did_you_mean(unknown[0], accepted)}",
             f"Accepted: {', '.join(sorted(accepted)) or '(none)'}.",
         )

@@ -20,18 +20,19 @@ training scripts all use one split.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import traceback
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import networkx as nx
 import torch
-import torch.fx as fx
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import fx, nn
 
 from planner.errors import UsageError
 from planner.records import TensorInfo
@@ -67,9 +68,7 @@ def find_blocks(model: nn.Module, leaf_classes: Iterable[str] = ()) -> list[str]
     def visit(mod: nn.Module, path: str) -> None:
         for name, child in mod.named_children():
             p = f"{path}.{name}" if path else name
-            if type(child).__name__ in leaf_classes:
-                blocks.append(p)
-            elif isinstance(mod, CONTAINERS) and not isinstance(child, CONTAINERS) and not builtin(child):
+            if type(child).__name__ in leaf_classes or isinstance(mod, CONTAINERS) and not isinstance(child, CONTAINERS) and not builtin(child):
                 blocks.append(p)
             else:
                 visit(child, p)
@@ -104,6 +103,8 @@ class _Tracer(fx.Tracer):
 
 
 class TraceFailure(Exception):
+    """Why one tracer failed: the module it failed in (fx), the user's source line, the original exception."""
+
     def __init__(self, module: tuple[str, str] | None, where: str, cause: BaseException):
         super().__init__(str(cause))
         self.module = module
@@ -115,23 +116,50 @@ def _where(exc: BaseException) -> str:
     """'file.py line N: code' of the deepest frame outside torch, the user's source line."""
     torch_dir = str(Path(torch.__file__).parent)
     here = str(Path(__file__).parent.parent)
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith((torch_dir, here))]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith((torch_dir, here, "<"))]
     if not frames:
         return "an unknown line"
     f = frames[-1]
     return f"{Path(f.filename).name} line {f.lineno}: {(f.line or '').strip()}"
 
 
-def _fx_trace(model: nn.Module, blocks: list[str], leaf_classes: set[str]) -> tuple[fx.GraphModule, list[str]]:
-    """Trace with fx; blocks whose class cannot be traced into are kept whole (returned as notes)."""
+def _defaults_beyond(model: nn.Module, n_inputs: int) -> dict[str, Any]:
+    """forward()'s parameters after the ``n_inputs`` given ones, with their defaults (``attn_mask=None``)."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return {p.name: p.default for p in named[n_inputs:] if p.default is not inspect.Parameter.empty}
+
+
+def _bind_defaults(graph: fx.Graph, defaults: dict[str, Any], n_inputs: int) -> None:
+    """Replace the placeholders of arguments the inputs do not give by their default values (fx specialises them)."""
+    for ph in [n for n in graph.nodes if n.op == "placeholder"][n_inputs:]:
+        name = str(ph.target).rstrip("_1234567890") if str(ph.target) not in defaults else str(ph.target)
+        if name not in defaults:
+            continue
+        value = defaults[name]
+        for user in list(ph.users):
+            user.args = fx.node.map_arg(user.args, lambda a, ph=ph, value=value: value if a is ph else a)
+            user.kwargs = fx.node.map_arg(user.kwargs, lambda a, ph=ph, value=value: value if a is ph else a)
+        graph.erase_node(ph)
+
+
+def _fx_trace(model: nn.Module, blocks: list[str], leaf_classes: set[str], n_inputs: int | None = None) -> tuple[fx.GraphModule, list[str]]:
+    """Trace with fx; blocks whose class cannot be traced into are kept whole (returned as notes).
+
+    forward() arguments beyond the ``n_inputs`` the example inputs give are traced at their defaults.
+    """
+    defaults = _defaults_beyond(model, n_inputs) if n_inputs is not None else {}
     opaque: set[str] = set()
     notes: list[str] = []
     block_set = set(blocks)
     for _ in range(len(blocks) + 1):
         tracer = _Tracer(block_set, opaque, leaf_classes)
         try:
-            graph = tracer.trace(model)
-        except Exception as e:  # noqa: BLE001 - any tracing failure is reported or retried
+            graph = tracer.trace(model, concrete_args=dict(defaults) or None)
+        except Exception as e:
             path, cls = getattr(e, "_planner_module", (None, None))
             inside = next((b for b in sorted(block_set - opaque, key=len) if path and (path == b or path.startswith(b + "."))), None)
             if inside is None:
@@ -143,6 +171,8 @@ def _fx_trace(model: nn.Module, blocks: list[str], leaf_classes: set[str]) -> tu
                 f"({_where(e)}: {type(e).__name__}); they are kept whole, so no cut is offered inside them"
             )
             continue
+        if defaults:
+            _bind_defaults(graph, defaults, n_inputs or 0)
         return fx.GraphModule(model, graph), notes
     raise AssertionError("unreachable")
 
@@ -169,7 +199,7 @@ def _export_trace(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.Grap
     try:
         with _quiet_torch_logs():
             ep = torch.export.export(model, inputs, strict=False)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise TraceFailure(None, _where(e), e) from e
     gm = ep.module()
     # input-shape guards re-check the example shapes at every call: the planner runs other batch sizes
@@ -220,7 +250,15 @@ def _meta_of(value: Any) -> ValueMeta:
     return ValueMeta(tensors, ok)
 
 
-def _propagate(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> dict[fx.Node, ValueMeta]:
+def _plain(value: Any) -> bool:
+    """A Python constant that can be written into a graph: numbers, bools, None, torch.Size, tuples/lists of them."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        return True
+    return isinstance(value, (tuple, list)) and all(_plain(v) for v in value)
+
+
+def _propagate(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], consts: dict[fx.Node, Any] | None = None) -> dict[fx.Node, ValueMeta]:
+    """Run ``gm`` on meta ``inputs``: each node's ValueMeta (and, into ``consts``, the plain non-tensor values)."""
     metas: dict[fx.Node, ValueMeta] = {}
 
     class Prop(fx.Interpreter):
@@ -232,6 +270,8 @@ def _propagate(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> dict[fx.
                     e._planner_node = n  # type: ignore[attr-defined]
                 raise
             metas[n] = _meta_of(out)
+            if consts is not None and not metas[n].is_tensor_like and _plain(out):
+                consts[n] = out
             return out
 
     with torch.device("meta"):
@@ -289,7 +329,7 @@ class LayerGraph:
                 out.append(TensorInfo(name, shape, dtype_name(dtype), _numel(shape) * _itemsize(dtype), rg, self.batch_dims.get(node, 0)))
         return tuple(out)
 
-    def stage_module(self, start: int, stop: int, root: nn.Module | None = None) -> "PiecesModule":
+    def stage_module(self, start: int, stop: int, root: nn.Module | None = None) -> PiecesModule:
         """An nn.Module running pieces [start, stop): takes the values of cut ``start``, returns those of cut ``stop``.
 
         Parameters and buffers come from ``root`` (default: the traced model) by
@@ -462,7 +502,7 @@ def build_layer_graph(
     used = tracer
     if tracer in ("auto", "fx"):
         try:
-            gm, notes = _fx_trace(model, blocks, leaf_classes)
+            gm, notes = _fx_trace(model, blocks, leaf_classes, len(inputs))
             used = "fx"
         except TraceFailure as e:
             fx_error = e
@@ -475,13 +515,15 @@ def build_layer_graph(
             gm = _export_trace(model, inputs)
             used = "export"
             if fx_error is not None:
-                notes.append(f"torch.fx could not trace the model ({fx_error.where}); traced with torch.export instead")
+                notes.append(f"torch.fx could not trace the model ({_failure_text(fx_error)}); traced with torch.export instead")
         except TraceFailure as e:
-            raise _trace_error(fx_error or e, e if fx_error else None, model) from e.cause
+            raise _trace_error(fx_error, e, model) from e.cause
 
+    consts: dict[fx.Node, Any] = {}
+    consts2: dict[fx.Node, Any] = {}
     try:
-        metas = _propagate(gm, inputs)
-    except Exception as e:  # noqa: BLE001
+        metas = _propagate(gm, inputs, consts)
+    except Exception as e:
         raise _meta_error(e, model) from e
     batch_dims: dict[fx.Node, int | None] = {}
     if inputs_2x is not None:
@@ -489,7 +531,7 @@ def build_layer_graph(
             by_name = {n.name: m for n, m in _propagate(_export_trace(model, inputs_2x), inputs_2x).items()}
             metas2 = {n: by_name.get(n.name) for n in metas}
         else:
-            metas2 = _propagate(gm, inputs_2x)
+            metas2 = _propagate(gm, inputs_2x, consts2)
         for node, m in metas.items():
             m2 = metas2.get(node)
             dim = None
@@ -499,10 +541,53 @@ def build_layer_graph(
                 dim = diff[0] if diff else None
             batch_dims[node] = dim
 
-    lg = _split(model, gm, metas, blocks, used, sub_block_cuts)
+    if used == "fx" and inputs_2x is not None:
+        notes += _bake_constants(gm, consts, consts2, set(blocks), model)
+    whole = {b for b in blocks if type(model.get_submodule(b)).__name__ in leaf_classes}  # --leaf: one piece each
+    lg = _split(model, gm, metas, blocks, used, sub_block_cuts, whole)
     lg.notes = notes + lg.notes
     lg.batch_dims = batch_dims
     return lg
+
+
+def _bake_constants(gm: fx.GraphModule, consts: dict[fx.Node, Any], consts2: dict[fx.Node, Any], blocks: set[str], model: nn.Module) -> list[str]:
+    """Write non-tensor values that do not change with the batch size (``x.shape[-2:]``) into the graph as constants.
+
+    A piece cannot receive a Python value from the stage before it; a value read from the input's shape and
+    used pieces later (a segmentation head resizing to the input size) would otherwise hold every piece in
+    between together. Values that change with the batch size stay, and the pieces they join are noted.
+    """
+    containers = {name for name, m in model.named_modules() if name and isinstance(m, CONTAINERS)}
+    order = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(order)}
+    owners = [_owner(n, blocks, containers) for n in order]
+    crossing: list[str] = []
+    for node in order:
+        if node not in consts or node not in consts2 or node.op == "placeholder" or not node.users:
+            continue
+        value = consts[node]
+        if value != consts2[node] or not node.all_input_nodes:
+            continue
+        # only values whose reads span another module's code could have a cut between them
+        last = max(index[u] for u in node.users)
+        mine = owners[index[node]]
+        if not any(o is not None and o != mine for o in owners[index[node] + 1 : last]):
+            continue
+        crossing.append(node.name)
+        for user in list(node.users):
+            user.args = fx.node.map_arg(user.args, lambda a, node=node, value=value: value if a is node else a)
+            user.kwargs = fx.node.map_arg(user.kwargs, lambda a, node=node, value=value: value if a is node else a)
+    # drop the shape reads nothing uses any more
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op in ("call_function", "call_method") and not node.users and node in consts:
+            gm.graph.erase_node(node)
+    gm.recompile()
+    if not crossing:
+        return []
+    return [
+        f"non-tensor values used by later pieces ({', '.join(crossing[:4])}) do not depend on the batch size: "
+        "they are fixed at the traced input size so that pieces can be cut between where they are read and used"
+    ]
 
 
 def _meta_error(e: BaseException, model: nn.Module) -> UsageError:
@@ -534,28 +619,66 @@ def _meta_error(e: BaseException, model: nn.Module) -> UsageError:
     )
 
 
-def _trace_error(fx_err: TraceFailure, export_err: TraceFailure | None, model: nn.Module) -> UsageError:
-    where = fx_err.where
-    if fx_err.module:
+def _failure_text(f: TraceFailure) -> str:
+    """'ExcType at file.py line N: first line of the message' (the location only when a user frame is known)."""
+    exc: BaseException | None = f.cause
+    while exc is not None and not str(exc).strip() and exc.__cause__ is not None:
+        exc = exc.__cause__  # torch.export re-raises some failures with an empty message
+    exc = exc or f.cause
+    lines = [x for x in str(exc).strip().splitlines() if x.strip()]
+    first = lines[0].strip() if lines else ""
+    if len(first) > 300:
+        first = first[:297] + "..."
+    at = f" (at {f.where})" if f.where != "an unknown line" else ""
+    return f"{type(exc).__name__}" + (f": {first}" if first else "") + at
+
+
+def _trace_error(fx_err: TraceFailure | None, export_err: TraceFailure | None, model: nn.Module) -> UsageError:
+    """The error for a model neither tracer could trace: each tracer's real cause, and only hints not yet tried."""
+    main = fx_err or export_err
+    assert main is not None
+    if fx_err is not None and fx_err.module:
         path, cls = fx_err.module
         mod = f"module {path or '(root)'} ({cls})"
-        leaf = f"--leaf {cls}" if path else "--tracer export"
     else:
-        mod, leaf = f"the model ({type(model).__name__})", "--tracer export"
-    msg = f"Cannot trace {mod}: {type(fx_err.cause).__name__} at {where}."
-    if "control flow" in str(fx_err.cause) or "bool" in str(fx_err.cause).lower():
-        msg += " Its forward() branches on tensor values, which a static trace cannot follow."
+        path, cls = None, None
+        mod = f"the model ({type(model).__name__})"
+    parts = []
+    if fx_err is not None:
+        parts.append(f"torch.fx: {_failure_text(fx_err)}")
     if export_err is not None:
-        msg += f" torch.export also failed ({type(export_err.cause).__name__} at {export_err.where})."
-    hint = (
-        f"Make that module a single piece with {leaf}, or try --tracer export"
-        if leaf != "--tracer export"
-        else "Try --tracer export, or move the branch into a submodule and name its class with --leaf"
-    )
-    return UsageError(msg, hint + "; or rewrite the branch with torch.where so it does not depend on tensor values.")
+        parts.append(f"torch.export: {_failure_text(export_err)}")
+    msg = f"Cannot trace {mod}. " + "; ".join(parts) + "."
+    causes = " ".join(str(f.cause) for f in (fx_err, export_err) if f is not None)
+    branch = "control flow" in causes or "data-dependent" in causes.lower()
+    if branch:
+        msg += " Its forward() branches on tensor values, which a static trace cannot follow."
+    hints = []
+    if "register a pytree" in causes or "not a known type" in causes:
+        hints.append(
+            "the forward returns an object torch.export cannot return: return tensors (or tuples, dicts or dataclasses "
+            "of tensors), or turn off the inference-only switch that returns it"
+        )
+    if path:
+        hints.append(f"make that module a single piece with --leaf {cls}")
+    elif branch:
+        hints.append("move the branch into a submodule and name its class with --leaf")
+    if export_err is None:
+        hints.append("try --tracer export")
+    hints.append("rewrite branches on tensor values with torch.where so they do not depend on the values")
+    hint = "; ".join(hints)
+    return UsageError(msg, hint[0].upper() + hint[1:] + ".")
 
 
-def _split(model: nn.Module, gm: fx.GraphModule, metas: dict[fx.Node, ValueMeta], blocks: list[str], tracer: str, sub_block_cuts: bool) -> LayerGraph:
+def _split(
+    model: nn.Module,
+    gm: fx.GraphModule,
+    metas: dict[fx.Node, ValueMeta],
+    blocks: list[str],
+    tracer: str,
+    sub_block_cuts: bool,
+    whole: set[str] = frozenset(),  # type: ignore[assignment]
+) -> LayerGraph:
     graph = gm.graph
     free = _free_nodes(graph)
     block_set = set(blocks)
@@ -629,7 +752,7 @@ def _split(model: nn.Module, gm: fx.GraphModule, metas: dict[fx.Node, ValueMeta]
     for ri in range(start_run, len(runs)):
         own, nodes = runs[ri]
         if own in block_set:
-            parts = _block_parts(nodes, own, pos, crossing, crossing_bytes, metas) if sub_block_cuts else [nodes]
+            parts = _block_parts(nodes, own, pos, crossing, crossing_bytes, metas) if sub_block_cuts and own not in whole else [nodes]
             if len(parts) == 1:
                 pieces_spec.append((own, "block", own, nodes))
             else:
@@ -664,10 +787,13 @@ def _split(model: nn.Module, gm: fx.GraphModule, metas: dict[fx.Node, ValueMeta]
 
     # 3. merge pieces across cuts that a non-tensor value would have to cross
     merged: list[tuple[str, str, str | None, list[fx.Node]]] = []
+    merge_notes: dict[str, list[str]] = {}
     for spec in pieces_spec:
         if merged:
             j = pos[spec[3][0]]
-            if any(not metas[v].is_tensor_like for v in crossing(j) if v in metas):
+            blocking = [v.name for v in crossing(j) if v in metas and not metas[v].is_tensor_like]
+            if blocking:
+                merge_notes.setdefault(", ".join(blocking[:3]), []).append(spec[0])
                 name, kind, blk, nodes = merged[-1]
                 merged[-1] = (name, kind, blk if blk == spec[2] else None, nodes + spec[3])
                 continue
@@ -713,7 +839,12 @@ def _split(model: nn.Module, gm: fx.GraphModule, metas: dict[fx.Node, ValueMeta]
                 g[src][dst]["bytes"] += metas[v].bytes if v in metas else 0
             else:
                 g.add_edge(src, dst, values=[v.name], bytes=metas[v].bytes if v in metas else 0)
-    return LayerGraph(model, gm, pieces, boundaries, kinds, metas, g, tracer, blocks, [])
+    notes = [
+        f"no cut before {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} ({len(names)} piece(s) joined to the one "
+        f"before): the non-tensor value(s) {vals} would cross it, and they change with the batch size"
+        for vals, names in merge_notes.items()
+    ]
+    return LayerGraph(model, gm, pieces, boundaries, kinds, metas, g, tracer, blocks, notes)
 
 
 def _has(model: nn.Module, path: str) -> bool:

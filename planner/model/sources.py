@@ -1,0 +1,375 @@
+"""Models built by name from a library, with no model file: ``hf:CONFIG.json``, ``timm:NAME``, ``torchvision:NAME``.
+
+Each spec yields the model-file contract (build_model, example_inputs,
+loss_fn, example_target, architecture) as closures, so everything that loads
+a model file (planning, the rendered training scripts, smoke runs) rebuilds
+the same model from the spec recorded in plan.json.
+
+* ``hf:path/config.json`` (or a folder holding config.json): a transformers
+  config as a user writes it. The model class is the config's
+  ``architectures[0]``, else a causal LM for decoder-only types, a
+  sequence-to-sequence LM for encoder-decoders, the base model otherwise.
+  ``--model-arg KEY=VALUE`` overrides a config field; ``seq_len`` sets the
+  sequence length (default: the config's maximum positions, at most 2048);
+  ``model_class`` names another transformers class.
+* ``timm:NAME``: ``timm.create_model(NAME, pretrained=False, **model_args)``;
+  inputs at the model's default input size.
+* ``torchvision:NAME``: ``torchvision.models.get_model(NAME, weights=None,
+  **model_args)``; ``image_size`` sets the input size (default 224).
+
+The libraries are optional extras, imported only when a spec names them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from planner.errors import UsageError, did_you_mean
+
+LIBRARY_PREFIXES = ("hf", "timm", "torchvision")
+PIP = {"transformers": "pip install transformers", "timm": "pip install timm torchvision", "torchvision": "pip install torchvision"}
+HF_DEFAULT_MAX_SEQ = 2048
+HF_RESERVED_ARGS = ("seq_len", "model_class")
+VISION_RESERVED_ARGS = ("image_size",)
+
+
+@dataclass
+class LibraryContract:
+    """The contract functions of a library model, the model arguments they take, and a digest of the spec."""
+
+    funcs: dict[str, Callable[..., Any]]
+    model_args: dict[str, Any]
+    sha256: str
+
+
+def library_contract(spec: str, model_args: dict[str, Any]) -> LibraryContract:
+    """The model-file contract for ``spec`` (``hf:...``, ``timm:...`` or ``torchvision:...``)."""
+    prefix, _, rest = spec.partition(":")
+    if not rest:
+        raise UsageError(f"Model spec {spec!r} names nothing after {prefix}:.", _SPEC_HINT)
+    if prefix == "hf":
+        return _hf_contract(spec, rest, model_args)
+    if prefix == "timm":
+        return _vision_contract(spec, rest, model_args, "timm")
+    if prefix == "torchvision":
+        return _vision_contract(spec, rest, model_args, "torchvision")
+    raise UsageError(f"Unknown model spec prefix {prefix!r}.", _SPEC_HINT)
+
+
+_SPEC_HINT = "Use a model file (model.py), hf:path/to/config.json, timm:MODEL_NAME or torchvision:MODEL_NAME."
+
+
+def require(module: str) -> Any:
+    """Import an optional library, or a UsageError naming the pip command that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        lib = module.split(".")[0]
+        raise UsageError(
+            f"This model spec needs {lib}, which cannot be imported here ({type(e).__name__}: {e}).",
+            f"Install it with `{PIP[lib]}` (or pip install 'planner[{lib}]'), in the environment that runs the planner.",
+        ) from e
+
+
+def _digest(*parts: bytes) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+def _hf_config_path(rest: str) -> Path:
+    path = Path(rest)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise UsageError(
+            f"hf:{rest}: no transformers config file there.",
+            "Pass the path of a config.json as written by transformers (with a model_type key), e.g. hf:configs/llama.json.",
+        )
+    return path
+
+
+def _hf_config_dict(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"hf:{path}: not a JSON file ({e}).", "A transformers config is a JSON object.") from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("model_type"), str):
+        raise UsageError(
+            f"hf:{path}: the config has no model_type.",
+            'Add "model_type" (e.g. "llama", "gpt2", "bert", "t5", "vit") as transformers writes it in config.json.',
+        )
+    return doc
+
+
+def hf_config(path: Path, overrides: dict[str, Any]) -> Any:
+    """The transformers config of ``path`` with ``overrides`` applied (unknown fields refused)."""
+    transformers = require("transformers")
+    doc = _hf_config_dict(path)
+    model_type = doc.pop("model_type")
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **doc)
+    except (ValueError, KeyError) as e:
+        raise UsageError(f"hf:{path}: transformers does not know model_type {model_type!r} ({e}).", "Use a model_type of the installed transformers.") from e
+    unknown = sorted(k for k in overrides if not hasattr(config, k))
+    if unknown:
+        raise UsageError(
+            f"hf:{path}: --model-arg {', '.join(unknown)} is neither a field of the {type(config).__name__} nor one of {', '.join(HF_RESERVED_ARGS)}.",
+            "Pass config fields (e.g. --model-arg num_hidden_layers=2) or seq_len=N.",
+        )
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    return config
+
+
+def hf_model_class(config: Any, name: str | None = None) -> Any:
+    """The transformers class to build: ``name``, the config's architectures[0], else by the kind of model."""
+    transformers = require("transformers")
+    auto = importlib.import_module("transformers.models.auto.modeling_auto")
+    name = name or next(iter(getattr(config, "architectures", None) or []), None)
+    if name:
+        cls = getattr(transformers, name, None)
+        if cls is None:
+            raise UsageError(f"transformers has no model class {name!r}.", "Name a class of the installed transformers (model_class=... or the config's architectures).")
+        return cls
+    mt = config.model_type
+    if getattr(config, "is_encoder_decoder", False) and mt in auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        return transformers.AutoModelForSeq2SeqLM
+    if mt in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and mt not in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return transformers.AutoModelForCausalLM
+    return transformers.AutoModel
+
+
+def hf_seq_len(config: Any, seq_len: int | None) -> int:
+    """The planned sequence length: ``seq_len``, else the config's maximum positions capped at HF_DEFAULT_MAX_SEQ."""
+    if seq_len is not None:
+        if not isinstance(seq_len, int) or seq_len < 1:
+            raise UsageError(f"--model-arg seq_len={seq_len!r} is not a positive integer.")
+        return seq_len
+    most = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions", "n_ctx") if isinstance(getattr(config, k, None), int)), None)
+    return min(most, HF_DEFAULT_MAX_SEQ) if most else 512
+
+
+def _names(mapping: dict[str, Any], cls_name: str) -> bool:
+    """Whether a transformers auto mapping (model_type -> class name(s)) lists ``cls_name``."""
+    return any(cls_name == v or isinstance(v, (tuple, list)) and cls_name in v for v in mapping.values())
+
+
+def _positional(params: list[str], wanted: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The wanted inputs as positional arguments: forward's leading parameters, up to the first one not wanted."""
+    out = []
+    for name in params:
+        if name not in wanted:
+            break
+        out.append(wanted[name])
+    return tuple(out)
+
+
+def _text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _logits(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if hasattr(output, "logits"):
+        return output.logits
+    if isinstance(output, dict):
+        return output["logits"]
+    return output[0]
+
+
+def _cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the output's logits (any leading shape) against integer targets, in fp32."""
+    logits = _logits(output)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+
+
+def _hf_contract(spec: str, rest: str, model_args: dict[str, Any]) -> LibraryContract:
+    path = _hf_config_path(rest)
+    overrides = {k: v for k, v in model_args.items() if k not in HF_RESERVED_ARGS}
+    config = hf_config(path, overrides)
+    cls = hf_model_class(config, model_args.get("model_class"))
+    concrete = cls._model_mapping[type(config)] if hasattr(cls, "_model_mapping") else cls  # Auto* -> the model's class
+    seq = hf_seq_len(config, model_args.get("seq_len"))
+    main_input = getattr(concrete, "main_input_name", "input_ids")
+    text = _text_config(config)
+    vocab = getattr(text, "vocab_size", None)
+    cls_name = concrete.__name__
+    auto = importlib.import_module("transformers.models.auto.modeling_auto")
+    causal = _names(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, cls_name)
+    lm = causal or _names(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, cls_name) or _names(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, cls_name)
+    params = [p for p in inspect.signature(concrete.forward).parameters if p != "self"]
+    classifier = cls_name.endswith(("ForImageClassification", "ForSequenceClassification"))
+    num_labels = getattr(config, "num_labels", 2)
+
+    def build_model(**_: Any) -> torch.nn.Module:
+        return cls.from_config(hf_config(path, overrides)) if hasattr(cls, "from_config") else cls(hf_config(path, overrides))
+
+    def example_inputs(batch_size: int, **_: Any) -> tuple[torch.Tensor, ...]:
+        if main_input == "pixel_values":
+            size = getattr(config, "image_size", 224)
+            size = (size, size) if isinstance(size, int) else tuple(size)
+            return (torch.randn(batch_size, getattr(config, "num_channels", 3), *size),)
+        wanted = {"input_ids": torch.randint(0, vocab or 2, (batch_size, seq))}
+        if not causal:  # encoders and encoder-decoders take a padding mask
+            wanted["attention_mask"] = torch.ones(batch_size, seq, dtype=torch.long)
+        if getattr(config, "is_encoder_decoder", False):
+            wanted["decoder_input_ids"] = torch.randint(0, vocab or 2, (batch_size, seq))
+        return _positional(params, wanted)
+
+    def example_target(batch_size: int, **_: Any) -> torch.Tensor:
+        if classifier:
+            return torch.randint(0, num_labels, (batch_size,))
+        return torch.randint(0, vocab or 2, (batch_size, seq))
+
+    funcs: dict[str, Callable[..., Any]] = {"build_model": build_model, "example_inputs": example_inputs}
+    if lm or classifier:
+        funcs["loss_fn"] = _cross_entropy
+        funcs["example_target"] = example_target
+    arch = hf_architecture(config, seq) if causal else None
+    if arch is not None:
+        funcs["architecture"] = lambda **_: dict(arch)
+    return LibraryContract(funcs, dict(model_args), _digest(spec.encode(), path.read_bytes()))
+
+
+# --------------------------------------------------------------------------- architecture()
+
+_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_fast": "gelu", "silu": "swiglu", "swish": "swiglu"}
+
+
+def hf_architecture(config: Any, seq_len: int) -> dict[str, Any] | None:
+    """architecture() of a decoder-only transformers config (Megatron-LM's GPT model shape), else None.
+
+    Gated MLPs (Llama family: ``intermediate_size`` with a SiLU gate) map to
+    swiglu, GPT-2's ``gelu_new`` to gelu; RMSNorm for configs with
+    ``rms_norm_eps``, LayerNorm otherwise; rope for ``rope_theta`` /
+    ``rope_parameters`` configs, learned absolute positions otherwise.
+    """
+    if getattr(config, "is_encoder_decoder", False):
+        return None
+    if any(getattr(_text_config(config), k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts")):
+        return None  # mixture of experts: the architecture keys describe dense models only
+    c = _text_config(config)
+    get = lambda *names, default=None: next((getattr(c, n) for n in names if getattr(c, n, None) is not None), default)
+    layers = get("num_hidden_layers", "n_layer")
+    hidden = get("hidden_size", "n_embd")
+    heads = get("num_attention_heads", "n_head")
+    if not all(isinstance(x, int) for x in (layers, hidden, heads)):
+        return None
+    act_name = str(get("hidden_act", "activation_function", default="gelu"))
+    rms = get("rms_norm_eps") is not None
+    rope = get("rope_theta") is not None or get("rope_parameters", "rope_scaling") is not None or c.model_type in ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma")
+    ffn = get("intermediate_size", "n_inner", default=4 * hidden)
+    arch = {
+        "num_layers": layers,
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_query_groups": get("num_key_value_heads", default=heads),
+        "ffn_hidden_size": ffn,
+        "seq_length": seq_len,
+        "max_position_embeddings": get("max_position_embeddings", "n_positions", default=seq_len),
+        "vocab_size": get("vocab_size"),
+        "normalization": "RMSNorm" if rms else "LayerNorm",
+        "activation": _HF_ACTIVATIONS.get(act_name, act_name),
+        "position_embedding": "rope" if rope else "learned_absolute",
+        "tied_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+        "bias": bool(get("attention_bias", "mlp_bias", default=c.model_type in ("gpt2",))),
+        "dropout": float(get("attention_dropout", "attn_pdrop", default=0.0) or 0.0),
+    }
+    return arch
+
+
+# --------------------------------------------------------------------------- timm / torchvision
+
+
+def _vision_contract(spec: str, name: str, model_args: dict[str, Any], lib: str) -> LibraryContract:
+    kwargs = {k: v for k, v in model_args.items() if k not in VISION_RESERVED_ARGS}
+    size_arg = model_args.get("image_size")
+    if lib == "timm":
+        timm = require("timm")
+        if name not in timm.list_models():
+            raise UsageError(f"timm has no model {name!r}.{did_you_mean(name, timm.list_models())}", "List the names with timm.list_models().")
+
+        def make() -> torch.nn.Module:
+            return timm.create_model(name, pretrained=False, **kwargs)
+
+        version = timm.__version__
+    else:
+        tv = require("torchvision")
+        names = tv.models.list_models()
+        if name not in names:
+            raise UsageError(f"torchvision has no model {name!r}.{did_you_mean(name, names)}", "List the names with torchvision.models.list_models().")
+
+        builder = tv.models.get_model_builder(name)
+        # segmentation and detection builders fetch ImageNet backbone weights by default: never load weights
+        no_weights = {"weights": None} | ({"weights_backbone": None} if "weights_backbone" in inspect.signature(builder).parameters else {})
+
+        def make() -> torch.nn.Module:
+            return builder(**no_weights, **kwargs)
+
+        version = tv.__version__
+    state: dict[str, Any] = {}
+
+    def build_model(**_: Any) -> torch.nn.Module:
+        model = make()
+        state["input_size"] = _input_size(model, size_arg)
+        state["classes"] = getattr(model, "num_classes", None) or _classes(model)
+        return model
+
+    def shape() -> tuple[int, ...]:
+        if "input_size" not in state:
+            with torch.device("meta"):
+                build_model()
+        return state["input_size"]
+
+    def example_inputs(batch_size: int, **_: Any) -> tuple[torch.Tensor, ...]:
+        return (torch.randn(batch_size, *shape()),)
+
+    def example_target(batch_size: int, **_: Any) -> torch.Tensor:
+        shape()
+        return torch.randint(0, state["classes"] or 2, (batch_size,))
+
+    def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
+        if isinstance(output, torch.Tensor) and output.dim() == 2:
+            return F.cross_entropy(output.float(), target)
+        flat = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        return sum(t.float().mean() for t in flat)  # dense outputs (segmentation): the mean, as for a model file without loss_fn
+
+    funcs = {"build_model": build_model, "example_inputs": example_inputs, "loss_fn": loss_fn, "example_target": example_target}
+    return LibraryContract(funcs, dict(model_args), _digest(spec.encode(), f"{lib} {version}".encode(), repr(sorted(model_args.items())).encode()))
+
+
+def _input_size(model: torch.nn.Module, size: Any) -> tuple[int, ...]:
+    """(channels, height, width): ``size`` (an int or (h, w)), else timm's pretrained_cfg input_size, else 3x224x224."""
+    if size is not None:
+        hw = (size, size) if isinstance(size, int) else tuple(size)
+        return (3, *hw)
+    cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None) or {}
+    if isinstance(cfg, dict) and cfg.get("input_size"):
+        return tuple(int(x) for x in cfg["input_size"])
+    return (3, 224, 224)
+
+
+def _classes(model: torch.nn.Module) -> int | None:
+    """Output features of the last Linear (a classifier's class count), if any."""
+    last = None
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            last = m
+    return last.out_features if last is not None else None

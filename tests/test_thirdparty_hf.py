@@ -1,0 +1,179 @@
+"""transformers models planned from config files (`hf:CONFIG.json`), defaults untouched but for tiny sizes.
+
+Parameter counts are compared with the model transformers builds; forward FLOPs with the closed form
+2 x (matmul parameters) x tokens + 4 s^2 h per attention layer (MoE: top-k experts only).
+Run with transformers installed (`pip install transformers`); skipped otherwise.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+transformers = pytest.importorskip("transformers")
+
+from planner.cli import app
+from planner.megatron_args import architecture_problem
+from planner.model.load import load_model_file
+
+HF = Path(__file__).resolve().parent / "models" / "hf"
+runner = CliRunner()
+MODELS = ["gpt2", "llama", "qwen2", "mixtral", "bert", "t5", "vit"]
+DECODERS = ["gpt2", "llama", "qwen2"]
+
+
+def _config(name: str) -> dict:
+    return json.loads((HF / f"{name}.json").read_text())
+
+
+def _library_model(name: str):
+    """The model as transformers itself builds it from the same config."""
+    doc = _config(name)
+    config = transformers.AutoConfig.for_model(doc.pop("model_type"), **doc)
+    cls = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
+           "bert": "BertModel", "t5": "T5ForConditionalGeneration", "vit": "ViTModel"}[name]
+    with torch.device("meta"):
+        return getattr(transformers, cls)(config), config
+
+
+_DOCS: dict = {}
+
+
+def inspect(name: str) -> dict:
+    if name not in _DOCS:
+        r = runner.invoke(app, ["inspect", f"hf:{HF / name}.json", "--json"])
+        assert r.exit_code == 0, r.output
+        _DOCS[name] = json.loads(r.stdout)
+    return _DOCS[name]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_parameter_count_is_exact(name):
+    model, _ = _library_model(name)
+    assert inspect(name)["totals"]["params"] == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_use_cache_is_turned_off_and_said_so(name):
+    doc = inspect(name)
+    cfg = _library_model(name)[1]
+    if getattr(cfg, "use_cache", False):
+        assert any("use_cache set to False" in n for n in doc["notes"])
+    assert doc["totals"]["tracer"] == "export"  # transformers 5 forwards take **kwargs: fx cannot trace them
+
+
+def _decoder_closed_form(c: dict, s: int, experts_active: int | None = None) -> int:
+    h = c.get("hidden_size", c.get("n_embd"))
+    layers = c.get("num_hidden_layers", c.get("n_layer"))
+    heads = c.get("num_attention_heads", c.get("n_head"))
+    kv = c.get("num_key_value_heads", heads)
+    d = h // heads
+    attn = h * h * 2 + 2 * h * kv * d  # q, o; k, v
+    if experts_active:
+        mlp = experts_active * 3 * h * c["intermediate_size"] + h * c["num_local_experts"]  # routed experts + router
+    elif "intermediate_size" in c:
+        mlp = 3 * h * c["intermediate_size"]  # gated (SwiGLU)
+    else:
+        mlp = 2 * h * 4 * h
+    matmul = layers * (attn + mlp) + h * c["vocab_size"]  # + the LM head
+    return 2 * matmul * s + layers * 4 * s * s * h
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen2", "mixtral"])
+def test_decoder_forward_flops_match_the_closed_form(name):
+    c = _config(name)
+    s = c.get("max_position_embeddings", c.get("n_positions"))
+    doc = inspect(name)
+    assert doc["totals"]["seq_len"] == s
+    active = c.get("num_experts_per_tok") if name == "mixtral" else None
+    assert doc["totals"]["flops_fwd"] == _decoder_closed_form(c, s, active)
+
+
+def test_mixtral_counts_the_top_k_experts_not_all():
+    c = _config("mixtral")
+    s = c["max_position_embeddings"]
+    fw = inspect("mixtral")["totals"]["flops_fwd"]
+    assert fw == _decoder_closed_form(c, s, c["num_experts_per_tok"])
+    assert fw < _decoder_closed_form(c, s, c["num_local_experts"])
+
+
+def test_bert_forward_flops_match_the_closed_form():
+    c = _config("bert")
+    s, h = c["max_position_embeddings"], c["hidden_size"]
+    per_layer = 4 * h * h + 2 * h * c["intermediate_size"]
+    pooler = 2 * h * h  # one token
+    expect = 2 * c["num_hidden_layers"] * per_layer * s + c["num_hidden_layers"] * 4 * s * s * h + pooler
+    doc = inspect("bert")
+    assert doc["totals"]["flops_fwd"] == expect
+    # the padding mask reaches every attention piece: each is costed with its mask, not with a hidden state
+    assert any(t["dtype"] == "bool" for cut in doc["cuts"] for t in cut["tensors"])
+
+
+def test_vit_forward_flops_match_the_closed_form():
+    c = _config("vit")
+    h, p = c["hidden_size"], c["patch_size"]
+    s = (c["image_size"] // p) ** 2 + 1  # patches + CLS
+    per_layer = 4 * h * h + 2 * h * c["intermediate_size"]
+    patch_embed = 2 * (s - 1) * 3 * p * p * h
+    expect = 2 * c["num_hidden_layers"] * per_layer * s + c["num_hidden_layers"] * 4 * s * s * h + patch_embed + 2 * h * h
+    assert inspect("vit")["totals"]["flops_fwd"] == expect
+
+
+def test_t5_encoder_decoder_is_traced_with_its_three_inputs():
+    """input_ids, the padding mask and decoder_input_ids: both stacks are pieces, and the encoder's output crosses
+    every decoder cut (cross-attention reads it)."""
+    doc = inspect("t5")
+    blocks = {l["block"].split(".block.")[0] for l in doc["layers"] if l["block"]}
+    assert blocks == {"encoder", "decoder"}
+    first_decoder = next(i for i, l in enumerate(doc["layers"]) if (l["block"] or "").startswith("decoder"))
+    h = _config("t5")["d_model"]
+    for cut in doc["cuts"][first_decoder:]:
+        assert sum(1 for t in cut["tensors"] if t["shape"][-1] == h) >= 2  # decoder state + encoder output
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_architecture_from_the_config_is_accepted_by_megatron_rules(name):
+    mf = load_model_file(f"hf:{HF / name}.json")
+    arch = mf.architecture()
+    assert architecture_problem(arch, name) is None
+    c = _config(name)
+    assert arch["num_layers"] == c.get("num_hidden_layers", c.get("n_layer"))
+    assert arch["vocab_size"] == c["vocab_size"]
+    if name == "gpt2":
+        assert (arch["normalization"], arch["activation"], arch["position_embedding"], arch["tied_embeddings"]) == ("LayerNorm", "gelu", "learned_absolute", True)
+    else:
+        assert (arch["normalization"], arch["activation"], arch["position_embedding"]) == ("RMSNorm", "swiglu", "rope")
+        assert arch["num_query_groups"] == c["num_key_value_heads"] and arch["ffn_hidden_size"] == c["intermediate_size"]
+
+
+def test_no_architecture_for_encoders_and_moe():
+    for name in ("bert", "t5", "vit", "mixtral"):
+        assert load_model_file(f"hf:{HF / name}.json").architecture() is None
+
+
+def test_model_args_override_config_fields_and_unknown_ones_are_refused():
+    r = runner.invoke(app, ["inspect", f"hf:{HF / 'llama'}.json", "--model-arg", "num_hidden_layers=1", "--model-arg", "seq_len=16", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["totals"]["seq_len"] == 16 and sum(1 for l in doc["layers"] if l["block"]) >= 1
+    assert not any(l["block"] and l["block"].startswith("model.layers.1") for l in doc["layers"])
+    r = runner.invoke(app, ["inspect", f"hf:{HF / 'llama'}.json", "--model-arg", "num_layerz=1"])
+    assert r.exit_code == 2 and "num_layerz" in r.output and "Traceback" not in r.output
+
+
+ENGINES = {name: ("deepspeed", "torch", "megatron") if name in DECODERS else ("deepspeed", "torch") for name in MODELS}
+
+
+@pytest.mark.parametrize("name,engine", [(n, e) for n in MODELS for e in ENGINES[n]])
+def test_plan_succeeds(name, engine, tmp_path):
+    r = runner.invoke(app, ["plan", f"hf:{HF / name}.json", "--gpus", "4xA100", "--engine", engine, "--out", str(tmp_path / "p"), "--quiet"])
+    assert r.exit_code == 0, r.output
+    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert plan["inputs"]["model_file"] == f"hf:{HF / name}.json"
+
+
+def test_megatron_refuses_an_encoder_with_a_clear_error(tmp_path):
+    r = runner.invoke(app, ["plan", f"hf:{HF / 'bert'}.json", "--gpus", "4xA100", "--engine", "megatron", "--out", str(tmp_path / "p")])
+    assert r.exit_code == 2 and "architecture" in r.output and "Traceback" not in r.output
