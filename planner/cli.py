@@ -370,7 +370,7 @@ def smoke(
 
 @app.command(context_settings={"ignore_unknown_options": True})
 def calibrate(
-    runs: List[str] = typer.Argument(..., metavar="RUN... [--log FILE PLAN_DIR]...", help="Plan directories holding a smoke.json, and/or --log FILE PLAN_DIR pairs (a Megatron-LM or DeepSpeed log and the plan directory of that run)."),
+    runs: Optional[List[str]] = typer.Argument(None, metavar="RUN... [--log FILE PLAN_DIR]...", help="Plan directories holding a smoke.json, and/or --log FILE PLAN_DIR pairs (a Megatron-LM or DeepSpeed log and the plan directory of that run)."),
     name: str = typer.Option(..., "--name", help="Name of the calibrated device: use it as --gpus 8xNAME."),
     out_file: Path = typer.Option(..., "--out", help="Where to write the hardware profile YAML (its stem is the profile key)."),
     base: Optional[str] = typer.Option(None, "--base", help="Profile to start from (default: the device the runs were planned for)."),
@@ -380,7 +380,7 @@ def calibrate(
     from planner.check.calibrate import calibrate as run_calibrate, parse_run_args
 
     with _errors():
-        run_dirs, logs = parse_run_args(runs)
+        run_dirs, logs = parse_run_args(runs or [])
         result = run_calibrate(run_dirs, logs, name, out_file, base, [str(p) for p in hardware_profile or ()])
     table = Table(title=f"step time: measured vs predicted ({len(result.rows)} run(s), base profile {result.fit.base.key})")
     for col, just in (("run", "left"), ("layout", "left"), ("measured", "right"), ("base profile", "right"), ("error", "right"), ("calibrated", "right"), ("error ", "right")):
