@@ -78,8 +78,10 @@ def markdown(r: dict) -> str:
     lines = [
         "| run | measured step | bundled cpu profile | calibrated profile |",
         "|---|---:|---:|---:|",
-        f"| fitted on: 4 layers, pp2 mb4x4 | {r['fit_measured_s'] * 1e3:.0f} ms | {r['fit_uncalibrated_s'] * 1e3:.0f} ms "
-        f"({err(r['fit_uncalibrated_s'], r['fit_measured_s'])}) | (fitted) |",
+        (
+            f"| fitted on: 4 layers, pp2 mb4x4 | {r['fit_measured_s'] * 1e3:.0f} ms | {r['fit_uncalibrated_s'] * 1e3:.0f} ms "
+            f"({err(r['fit_uncalibrated_s'], r['fit_measured_s'])}) | (fitted) |"
+        ),
     ]
     for c in r["checks"]:
         lines.append(f"| predicted: {c['run']} | {c['measured_s'] * 1e3:.0f} ms | {c['uncalibrated_s'] * 1e3:.0f} ms ({err(c['uncalibrated_s'], c['measured_s'])}) | "

@@ -404,6 +404,8 @@ def calibrate(
             out.print(f"fitted {p.field} ({p.what}): {status}")
     for k in result.kept:
         out.print(f"kept from the base profile: {k}")
+    for k in result.not_modelled:
+        out.print(f"not in the time model: {k}")
     for n in result.notes:
         out.print(f"note: {n}")
     out.print(f"wrote {out_file} (use: --hardware-profile {out_file} --gpus 8x{name})")

@@ -119,8 +119,8 @@ def test_deepspeed_pipeline_log_lines():
 def test_deepspeed_lines_printed_by_deepspeed_itself(capsys):
     """ThroughputTimer and see_memory_usage run here (DeepSpeed 0.19.8, CPU accelerator) and the reader parses what they print."""
     pytest.importorskip("deepspeed")
-    from deepspeed.utils.config import DeepSpeedThroughputTimerConfig
     from deepspeed.runtime.utils import see_memory_usage
+    from deepspeed.utils.config import DeepSpeedThroughputTimerConfig
     from deepspeed.utils.timer import ThroughputTimer
 
     lines = []
@@ -344,7 +344,7 @@ def test_calibrated_profile_predicts_a_run_it_was_not_fitted_to(tmp_path):
     attempts = []
     for k in range(2):
         fit_s, measured, calibrated, uncalibrated = _fit_and_check(tmp_path / f"attempt{k}")
-        attempts.append(dict(fitted_on=fit_s, measured=measured, calibrated=calibrated, uncalibrated=uncalibrated))
+        attempts.append({"fitted_on": fit_s, "measured": measured, "calibrated": calibrated, "uncalibrated": uncalibrated})
         if abs(calibrated / measured - 1) <= 0.20:
             break
     assert abs(calibrated / measured - 1) <= 0.20, attempts

@@ -28,6 +28,7 @@ not applied.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from dataclasses import dataclass, field, replace
@@ -76,8 +77,10 @@ PARAMS = (
 BY_ATTR = {p.attr: p for p in PARAMS}
 #: what the time model has no parameter for (so no run can fit it)
 NOT_MODELLED = (
-    "per-micro-batch overhead (the time model has none: kernel launches, Python and framework work per micro-batch "
-    "are in the fitted compute rates)",
+    (
+        "per-micro-batch overhead (the time model has none: kernel launches, Python and framework work per micro-batch "
+        "end up in the fitted compute rates)"
+    ),
 )
 
 
@@ -145,7 +148,7 @@ def _bounds_from_stats(rows: list[dict]) -> tuple[int, ...] | None:
     if not spans:
         return None
     spans = sorted(spans)
-    if any(b0 != a1 for (_, b0), (a1, _) in zip(spans, spans[1:])) or spans[0][0] != 0:
+    if any(b0 != a1 for (_, b0), (a1, _) in itertools.pairwise(spans)) or spans[0][0] != 0:
         return None
     return tuple([a for a, _ in spans] + [spans[-1][1]])
 
@@ -538,6 +541,7 @@ class Calibration:
     memory: list[MemoryRow]
     fragmentation: float | None
     kept: list[str]  # parameters not identified, with why
+    not_modelled: list[str]  # what the time model has no parameter for
     notes: list[str]
 
 
@@ -598,7 +602,6 @@ def calibrate(run_dirs: Sequence[str], logs: Sequence[tuple[str, str]], name: st
     mem = memory_rows(runs, before_evs)
     frag = measured_fragmentation(mem)
     kept = [f"{p.field} ({p.what}): no run's step time depends on it by {SENSITIVITY:.0%} or more" for p in PARAMS if fit.status[p.attr] == "not identified"]
-    kept += [f"{x}" for x in NOT_MODELLED]
     notes = [n for r in runs for n in (f"{r.name}: {x}" for x in r.notes)]
     if frag is None:
         kept.append("memory reserve: no run recorded both peak allocated and peak reserved memory")
@@ -610,7 +613,7 @@ def calibrate(run_dirs: Sequence[str], logs: Sequence[tuple[str, str]], name: st
     hardware.profile_from_dict(yaml.safe_load(text), out)  # the schema check, before anything is written
     _check_name_resolves(name, out, text, hardware_profiles)
     write_text_atomic(out, text)
-    return Calibration(name, str(out), text, fit, rows, mem, frag, kept, notes)
+    return Calibration(name, str(out), text, fit, rows, mem, frag, kept, list(NOT_MODELLED), notes)
 
 
 def _check_name_resolves(name: str, out: Path, text: str, extra: Sequence[str]) -> None:
@@ -636,7 +639,8 @@ def _notes_text(fit: Fit, rows: Sequence[RunRow], kept: Sequence[str], notes: Se
     parts = [f"Calibrated by `planner calibrate` from {len(rows)} run(s) on base profile {fit.base.key}.",
              "Fitted: " + "; ".join(fitted) + ".",
              f"Step-time residuals after the fit (predicted / measured - 1): {res}.",
-             "Kept at the base profile's values: " + "; ".join(kept) + "."]
+             "Kept at the base profile's values: " + "; ".join(kept) + ".",
+             "Not in the time model, so not fitted: " + "; ".join(NOT_MODELLED) + "."]
     parts += list(notes)
     return " ".join(parts)
 
