@@ -81,7 +81,7 @@ def _recorded_gpu() -> str:
 
 
 def main() -> None:
-    from bench import inspect_speed, partition_quality, planning_speed, published_runs, smoke_vs_prediction
+    from bench import calibration, inspect_speed, partition_quality, planning_speed, published_runs, smoke_vs_prediction
 
     started = time.time()
     sections = []
@@ -100,6 +100,8 @@ def main() -> None:
     sections.append(("Planning speed and memory", planning_speed.__doc__.strip() + "\n\n" + planning_speed.markdown(planning_speed.run_all()), time.time() - t))
     t = time.time()
     sections.append(("Smoke vs prediction on this CPU", smoke_vs_prediction.__doc__.strip() + "\n\n" + smoke_vs_prediction.markdown(smoke_vs_prediction.run()), time.time() - t))
+    t = time.time()
+    sections.append(("Calibrated profile vs a run it was not fitted to (CPU)", calibration.__doc__.strip() + "\n\n" + calibration.markdown(calibration.run()), time.time() - t))
     sections.append(("Measured on a GPU (recorded, not regenerated)", _recorded_gpu(), 0.0))
     notes = (ROOT / "bench" / "NOTES.md").read_text() if (ROOT / "bench" / "NOTES.md").is_file() else ""
     head = [

@@ -363,6 +363,49 @@ def smoke(
     raise typer.Exit(0 if result.ok else 1)
 
 
+@app.command(context_settings={"ignore_unknown_options": True})
+def calibrate(
+    runs: Optional[List[str]] = typer.Argument(None, metavar="RUN... [--log FILE PLAN_DIR]...", help="Plan directories holding a smoke.json, and/or --log FILE PLAN_DIR pairs (a Megatron-LM or DeepSpeed log and the plan directory of that run)."),
+    name: str = typer.Option(..., "--name", help="Name of the calibrated device: use it as --gpus 8xNAME."),
+    out_file: Path = typer.Option(..., "--out", help="Where to write the hardware profile YAML (its stem is the profile key)."),
+    base: Optional[str] = typer.Option(None, "--base", help="Profile to start from (default: the device the runs were planned for)."),
+    hardware_profile: Optional[List[Path]] = typer.Option(None, "--hardware-profile", help="Extra hardware profile YAML (file or folder)."),
+) -> None:
+    """Fit the time model to measured runs and write a hardware profile that predicts them."""
+    from planner.check.calibrate import calibrate as run_calibrate, parse_run_args
+
+    with _errors():
+        run_dirs, logs = parse_run_args(runs or [])
+        result = run_calibrate(run_dirs, logs, name, out_file, base, [str(p) for p in hardware_profile or ()])
+    table = Table(title=f"step time: measured vs predicted ({len(result.rows)} run(s), base profile {result.fit.base.key})")
+    for col, just in (("run", "left"), ("layout", "left"), ("measured", "right"), ("base profile", "right"), ("error", "right"), ("calibrated", "right"), ("error ", "right")):
+        table.add_column(col, justify=just)
+    for r in result.rows:
+        table.add_row(r.run, r.layout, f"{r.measured_s:.4g} s", f"{r.before_s:.4g} s", f"{r.before_s / r.measured_s - 1:+.1%}", f"{r.after_s:.4g} s", f"{r.after_s / r.measured_s - 1:+.1%}")
+    out.print(table)
+    if result.memory:
+        mt = Table(title="peak memory per pipeline rank")
+        for col in ("run", "rank", "allocated (measured)", "tensors (predicted)", "reserved (measured)", "with reserve (predicted)"):
+            mt.add_column(col, justify="left" if col == "run" else "right")
+        for m in result.memory:
+            mt.add_row(m.run, str(m.pipe_rank), human_bytes(m.measured_allocated) if m.measured_allocated else "-", human_bytes(m.predicted_tensors),
+                       human_bytes(m.measured_reserved) if m.measured_reserved else "-", human_bytes(m.predicted_total))
+        out.print(mt)
+    from planner.check.calibrate import BY_ATTR
+
+    for attr, status in result.fit.status.items():
+        p = BY_ATTR[attr]
+        if status != "not identified":
+            out.print(f"fitted {p.field} ({p.what}): {status}")
+    for k in result.kept:
+        out.print(f"kept from the base profile: {k}")
+    for k in result.not_modelled:
+        out.print(f"not in the time model: {k}")
+    for n in result.notes:
+        out.print(f"note: {n}")
+    out.print(f"wrote {out_file} (use: --hardware-profile {out_file} --gpus 8x{name})")
+
+
 @app.command()
 def validate(
     paths: List[Path] = typer.Argument(..., help="Plan directories or single files (ds_config JSON, Megatron launch script or args file, plan.json)."),
