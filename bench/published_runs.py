@@ -17,7 +17,9 @@ test-only set (bench/NOTES.md says why).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import sys
+from dataclasses import dataclass, field, replace
+from unittest import mock
 from pathlib import Path
 
 import yaml
@@ -329,5 +331,83 @@ def markdown(preds: list[Prediction]) -> str:
     return "\n".join(lines)
 
 
+# ---- diagnosis: what each priced row's prediction is made of, and counterfactuals ----
+
+
+def _evaluate(run: PublishedRun, recompute: str | None = None, precision: str | None = None, tp_comm: bool = True):
+    """evaluate_layout at --mem-target 1.0 with optional changes: another recomputation, bf16 in place of FP8, TP collectives free."""
+    from planner import hardware
+    from planner.solve import search
+    from planner.solve.plan import Layout
+
+    if precision:
+        run = replace(run, precision=precision)
+    costs = costs_for(run)
+    cluster = hardware.parse_gpus(f"{run.gpus}x{DEVICE_PROFILE[run.source.device]}")
+    m = run.global_batch // (run.dp * run.micro_batch)
+    lay = Layout("megatron", run.pp, run.tp, run.dp, run.vp, run.micro_batch, m, run.global_batch, "interleaved" if run.vp > 1 else "1f1b", recompute or run.recompute, 1 if run.distributed_optimizer else 0, run.sequence_parallel)
+    ctx = search.Context(costs, cluster, search.SearchOptions(engine="megatron", global_batch=run.global_batch, mem_target=1.0))
+    if tp_comm:
+        return search.evaluate_layout(ctx, lay, costs.dtype)
+    with mock.patch.object(search, "tp_collective_time", lambda *a, **k: 0.0):
+        return search.evaluate_layout(ctx, lay, costs.dtype)
+
+
+def diagnose(run: PublishedRun) -> dict:
+    """Break one row's prediction down (seconds): the schedule's makespan, its bubble, exposed data-parallel traffic, the
+    optimizer step, and the step with tensor-parallel collectives free (what full TP overlap could at most remove).
+    FP8 rows (no CP) are priced in bf16 to size the FP8 gap; out-of-memory rows are re-priced with recomputation."""
+    from planner.solve.search import Rejection
+
+    why = not_expressible(run)
+    out: dict = {"id": run.id, "published": run.step_s}
+    if why and run.cp == 1 and run.precision == "fp8" and run.model.arch != "nemotron":
+        ev = _evaluate(run, precision="bf16")
+        if isinstance(ev, Rejection):
+            out["bf16_oom_gib"] = ev.need_bytes / 2**30
+        else:
+            out["bf16_step"] = ev.predicted.step_time_s
+        return out
+    if why:
+        return out
+    ev = _evaluate(run)
+    if isinstance(ev, Rejection):
+        for rc in ("selective", "full"):
+            alt = _evaluate(run, recompute=rc)
+            out[f"{rc}_step"] = None if isinstance(alt, Rejection) else alt.predicted.step_time_s
+            out[f"{rc}_peak_gib"] = (alt.need_bytes if isinstance(alt, Rejection) else alt.predicted.peak_memory_bytes) / 2**30
+        return out
+    pr = ev.predicted
+    out.update(step=pr.step_time_s, makespan=pr.pipeline_time_s, bubble=pr.bubble_fraction, dp_exposed=pr.dp_comm_exposed_s, optimizer=pr.optimizer_s)
+    if run.tp > 1:
+        free = _evaluate(run, tp_comm=False)
+        out["tp_comm"] = pr.step_time_s - free.predicted.step_time_s
+    out["microbatches"] = run.num_microbatches
+    return out
+
+
+def diagnosis_markdown(rows: list[dict]) -> str:
+    lines = ["| run | published | predicted | error | bubble | DP exposed | optimizer | TP collectives on the critical path | error with TP free | other |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for d in rows:
+        pub = d["published"]
+        if "step" in d:
+            tp = d.get("tp_comm", 0.0)
+            lines.append(
+                f"| {d['id']} | {pub:.3g} s | {d['step']:.3g} s | {100 * (d['step'] - pub) / pub:+.1f}% | {100 * d['bubble']:.1f}% | {d['dp_exposed']:.3f} s | {d['optimizer']:.3f} s | "
+                f"{tp:.3g} s ({100 * tp / d['step']:.0f}%) | {100 * (d['step'] - tp - pub) / pub:+.1f}% | {d['microbatches']:.0f} micro-batches |"
+            )
+        elif "bf16_step" in d:
+            lines.append(f"| {d['id']} | {pub:.3g} s | | | | | | | | priced in bf16: {d['bf16_step']:.3g} s = {d['bf16_step'] / pub:.2f} x the published FP8 step |")
+        elif "bf16_oom_gib" in d:
+            lines.append(f"| {d['id']} | {pub:.3g} s | | | | | | | | priced in bf16: out of memory, {d['bf16_oom_gib']:.1f} GiB needed on 80 GB |")
+        elif "selective_step" in d:
+            bits = [f"{rc}: " + (f"{d[rc + '_step']:.3g} s ({100 * (d[rc + '_step'] - pub) / pub:+.1f}%), peak {d[rc + '_peak_gib']:.1f} GiB" if d[rc + "_step"] else f"out of memory ({d[rc + '_peak_gib']:.1f} GiB)") for rc in ("selective", "full")]
+            lines.append(f"| {d['id']} | {pub:.3g} s | out of memory | | | | | | | re-priced with recomputation: {'; '.join(bits)} |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    print(markdown(predict_all()))
+    if "--diagnose" in sys.argv:
+        print(diagnosis_markdown([diagnose(r) for r in RUNS_ALL]))
+    else:
+        print(markdown(predict_all()))
