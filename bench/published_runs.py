@@ -394,7 +394,8 @@ def diagnosis_markdown(rows: list[dict]) -> str:
             tp = d.get("tp_comm", 0.0)
             lines.append(
                 f"| {d['id']} | {pub:.3g} s | {d['step']:.3g} s | {100 * (d['step'] - pub) / pub:+.1f}% | {100 * d['bubble']:.1f}% | {d['dp_exposed']:.3f} s | {d['optimizer']:.3f} s | "
-                f"{tp:.3g} s ({100 * tp / d['step']:.0f}%) | {100 * (d['step'] - tp - pub) / pub:+.1f}% | {d['microbatches']:.0f} micro-batches |"
+                f"{tp:.3g} s ({100 * tp / d['step']:.0f}%) | {100 * (d['step'] - tp - pub) / pub:+.1f}% | {d['microbatches']:.0f} micro-batches, "
+                f"(published - predicted) / micro-batch = {1000 * (pub - d['step']) / d['microbatches']:+.0f} ms |"
             )
         elif "bf16_step" in d:
             lines.append(f"| {d['id']} | {pub:.3g} s | | | | | | | | priced in bf16: {d['bf16_step']:.3g} s = {d['bf16_step'] / pub:.2f} x the published FP8 step |")
