@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, field, replace
-from unittest import mock
 from pathlib import Path
+from unittest import mock
 
 import yaml
 
@@ -207,10 +207,10 @@ def model_file(run: PublishedRun) -> tuple[Path, dict]:
     """The example model file and --model-arg values that build this row's shape."""
     m = run.model
     if m.arch == "gpt":
-        args = dict(preset="gpt2", n_layer=m.layers, n_embd=m.hidden, n_head=m.heads, seq_len=m.seq, vocab_size=m.vocab)
+        args = {"preset": "gpt2", "n_layer": m.layers, "n_embd": m.hidden, "n_head": m.heads, "seq_len": m.seq, "vocab_size": m.vocab}
         args["attention"] = "explicit" if run.source.attention == "explicit" else "sdpa"
         return ROOT / "examples" / "gpt2.py", args
-    args = dict(preset="llama-7b", n_layers=m.layers, dim=m.hidden, n_heads=m.heads, n_kv_heads=m.kv_heads, ffn_dim=m.ffn, seq_len=m.seq, vocab_size=m.vocab)
+    args = {"preset": "llama-7b", "n_layers": m.layers, "dim": m.hidden, "n_heads": m.heads, "n_kv_heads": m.kv_heads, "ffn_dim": m.ffn, "seq_len": m.seq, "vocab_size": m.vocab}
     return ROOT / "examples" / "llama.py", args
 
 
@@ -256,7 +256,13 @@ def predict(run: PublishedRun) -> Prediction:
     """Price one published run with its layout pinned (engine megatron), at --mem-target 1.0 and the default."""
     from planner import hardware
     from planner.solve.plan import Layout
-    from planner.solve.search import DEFAULT_MEM_TARGET, Context, Rejection, SearchOptions, evaluate_layout
+    from planner.solve.search import (
+        DEFAULT_MEM_TARGET,
+        Context,
+        Rejection,
+        SearchOptions,
+        evaluate_layout,
+    )
 
     why = not_expressible(run)
     cluster = hardware.parse_gpus(f"{run.gpus}x{DEVICE_PROFILE[run.source.device]}")
