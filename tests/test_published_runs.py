@@ -1,9 +1,15 @@
 """The memory model never predicts out-of-memory for a configuration experts really trained (published-runs.md),
-and the step-time predictions stay within the error budget (one set of defaults for every run)."""
+and the step-time predictions stay within the error budget (one set of defaults for every run).
+
+The second half checks the published-run data set (bench/data/published_runs.yaml) on its own: layouts that
+multiply out, batches that divide, converted step times that reproduce the published figures with each
+source's FLOP formula (re-derived here in expanded form, independently of bench/published_runs.py), and
+published figures that agree with each other. No prediction accuracy is asserted for the new rows yet."""
 
 import pytest
+import yaml
 
-from bench.published_runs import RUNS, predict
+from bench.published_runs import DATA, RUNS, load_runs, not_expressible, predict
 
 
 @pytest.fixture(scope="module")
@@ -22,3 +28,141 @@ def test_mean_absolute_error_within_10_percent(predictions):
     errors = [abs(p.error) for p in predictions.values()]
     assert sum(errors) / len(errors) <= 0.10
     assert max(errors) <= 0.15
+
+
+# --------------------------------------------------------------------------- the data set itself
+
+RAW = yaml.safe_load(DATA.read_text())
+ROWS = RAW["runs"]
+SOURCES = RAW["sources"]
+SHAPES = {k: dict(zip(("layers", "hidden", "heads", "kv", "ffn", "vocab", "seq", "arch"), v)) for k, v in RAW["models"].items()}
+#: dense bf16/fp16 peak TFLOP/s the sources quote MFU against (A100: 312, H100 SXM: 989)
+PEAK = {"A100-80GB": 312.0, "H100-SXM": 989.0}
+
+
+def _shape(row):
+    return SHAPES[row["model"]]
+
+
+def _flops(row) -> float:
+    """FLOPs per step by the row's source, written out term by term (independent of bench/published_runs.py)."""
+    m, B = _shape(row), row["global_batch"]
+    s, l, h, V, a, g, f = m["seq"], m["layers"], m["hidden"], m["vocab"], m["heads"], m["kv"], m["ffn"]
+    formula = SOURCES[row["source"]]["flop_formula"]
+    if formula == "megatron2021":  # 96 B s l h^2 (1 + s/6h + V/16lh), expanded
+        return 96 * B * s * l * h * h + 16 * B * s * s * l * h + 6 * B * s * h * V
+    gated = 1.5 if m["arch"] == "llama" else 1.0
+    if formula == "megatron2024":  # 12 B s l h^2 ((1 + g/a + s/h) + f/h gated) + 6 B s h V
+        return 12 * B * s * l * (h * h * (1 + g / a) + s * h + h * f * gated) + 6 * B * s * h * V
+    if formula == "nemo2407":
+        if m["arch"] == "gpt":  # NeMo prices GPT-3 at its 51200 vocabulary whatever the run's
+            return 72 * B * s * l * h * h + 12 * B * s * s * l * h + 6 * B * s * h * 51200
+        ffn_coeff, vocab = (18, V) if m["arch"] == "llama" else (12, 256000)
+        return B * s * l * (12 * h * h + 12 * h * h * g / a + ffn_coeff * f * h + 12 * s * h) + 6 * B * s * h * vocab
+    if formula == "bridge2602":  # the llama3 formula with the causal s^2 term halved
+        return B * s * l * (12 * h * h + 12 * h * h * g / a + 18 * f * h + 6 * s * h) + 6 * B * s * h * V
+    raise AssertionError(f"unknown formula {formula}")
+
+
+def _step_from_published(row) -> float:
+    rep, how = row["reported"], SOURCES[row["source"]]["step_from"]
+    if how == "step_s":
+        return rep["step_s"]
+    if how == "tokens":
+        return row["global_batch"] * _shape(row)["seq"] / (rep["tokens"] * row["gpus"])
+    return _flops(row) / (rep["tflops"] * 1e12 * row["gpus"])
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r["id"] for r in ROWS])
+def test_layout_multiplies_out_to_the_gpu_count(row):
+    assert row["tp"] * row["pp"] * row["dp"] * row.get("cp", 1) == row["gpus"]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r["id"] for r in ROWS])
+def test_global_batch_is_micro_batch_times_dp_times_microbatches(row):
+    m, rem = divmod(row["global_batch"], row["micro_batch"] * row["dp"])
+    assert rem == 0 and m >= 1
+    assert m * row["micro_batch"] * row["dp"] == row["global_batch"]
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r.get("vp", 1) > 1], ids=lambda r: r["id"])
+def test_interleaved_rows_split_their_layers_evenly(row):
+    """Megatron interleaving needs layers / (pp x vp) whole chunks; Megatron-Bridge may count embedding and loss as one layer each."""
+    chunks = row["pp"] * row["vp"]
+    layers = _shape(row)["layers"]
+    assert layers % chunks == 0 or (layers + 2) % chunks == 0
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r["id"] for r in ROWS])
+def test_converted_step_time_reproduces_the_published_figure(row):
+    """step_s in the data file = the source's own conversion of what it published (4 significant digits)."""
+    assert row["step_s"] == pytest.approx(_step_from_published(row), rel=6e-4)
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if "tflops" in r["reported"]], ids=lambda r: r["id"])
+def test_published_tflops_agree_with_the_step_time(row):
+    """Where a source publishes TFLOP/s next to tokens/s or a step time, its FLOP formula links the two within 1%
+    (this is what pins the model shapes and each source's formula)."""
+    tflops = _flops(row) / row["step_s"] / row["gpus"] / 1e12
+    assert tflops == pytest.approx(row["reported"]["tflops"], rel=0.01)
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if "mfu" in r["reported"] and "tflops" in r["reported"]], ids=lambda r: r["id"])
+def test_published_mfu_is_tflops_over_peak(row):
+    peak = PEAK[SOURCES[row["source"]]["device"]]
+    assert 100 * row["reported"]["tflops"] / peak == pytest.approx(row["reported"]["mfu"], abs=1.0)
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if "aggregate_pflops" in r["reported"]], ids=lambda r: r["id"])
+def test_published_aggregate_is_tflops_times_gpus(row):
+    """Within the rounding of both printed figures (TFLOP/s to its last printed digit, PFLOP/s to 0.1)."""
+    tflops = row["reported"]["tflops"]
+    decimals = len(str(tflops).split(".")[1]) if "." in str(tflops) else 0
+    slack = 0.5 * 10**-decimals * row["gpus"] / 1000 + 0.05
+    assert tflops * row["gpus"] / 1000 == pytest.approx(row["reported"]["aggregate_pflops"], abs=slack + 1e-9)
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r["source"] == "korthikanti2022" and "mfu" in r["reported"]], ids=lambda r: r["id"])
+def test_korthikanti_mfu_reproduces_from_the_step_time(row):
+    """Korthikanti et al. count 72 B s l h^2 (1 + s/6h + V/12lh) model FLOPs per step (no recomputation)."""
+    m = _shape(row)
+    B, s, l, h, V = row["global_batch"], m["seq"], m["layers"], m["hidden"], m["vocab"]
+    flops = 72 * B * s * l * h * h + 12 * B * s * s * l * h + 6 * B * s * h * V
+    mfu = 100 * flops / (row["step_s"] * row["gpus"] * 312e12)
+    assert mfu == pytest.approx(row["reported"]["mfu"], abs=0.6)
+
+
+def test_every_row_names_a_source_and_a_known_shape():
+    for row in ROWS:
+        assert row["source"] in SOURCES and row["model"] in SHAPES, row["id"]
+    for key, src in SOURCES.items():
+        assert src["split"] in ("tune", "test"), key
+        assert src["cite"] and src["flop_text"] and src["device"] in PEAK, key
+    assert len({r["id"] for r in ROWS}) == len(ROWS)
+
+
+def test_set_size_and_coverage():
+    """At least 25 rows from at least 4 independent sources, 10+ on H100, 8 to 10,000+ GPUs, with and without pipelining."""
+    assert len(ROWS) >= 25
+    assert len({r["source"] for r in ROWS}) >= 4
+    assert sum(SOURCES[r["source"]]["device"] == "H100-SXM" for r in ROWS) >= 10
+    gpus = [r["gpus"] for r in ROWS]
+    assert min(gpus) == 8 and max(gpus) >= 10_000
+    assert any(r["pp"] > 1 for r in ROWS) and any(r["pp"] == 1 for r in ROWS)
+
+
+def test_split_is_by_source_and_keeps_the_original_runs_in_tune():
+    splits = {r["source"]: SOURCES[r["source"]]["split"] for r in ROWS}
+    assert sum(s == "test" for s in splits.values()) >= 3
+    assert all(SOURCES[r["source"]]["split"] == "tune" for r in ROWS if r["id"].startswith("C"))
+    assert {f"C{i}" for i in range(1, 8)} <= {r["id"] for r in ROWS}
+
+
+def test_loader_keeps_every_row_and_names_what_the_planner_lacks():
+    runs = {r.id: r for r in load_runs()}
+    assert len(runs) == len(ROWS)
+    assert "context parallelism" in not_expressible(runs["L3-16k-cp16"])
+    assert "FP8" in not_expressible(runs["N-gpt3-5b"])
+    assert not_expressible(runs["M24-462b"]) is None
+    p = predict(runs["N-llama3-70b"])  # kept and reported, not dropped
+    assert p.predicted_step_s is None and "context parallelism" in p.skipped and "FP8" in p.skipped
