@@ -84,7 +84,7 @@ class MegatronEngine(Engine):
 
     def default_overlaps(self, tp: int, zero: int, data_parallel: int) -> dict[str, bool]:
         return {
-            "overlap_grad_reduce": data_parallel > 1,
+            "overlap_grad_reduce": data_parallel > 1 or zero >= 1,
             "overlap_param_gather": data_parallel > 1 and zero >= 1,
         }
 

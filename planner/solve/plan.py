@@ -83,7 +83,12 @@ class Layout:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Layout":
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        values = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        if d.get("engine") == "megatron" and "overlap_grad_reduce" not in d:
+            # plans written before the overlaps were fields: Megatron's gradient reduce overlapped (and was rendered)
+            # whenever there was a data-parallel group or a distributed optimizer
+            values["overlap_grad_reduce"] = d.get("dp", 1) > 1 or d.get("zero", 0) >= 1
+        return cls(**values)
 
     def short(self) -> str:
         v = f" v{self.vp}" if self.vp > 1 else ""

@@ -270,6 +270,8 @@ def enumerate_layouts(costs: ModelCosts, cluster: Cluster, opts: SearchOptions, 
     recomputes = [opts.recompute] if opts.recompute else [r for r in rules.recompute_modes if r != "selective" or has_core]
     zeros = [opts.zero] if opts.zero is not None else list(rules.zero_levels)
     schedules = [opts.schedule] if opts.schedule else list(engine.searched_schedules)
+    if opts.cp is not None and opts.cp < 1:
+        raise UsageError(f"--cp must be at least 1, got {opts.cp}.", "Use --cp 1 (no context parallelism) or a divisor of the GPUs left after tp.")
     if opts.cp:
         cps = [opts.cp]
     else:
