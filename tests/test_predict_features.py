@@ -277,3 +277,13 @@ def test_old_megatron_plans_keep_their_rendered_grad_overlap():
         d["layout"].pop(k, None)
     lay = Plan.from_dict(d).layout
     assert lay.overlap_grad_reduce == (lay.dp > 1 or lay.zero >= 1) and lay.cp == 1
+
+
+def test_cli_fp8_and_cp_refusals_exit_2(gpt_costs):
+    cluster = hardware.parse_gpus("8xH100-SXM")
+    with pytest.raises(UsageError, match="no FP8 training"):
+        enumerate_layouts(gpt_costs, cluster, SearchOptions(engine="deepspeed", fp8=True), get_engine("deepspeed"), 64)
+    with pytest.raises(UsageError, match="context parallelism"):
+        enumerate_layouts(gpt_costs, cluster, SearchOptions(engine="torch", cp=2), get_engine("torch"), 64)
+    with pytest.raises(UsageError, match="--cp must be at least 1"):
+        enumerate_layouts(gpt_costs, cluster, SearchOptions(engine="megatron", cp=0), get_engine("megatron"), 64)

@@ -41,6 +41,7 @@ class EngineRules(Protocol):
     zero_levels: tuple[int, ...]
     searched_schedules: tuple[str, ...]
     context_parallel: bool
+    fp8: bool
     overlaps: tuple[str, ...]
 
     def allowed_cuts(self, costs: ModelCosts) -> np.ndarray:

@@ -263,8 +263,12 @@ def enumerate_layouts(costs: ModelCosts, cluster: Cluster, opts: SearchOptions, 
     world = cluster.world_size
     rules = engine
     gpn = min(g.gpus_per_node for g in cluster.groups)
+    if opts.fp8 and not engine.fp8:
+        raise UsageError(f"engine {engine.name} has no FP8 training (Transformer Engine FP8 GEMMs).", "Use --engine megatron for --dtype fp8, or --dtype bf16.")
     if opts.fp8:
         fp8_problems(cluster)
+    if (opts.cp or 1) > 1 and not engine.context_parallel:
+        raise UsageError(f"engine {engine.name} runs no context parallelism (--cp {opts.cp}).", "Use --engine megatron for --cp > 1, or drop --cp.")
     tps = [opts.tp] if opts.tp else [t for t in divisors(gpn) if t == 1 or rules.tensor_parallel]
     has_core = any(l.core_saved_bytes > 0 for l in costs.layers)
     recomputes = [opts.recompute] if opts.recompute else [r for r in rules.recompute_modes if r != "selective" or has_core]
