@@ -20,8 +20,21 @@ from planner.render.megatron import render_megatron
 from planner.report import overlaps_line
 from planner.solve.memory import FP8_WEIGHT_COPY_BYTES, fp8_amax_bytes, state_recipe
 from planner.solve.plan import Layout, Plan
-from planner.solve.search import Context, SearchOptions, enumerate_layouts, evaluate_layout, fp8_problems, memory_rejection, price_layout
-from planner.solve.timing import kv_bytes, overlapped_collective_time, ring_attention_exposed, split_context
+from planner.solve.search import (
+    Context,
+    SearchOptions,
+    enumerate_layouts,
+    evaluate_layout,
+    fp8_problems,
+    memory_rejection,
+    price_layout,
+)
+from planner.solve.timing import (
+    kv_bytes,
+    overlapped_collective_time,
+    ring_attention_exposed,
+    split_context,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron"
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +51,7 @@ def _lay(**kw) -> Layout:
 @pytest.mark.parametrize("d", [1, 4, 8, 64])
 def test_megatron_precision_options_bytes_per_parameter(d):
     meg = get_engine("megatron")
-    per = lambda lay: sum(meg.state_recipe("bf16", lay.zero, "adam", lay).per_param(d))  # noqa: E731
+    per = lambda lay: sum(meg.state_recipe("bf16", lay.zero, "adam", lay).per_param(d))
     assert per(_lay(zero=0)) == pytest.approx(18)  # 2 bf16 + 4 fp32 main grad + 12 (master + m + v)
     assert per(_lay()) == pytest.approx(6 + 12 / d)  # distributed optimizer
     assert per(_lay(optimizer_state_dtype="bf16")) == pytest.approx(6 + (4 + 2 + 2) / d)  # bf16 moments
