@@ -300,3 +300,20 @@ def test_cli_fp8_and_cp_refusals_exit_2(gpt_costs):
         enumerate_layouts(gpt_costs, cluster, SearchOptions(engine="torch", cp=2), get_engine("torch"), 64)
     with pytest.raises(UsageError, match="--cp must be at least 1"):
         enumerate_layouts(gpt_costs, cluster, SearchOptions(engine="megatron", cp=0), get_engine("megatron"), 64)
+
+
+def test_gpt3_175b_interleaved_on_128_h100_fits_at_its_simulated_peak():
+    """The issue's case: each virtual stage's held micro-batches summed gave 83.2 GiB and refused the layout; the
+    simulated per-rank peak (what plan.json reports) is 76.1 GiB of 79.0, and that is the answer the fit check uses."""
+    from bench.published_runs import costs_for
+
+    costs = costs_for("gpt3-175b")
+    cluster = hardware.parse_gpus("128xH100-SXM")
+    lay = Layout("megatron", 8, 4, 4, 6, 1, 64, 256, "interleaved", "selective", 1, True)
+    ctx = Context(costs, cluster, SearchOptions(engine="megatron", global_batch=256, mem_target=1.0), get_engine("megatron"))
+    ev = evaluate_layout(ctx, lay, costs.dtype)
+    assert not hasattr(ev, "reason"), ev.reason
+    peak = max(r["total"] for r in ev.rank_memory)
+    assert peak <= ev.capacity[0] and ev.predicted.peak_memory_bytes == int(peak)
+    stage_sum = max(sum(s["total"] for j, s in enumerate(ev.stage_memory) if ev.stage_rank[j] == r) for r in range(lay.pp))
+    assert stage_sum > ev.capacity[0]  # the old per-stage sum would have refused it
