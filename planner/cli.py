@@ -162,7 +162,7 @@ def plan(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the one-line layout."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing directory that is not a planner output."),
     model_arg: Optional[List[str]] = ModelArg,
-    dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp16 | fp32"),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp16 | fp32 | fp8 (Transformer Engine FP8 GEMMs; Megatron, H100/H200/B200)"),
     leaf: Optional[List[str]] = Leaf,
     tracer: str = typer.Option("auto", "--tracer", help="auto | fx | export"),
     gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="Override the profile's GPUs per node."),
@@ -179,6 +179,12 @@ def plan(
     zero: Optional[int] = typer.Option(None, "--zero", help="Pin the ZeRO stage (0 or 1 with a pipeline)."),
     mem_target: float = typer.Option(0.85, "--mem-target", help="Fraction of usable GPU memory a plan may use."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Measured per-layer times from `planner profile`."),
+    cp: Optional[int] = typer.Option(None, "--cp", help="Pin the context-parallel degree (Megatron; sequence divisible by 2 x cp)."),
+    tp_comm_overlap: Optional[bool] = typer.Option(None, "--tp-comm-overlap/--no-tp-comm-overlap", help="Pin TP communication overlap (Megatron, needs tp > 1)."),
+    overlap_grad_reduce: Optional[bool] = typer.Option(None, "--overlap-grad-reduce/--no-overlap-grad-reduce", help="Pin the gradient-reduce overlap (Megatron)."),
+    overlap_param_gather: Optional[bool] = typer.Option(None, "--overlap-param-gather/--no-overlap-param-gather", help="Pin the parameter all-gather overlap (Megatron, zero 1)."),
+    main_grads_dtype: str = typer.Option("fp32", "--main-grads-dtype", help="fp32 | bf16: gradients kept and reduced in (Megatron)."),
+    optimizer_state_dtype: str = typer.Option("fp32", "--optimizer-state-dtype", help="fp32 | bf16 | fp16: Adam moments (Megatron, zero 1)."),
 ) -> None:
     """Choose the layout and stage split, predict step time and memory, and write the configs."""
     from planner.model.load import parse_model_args
@@ -207,8 +213,16 @@ def plan(
             zero=zero,
             mem_target=mem_target,
             profile=str(profile) if profile else None,
+            cp=cp,
+            tp_comm_overlap=tp_comm_overlap,
+            overlap_grad_reduce=overlap_grad_reduce,
+            overlap_param_gather=overlap_param_gather,
+            main_grads_dtype=main_grads_dtype,
+            optimizer_state_dtype=optimizer_state_dtype,
         )
         _check_choice("--recompute", recompute, ("none", "selective", "full"))
+        _check_choice("--main-grads-dtype", main_grads_dtype, ("fp32", "bf16"))
+        _check_choice("--optimizer-state-dtype", optimizer_state_dtype, ("fp32", "bf16", "fp16"))
         if out_dir is not None:
             from planner.render import check_output_dir
 

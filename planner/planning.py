@@ -20,10 +20,13 @@ from planner.records import ModelCosts
 from planner.solve.memory import GiB
 from planner.solve.plan import Alternative, Layout, Plan, RankMemory, StagePlan
 from planner.solve.rules import RejectKind
-from planner.solve.search import Context, Evaluation, Rejection, SearchOptions, SearchResult, evaluate_layout, search
+from planner.solve.search import Context, Evaluation, Rejection, SearchOptions, SearchResult, evaluate_layout, search, with_options
 
 #: the SearchOptions fields that are the user's settings (recorded in plan.json); the others are search knobs
-RECORDED_SEARCH_FIELDS = ("engine", "global_batch", "pp", "tp", "dp", "vp", "micro_batch", "schedule", "recompute", "zero", "mem_target", "optimizer")
+RECORDED_SEARCH_FIELDS = (
+    "engine", "global_batch", "pp", "tp", "dp", "vp", "micro_batch", "schedule", "recompute", "zero", "mem_target", "optimizer",
+    "cp", "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather", "main_grads_dtype", "optimizer_state_dtype",
+)
 _KNOBS = frozenset(f.name for f in fields(SearchOptions)) - frozenset(RECORDED_SEARCH_FIELDS)
 
 
@@ -77,11 +80,13 @@ def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | Non
         inter_node_gbps=req.inter_node_gbps,
         profiles=hardware.available_profiles(req.hardware_profiles),
     )
+    if req.dtype == "fp8":  # Transformer Engine FP8: bf16 weights and activations, FP8 GEMMs
+        req = replace(req, fp8=True)
     analysis = analyze(
         req.model_file,
         req.model_args,
         req.cost_micro_batch,
-        req.dtype,
+        "bf16" if req.fp8 else req.dtype,
         list(req.leaf),
         req.tracer,
         sub_block_cuts=True,
@@ -117,7 +122,8 @@ def _evaluate_pinned(costs: ModelCosts, cluster: Cluster, req: PlanRequest) -> S
     if missing:
         raise UsageError(f"fixed stage boundaries need the whole layout pinned; missing: {', '.join(missing)}.")
     pp, tp, dp, vp, b, gb, zero = (int(getattr(req, k)) for k in ("pp", "tp", "dp", "vp", "micro_batch", "global_batch", "zero"))
-    lay = Layout(req.engine, pp, tp, dp, vp, b, gb // (dp * b), gb, str(req.schedule), str(req.recompute), zero, tp > 1)
+    base = Layout(req.engine, pp, tp, dp, vp, b, gb // (dp * b), gb, str(req.schedule), str(req.recompute), zero, tp > 1, cp=req.cp or 1)
+    lay = with_options(base, req, get_engine(req.engine))[-1]
     ev = evaluate_layout(Context(costs, cluster, req, get_engine(req.engine)), lay, costs.dtype, bounds=req.bounds)
     if isinstance(ev, Rejection):
         return SearchResult(None, [], [ev], 1, 1, gb)

@@ -250,7 +250,7 @@ def print_summary(console: Console, plan: Plan, result=None) -> None:
     ``result`` (a :class:`planner.solve.search.SearchResult`) is optional: it only adds search counts.
     """
     lay, pr = plan.layout, plan.predicted
-    world = lay.pp * lay.tp * lay.dp
+    world = lay.world
     spec = plan.cluster.get("spec") or plan.inputs.get("gpus") or f"{world} GPUs"
     head = Text()
     head.append(f"{lay.engine}", style="bold")
@@ -264,6 +264,7 @@ def print_summary(console: Console, plan: Plan, result=None) -> None:
         + (f"; {lay.vp} stages per rank" if lay.vp > 1 else ""),
         highlight=False,
     )
+    console.print(overlaps_line(lay), highlight=False)
     if info is not None:
         console.print(Text(info.description, style="dim"))
     console.print()
@@ -345,9 +346,24 @@ class _AltRow:
     why: str
 
 
+def overlaps_line(lay: Layout) -> str:
+    """One sentence naming the communication overlaps (and precision options) the prediction assumed."""
+    names = ", ".join(f"--{o}" for o in lay.overlaps) or "none (every collective on the critical path)"
+    extra = []
+    if lay.cp > 1:
+        extra.append(f"context parallel {lay.cp} (ring attention overlapped with attention)")
+    if lay.fp8:
+        extra.append("FP8 GEMMs")
+    if lay.main_grads_dtype != "fp32":
+        extra.append(f"{lay.main_grads_dtype} gradients")
+    if lay.optimizer_state_dtype != "fp32":
+        extra.append(f"{lay.optimizer_state_dtype} optimizer states")
+    return f"Overlaps assumed: {names}" + (f"; {', '.join(extra)}" if extra else "") + "."
+
+
 def _report_context(plan: Plan, command: str) -> dict[str, Any]:
     lay, pr = plan.layout, plan.predicted
-    world = lay.pp * lay.tp * lay.dp
+    world = lay.world
     info = SCHEDULE_INFO.get(lay.schedule)
     worst_stage = bottleneck_stage(plan)
     worst_rank = most_loaded_rank(plan)
@@ -448,6 +464,7 @@ def _report_context(plan: Plan, command: str) -> dict[str, Any]:
         "world": world,
         "lay": lay,
         "short": _code(lay.short()),
+        "overlaps": overlaps_line(lay),
         "schedule_description": info.description if info else lay.schedule,
         "pr": {
             "step": _ms(pr.step_time_s),

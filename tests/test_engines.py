@@ -64,11 +64,16 @@ def test_zero_rules():
 
 
 def test_dp_overlap_is_the_engines():
-    comm, backward = 3.0, [1.0, 0.5]
-    assert get_engine("megatron").exposed_dp_time(comm, backward) == pytest.approx(1.5)
-    assert get_engine("megatron").exposed_dp_time(1.0, backward) == 0.0
-    assert get_engine("deepspeed").exposed_dp_time(comm, backward) == comm
-    assert get_engine("torch").exposed_dp_time(comm, backward) == comm
+    from planner.solve.plan import Layout
+
+    comm, backward, params = 3.0, [1.0, 0.5], 4e9  # buckets of 40M of 4B parameters: 1% of the exchange cannot hide
+    on = Layout("megatron", 2, 1, 4, 1, 1, 8, 32, "1f1b", "none", 0, overlap_grad_reduce=True)
+    assert get_engine("megatron").exposed_dp_time(on, comm, 0.0, backward, [0.5], params) == pytest.approx(1.5)
+    assert get_engine("megatron").exposed_dp_time(on, 1.0, 0.0, backward, [0.5], params) == pytest.approx(0.01)
+    off = Layout("megatron", 2, 1, 4, 1, 1, 8, 32, "1f1b", "none", 0)
+    assert get_engine("megatron").exposed_dp_time(off, comm, 0.0, backward, [0.5], params) == comm
+    assert get_engine("deepspeed").exposed_dp_time(off, comm, 0.0, backward, [0.5], params) == comm
+    assert get_engine("torch").exposed_dp_time(off, comm, 0.0, backward, [0.5], params) == comm
 
 
 def test_output_copies_only_for_torch_split_backward():

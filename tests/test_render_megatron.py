@@ -177,6 +177,7 @@ def test_recompute_zero_and_precision_flags():
         d["layout"]["dp"] = 1
         d["layout"]["global_batch"] = 16
         d["layout"]["num_microbatches"] = 8
+        d["layout"]["overlap_grad_reduce"] = False  # a layout field: nothing to overlap without a data-parallel group
         d["model"]["dtype"] = "fp16"
         args = parse_megatron_args(render_megatron(Plan.from_dict(d), "c", None)["pretrain_gpt.sh"])
         got = [v for n in ("--recompute-granularity", "--recompute-method", "--recompute-num-layers") for v in ([args.value(n)] if args.has(n) else [])]

@@ -36,16 +36,29 @@ class Engine(ABC):
     #: whether stages may be cut inside a repeated block (False: only between whole blocks)
     sub_block_cuts: bool = True
     recompute_modes: tuple[str, ...] = ("none", "full")
+    #: context parallelism (the sequence split over cp GPUs with ring attention)
+    context_parallel: bool = False
+    #: the communication overlaps the engine can run (Layout fields: tp_comm_overlap, overlap_grad_reduce, overlap_param_gather)
+    overlaps: tuple[str, ...] = ()
+    #: whether optimizer-state and main-gradient dtypes other than the engine's default can be asked for
+    precision_options: bool = False
+    #: Transformer Engine FP8 GEMMs
+    fp8: bool = False
 
     # ------------------------------------------------------------------ memory and time
 
     @abstractmethod
-    def state_recipe(self, precision: str, zero: int, optimizer: str = "adam") -> StateRecipe:
-        """Model-state bytes per parameter as this engine allocates them."""
+    def state_recipe(self, precision: str, zero: int, optimizer: str = "adam", layout: Layout | None = None) -> StateRecipe:
+        """Model-state bytes per parameter as this engine allocates them (``layout``: its precision options)."""
 
-    def exposed_dp_time(self, comm_s: float, backward_s: Sequence[float]) -> float:
-        """Seconds of the gradient exchange not hidden by the backward: all of it unless the engine overlaps."""
-        return comm_s
+    def exposed_dp_time(self, layout: Layout, reduce_s: float, gather_s: float, backward_s: Sequence[float], forward_s: Sequence[float], params: float) -> float:
+        """Seconds of the data-parallel exchange not hidden: the gradient reduction ``reduce_s`` and the parameter
+        all-gather ``gather_s`` (0 without a sharded optimizer) both exposed unless the engine overlaps them."""
+        return reduce_s + gather_s
+
+    def default_overlaps(self, tp: int, zero: int, data_parallel: int) -> dict[str, bool]:
+        """The overlaps an unpinned search turns on for a layout (none unless the engine has them)."""
+        return {}
 
     def sends_output_copies(self, schedule: str) -> bool:
         return False
@@ -91,12 +104,27 @@ class Engine(ABC):
             return [f"{self.name} has no {recompute} recomputation (it runs {', '.join(self.recompute_modes)})"]
         return []
 
+    def feature_problems(self, layout: Layout, costs: ModelCosts) -> list[str]:
+        """The context parallelism, overlaps, precision options and FP8 ``layout`` asks for that this engine lacks."""
+        out = []
+        if layout.cp > 1 and not self.context_parallel:
+            out.append(f"{self.name} runs no context parallelism (cp must be 1; use --engine megatron for cp > 1)")
+        for name in layout.overlaps:
+            if name not in self.overlaps:
+                out.append(f"{self.name} has no --{name} (it overlaps: {', '.join(self.overlaps) or 'nothing'})")
+        if (layout.main_grads_dtype != "fp32" or layout.optimizer_state_dtype != "fp32") and not self.precision_options:
+            out.append(f"{self.name} keeps its own gradient and optimizer-state dtypes (no bf16 main gradients or optimizer states; use --engine megatron)")
+        if layout.fp8 and not self.fp8:
+            out.append(f"{self.name} has no FP8 training (Transformer Engine FP8 GEMMs: use --engine megatron)")
+        return out
+
     def layout_problems(self, layout: Layout, costs: ModelCosts) -> list[str]:
         """Every rule ``layout`` breaks on this engine (empty when it can run)."""
         out = self.schedule_problems(layout.schedule, layout.pp, layout.num_microbatches, layout.vp) if layout.pp > 1 else []
         out += self.zero_problems(layout.zero, layout.pp)
         out += self.recompute_problems(layout.recompute)
         out += self.tensor_parallel_problems(costs, layout.tp)
+        out += self.feature_problems(layout, costs)
         return out
 
     def architecture_problem(self, arch: dict[str, Any] | None, model: str) -> tuple[str, str] | None:

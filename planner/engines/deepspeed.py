@@ -21,6 +21,7 @@ from typing import Any
 
 from planner.engines.base import Engine
 from planner.solve.memory import StateRecipe, state_recipe
+from planner.solve.plan import Layout
 
 
 class DeepSpeedEngine(Engine):
@@ -30,7 +31,7 @@ class DeepSpeedEngine(Engine):
     searched_schedules = ("1f1b",)
     zero_levels = (0, 1)
 
-    def state_recipe(self, precision: str, zero: int, optimizer: str = "adam") -> StateRecipe:
+    def state_recipe(self, precision: str, zero: int, optimizer: str = "adam", layout: Layout | None = None) -> StateRecipe:
         if precision == "bf16":
             # BF16_Optimizer partitions master and moments over dp at ZeRO 0 and 1; ZeRO 1 is rendered with
             # data_types.grad_accum_dtype = fp32 (4-byte gradients), ZeRO 0 accumulates in bf16 (2 bytes). The bf16

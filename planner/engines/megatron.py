@@ -6,8 +6,23 @@ the last stage; it runs 1F1B or interleaved 1F1B (virtual stages), tensor and
 sequence parallelism, the distributed optimizer (6 + 12/d bytes per parameter)
 and fp32 main gradients (18 bytes per parameter without it). Interleaving needs
 the number of micro-batches to be a multiple of pp and at least pp (point-to-point
-overlap is on by default, so pp = 2 interleaves too). ``--overlap-grad-reduce``
-reduces gradient buckets during the backward.
+overlap is on by default, so pp = 2 interleaves too).
+
+Overlaps (layout fields): ``--overlap-grad-reduce`` reduces gradient buckets during
+the last micro-batch's backward (the earlier micro-batches only accumulate);
+``--overlap-param-gather`` (distributed optimizer only, with --overlap-grad-reduce:
+validate_args asserts both) all-gathers the updated parameters bucket by bucket under
+the next step's first forward. Buckets hold max(40M, 1M x dp) parameters
+(DistributedDataParallel's default ``bucket_size``), and the last bucket reduced (the first
+gathered) cannot hide. ``--tp-comm-overlap`` needs ``--sequence-parallel`` (validate_args) and
+Transformer Engine, the default ``--transformer-impl``.
+
+Precision options (TE's FusedAdam behind ``--use-precision-aware-optimizer``, which
+OptimizerConfig allows only with Adam and the distributed optimizer): bf16 or fp16 Adam
+moments (``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``), bf16 main gradients
+(``--main-grads-dtype bf16``; without the precision-aware optimizer ``--grad-reduce-in-bf16``).
+Context parallelism (``--context-parallel-size``) needs the sequence length to divide by 2 x cp.
+FP8 runs Transformer Engine's FP8 GEMMs (``--fp8-format``, ``--fp8-recipe``).
 """
 
 from __future__ import annotations
@@ -19,7 +34,24 @@ import numpy as np
 from planner.engines.base import Engine
 from planner.megatron_args import architecture_problem, tensor_parallel_problems
 from planner.records import ModelCosts
-from planner.solve.memory import StateRecipe, state_recipe
+from planner.solve.memory import DTYPE_BYTES, StateRecipe, state_recipe
+from planner.solve.plan import Layout
+
+#: DistributedDataParallel's default bucket: max(40,000,000, 1,000,000 x data-parallel size) parameters
+#: (megatron/core/distributed/distributed_data_parallel.py, core_v0.16.1)
+BUCKET_MIN_PARAMS = 40_000_000
+BUCKET_PARAMS_PER_DP_RANK = 1_000_000
+
+
+def bucket_params(data_parallel: int) -> int:
+    """Parameters in one gradient bucket for a data-parallel group of ``data_parallel`` (x cp) ranks."""
+    return max(BUCKET_MIN_PARAMS, BUCKET_PARAMS_PER_DP_RANK * data_parallel)
+
+
+def overlapped(comm_s: float, hiding_s: float, last_share: float) -> float:
+    """Seconds of ``comm_s`` (in buckets) left exposed when it overlaps ``hiding_s`` of compute: what the compute
+    cannot cover, and at least the one bucket (``last_share`` of it) that starts only when the compute ends."""
+    return max(comm_s * min(1.0, last_share), comm_s - hiding_s, 0.0)
 
 
 class MegatronEngine(Engine):
@@ -31,15 +63,49 @@ class MegatronEngine(Engine):
     tensor_parallel = True
     sub_block_cuts = False
     recompute_modes = ("none", "selective", "full")
+    context_parallel = True
+    overlaps = ("tp-comm-overlap", "overlap-grad-reduce", "overlap-param-gather")
+    precision_options = True
+    fp8 = True
 
-    def state_recipe(self, precision: str, zero: int, optimizer: str = "adam") -> StateRecipe:
-        # bf16/fp16 weights, fp32 main grads, fp32 master + Adam; zero >= 1 is the distributed optimizer
-        grad = 4.0 if precision in ("bf16", "fp16") else None
-        return state_recipe(precision, optimizer, grad_bytes=grad, zero=1 if zero >= 1 else 0)
+    def state_recipe(self, precision: str, zero: int, optimizer: str = "adam", layout: Layout | None = None) -> StateRecipe:
+        # bf16/fp16 weights, fp32 main grads (or bf16), fp32 master + Adam moments (or bf16); zero >= 1 is the distributed optimizer
+        grads = layout.main_grads_dtype if layout is not None else "fp32"
+        states = layout.optimizer_state_dtype if layout is not None else "fp32"
+        grad = DTYPE_BYTES[grads] if precision in ("bf16", "fp16") else None
+        fp8 = layout is not None and layout.fp8
+        return state_recipe(precision, optimizer, grad_bytes=grad, zero=1 if zero >= 1 else 0, state_dtype=states, fp8=fp8)
 
-    def exposed_dp_time(self, comm_s: float, backward_s: Sequence[float]) -> float:
-        # --overlap-grad-reduce: buckets reduce during the last micro-batch's backward
-        return max(0.0, comm_s - sum(backward_s))
+    def exposed_dp_time(self, layout: Layout, reduce_s: float, gather_s: float, backward_s: Sequence[float], forward_s: Sequence[float], params: float) -> float:
+        share = bucket_params(layout.dp * layout.cp) / params if params > 0 else 1.0
+        reduce = overlapped(reduce_s, sum(backward_s), share) if layout.overlap_grad_reduce else reduce_s
+        gather = overlapped(gather_s, sum(forward_s), share) if layout.overlap_param_gather else gather_s
+        return reduce + gather
+
+    def default_overlaps(self, tp: int, zero: int, data_parallel: int) -> dict[str, bool]:
+        return {
+            "overlap_grad_reduce": data_parallel > 1 or zero >= 1,
+            "overlap_param_gather": data_parallel > 1 and zero >= 1,
+        }
+
+    def feature_problems(self, layout: Layout, costs: ModelCosts) -> list[str]:
+        out = super().feature_problems(layout, costs)
+        if layout.tp_comm_overlap and not (layout.tp > 1 and layout.sequence_parallel):
+            out.append("--tp-comm-overlap needs tensor parallelism with --sequence-parallel (validate_args asserts it)")
+        if layout.overlap_param_gather and not (layout.zero >= 1 and layout.overlap_grad_reduce):
+            out.append("--overlap-param-gather needs the distributed optimizer (zero 1) and --overlap-grad-reduce (validate_args asserts both)")
+        if layout.optimizer_state_dtype not in ("fp32", "bf16", "fp16"):
+            out.append(f"Megatron keeps Adam moments in fp32, bf16 or fp16 (--exp-avg-dtype), not {layout.optimizer_state_dtype}")
+        if layout.main_grads_dtype not in ("fp32", "bf16"):
+            out.append(f"Megatron keeps main gradients in fp32 or bf16 (--main-grads-dtype), not {layout.main_grads_dtype}")
+        if layout.optimizer_state_dtype != "fp32" and layout.zero < 1:
+            out.append("bf16/fp16 optimizer states need the precision-aware optimizer, which runs only with the distributed optimizer (zero 1)")
+        if layout.cp > 1:
+            if costs.seq_len and costs.seq_len % (2 * layout.cp):
+                out.append(f"context parallelism needs the sequence length ({costs.seq_len}) to divide by 2 x cp = {2 * layout.cp}")
+            if not costs.architecture:
+                out.append("context parallelism needs the model file's architecture() (heads, query groups)")
+        return out
 
     def allowed_cuts(self, costs: ModelCosts) -> np.ndarray:
         """Only between whole transformer layers; the embedding stays with the first layer, the final norm,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from planner.engines.base import Engine
 from planner.solve.memory import OPTIMIZER_STATE_BYTES, StateRecipe, state_recipe
+from planner.solve.plan import Layout
 from planner.solve.schedules import SCHEDULE_INFO
 
 
@@ -23,7 +24,7 @@ class TorchEngine(Engine):
     searched_schedules = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
     zero_levels = (0,)
 
-    def state_recipe(self, precision: str, zero: int, optimizer: str = "adam") -> StateRecipe:
+    def state_recipe(self, precision: str, zero: int, optimizer: str = "adam", layout: Layout | None = None) -> StateRecipe:
         # fp32 master parameters with bf16 autocast compute -> 4 + 4 + 8 (Adam)
         if precision in ("bf16", "fp16"):
             return StateRecipe(4.0, 4.0, 0.0, OPTIMIZER_STATE_BYTES[optimizer])

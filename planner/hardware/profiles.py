@@ -92,6 +92,10 @@ class DeviceProfile:
     matmul_size_scale: tuple[tuple[float, float], ...] = ()
     #: (bytes one memory-bound operator moves, fraction of memory_efficiency it reaches), likewise
     memory_size_scale: tuple[tuple[float, float], ...] = ()
+    #: least seconds one operator (kernel) takes in an eager training step: back-to-back kernel issue (profile fixed_costs)
+    kernel_floor_s: float = 0.0
+    #: seconds of synchronisation each pipeline send/recv adds besides its link latency (profile fixed_costs)
+    p2p_sync_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.matmul_size_scale:
@@ -148,8 +152,9 @@ _TOP = {
     "sources": ("sources", "a mapping from each numeric field to its source (URL or note)"),
     "measured_at_runtime": ("bool", "true or false"),
     "notes": ("str", "free text"),
+    "fixed_costs": ("fixed", "a mapping {kernel_us, p2p_sync_us} of per-operator and per-send fixed costs"),
 }
-_OPTIONAL = {"measured_at_runtime", "notes"}
+_OPTIONAL = {"measured_at_runtime", "notes", "fixed_costs"}
 _SUB = {
     "intra_node": {
         "topology": ("topology", "one of " + ", ".join(TOPOLOGIES)),
@@ -168,6 +173,10 @@ _SUB = {
         "allreduce_inter": ("fraction", "all-reduce busbw / inter-node bandwidth, in (0, 1]"),
         "matmul_size_scale": ("curve", "a list of [FLOPs of one matmul, fraction of efficiency.matmul] points"),
         "memory_size_scale": ("curve", "a list of [bytes one operator moves, fraction of efficiency.memory] points"),
+    },
+    "fixed_costs": {
+        "kernel_us": ("pos", "microseconds: the least time one kernel of an eager training step takes"),
+        "p2p_sync_us": ("pos", "microseconds of synchronisation per pipeline send/recv"),
     },
 }
 _SUB_OPTIONAL = {"matmul_size_scale", "memory_size_scale"}
@@ -255,7 +264,7 @@ class _Checker:
                     self.unknown(f"{field}.{k}", DTYPES)
                 out[k] = self.value(f"{field}.{k}", "pos", "dense TFLOP/s", x)
             return out
-        if kind in ("intra", "inter", "eff"):
+        if kind in ("intra", "inter", "eff", "fixed"):
             sub = _SUB[field]
             m = self.mapping(field, expected, v)
             for k in m:
@@ -291,7 +300,9 @@ class _Checker:
         return v
 
     def sources(self, data: dict, sources: dict) -> None:
-        valid = set(_NUMERIC_GROUPS) | {f"{g}.{s}" for g, subs in _NUMERIC_SUBS.items() for s in subs}
+        valid = set(_NUMERIC_GROUPS) | {f"{g}.{s}" for g, subs in _NUMERIC_SUBS.items() for s in subs} | {"fixed_costs"}
+        if "fixed_costs" in data and "fixed_costs" not in sources:
+            self.fail("sources.fixed_costs", "is missing: 'fixed_costs' holds numbers, and every number needs a source.")
         for k in sources:
             if k not in valid:
                 self.unknown(f"sources.{k}", sorted(valid))
@@ -371,6 +382,8 @@ def profile_from_dict(data: Any, path: str | Path) -> DeviceProfile:
         inter_fabric=inter["fabric"],
         matmul_size_scale=eff.get("matmul_size_scale", ()),
         memory_size_scale=eff.get("memory_size_scale", ()),
+        kernel_floor_s=v.get("fixed_costs", {}).get("kernel_us", 0.0) * 1e-6,
+        p2p_sync_s=v.get("fixed_costs", {}).get("p2p_sync_us", 0.0) * 1e-6,
     )
 
 

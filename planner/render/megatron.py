@@ -204,13 +204,14 @@ def flag_groups(plan: Plan) -> dict[str, Flags]:
         raise UsageError(f"recompute mode {lay.recompute!r} has no Megatron-LM equivalent (none, selective, full).")
     if lay.zero >= 1:
         training.append(("--use-distributed-optimizer", None))
-    if lay.zero >= 1 or lay.dp > 1:
-        training.append(("--overlap-grad-reduce", None))
+    feature_training, feature_parallel = feature_flags(plan)
+    training += feature_training
     training += list(HYPERPARAMETERS)
     parallel: Flags = [("--tensor-model-parallel-size", str(lay.tp)), ("--pipeline-model-parallel-size", str(lay.pp))]
     parallel += split_flags(counts, lay.pp)
     if lay.tp > 1:
         parallel.append(("--sequence-parallel", None))
+    parallel += feature_parallel
     vocab_arg, divisible = vocab_flags(arch["vocab_size"], lay.tp)
     data: Flags = [
         ("--mock-data", None),
@@ -226,6 +227,40 @@ def flag_groups(plan: Plan) -> dict[str, Flags]:
         "DATA_ARGS": data,
         "EVAL_AND_LOGGING_ARGS": logging,
     }
+
+
+#: FP8 recipe the renderer writes: Transformer Engine's hybrid format (e4m3 forward, e5m2 gradients) with delayed scaling
+#: over an amax history of 1024 steps, the largest amax of the window (Megatron-LM / NeMo FP8 examples)
+FP8_FLAGS: Flags = [("--fp8-format", "hybrid"), ("--fp8-recipe", "delayed"), ("--fp8-amax-history-len", "1024"), ("--fp8-amax-compute-algo", "max")]
+
+
+def feature_flags(plan: Plan) -> tuple[Flags, Flags]:
+    """(TRAINING_ARGS, MODEL_PARALLEL_ARGS) additions for the layout's overlaps, precision options, FP8 and context
+    parallelism (flag names and choices from Megatron-LM core_v0.16.1's arguments.py and TransformerConfig)."""
+    lay = plan.layout
+    training: Flags = []
+    if lay.overlap_grad_reduce:
+        training.append(("--overlap-grad-reduce", None))
+    if lay.overlap_param_gather:
+        training.append(("--overlap-param-gather", None))
+    if lay.optimizer_state_dtype != "fp32" or (lay.main_grads_dtype != "fp32" and lay.zero >= 1):
+        # TE's FusedAdam keeps the moments (and takes the main gradients) in the asked dtypes
+        training += [
+            ("--use-precision-aware-optimizer", None),
+            ("--main-grads-dtype", lay.main_grads_dtype),
+            ("--exp-avg-dtype", lay.optimizer_state_dtype),
+            ("--exp-avg-sq-dtype", lay.optimizer_state_dtype),
+        ]
+    elif lay.main_grads_dtype == "bf16":
+        training.append(("--grad-reduce-in-bf16", None))
+    if lay.fp8:
+        training += FP8_FLAGS
+    parallel: Flags = []
+    if lay.cp > 1:
+        parallel.append(("--context-parallel-size", str(lay.cp)))
+    if lay.tp_comm_overlap:
+        parallel.append(("--tp-comm-overlap", None))
+    return training, parallel
 
 
 def _split_description(counts: list[int], pp: int) -> list[str]:
@@ -265,12 +300,12 @@ def _context(plan: Plan, command: str) -> dict[str, Any]:
         "command": one_line(command),
         "megatron_version": MEGATRON_VERSION,
         "lay": lay,
-        "world": lay.pp * lay.tp * lay.dp,
+        "world": lay.world,
         "nodes": nodes,
         "per_node": per_node,
         "groups": groups,
         "argv_groups": {g: [[name, *_values(value)] for name, value in pairs] for g, pairs in groups.items()},
-        "tp_env": lay.tp > 1,
+        "tp_env": lay.tp > 1 or lay.cp > 1,
         "train_iters": DEFAULT_TRAIN_ITERS,
         "split_lines": [one_line(x) for x in _split_description(counts, lay.pp)],
         "split_kind": one_line(split_kind),

@@ -53,27 +53,56 @@ class StateRecipe:
     shard_optimizer: bool = False
     shard_grads: bool = False
     shard_weights: bool = False
+    #: copies of the weights in another dtype kept next to them, never sharded (FP8 GEMM weights: 2)
+    copy_bytes: float = 0.0
 
     def per_param(self, dp: int) -> tuple[float, float, float]:
         """(weights, grads, optimizer) bytes per parameter for a data-parallel group of ``dp``."""
-        w = self.weight_bytes / (dp if self.shard_weights else 1)
+        w = self.weight_bytes / (dp if self.shard_weights else 1) + self.copy_bytes
         g = self.grad_bytes / (dp if self.shard_grads else 1)
         o = (self.master_bytes + self.optimizer_bytes) / (dp if self.shard_optimizer else 1)
         return w, g, o
 
 
 OPTIMIZER_STATE_BYTES = {"adam": 8.0, "adamw": 8.0, "sgd": 4.0}  # fp32 moments per parameter (Adam: m and v; SGD: momentum)
+#: bytes per element of the dtypes model state can be kept in
+DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0}
+#: Transformer Engine FP8 GEMMs keep, per weight, an FP8 copy and (Hopper's FP8 GEMMs take only the TN layout)
+#: its FP8 transpose, cached across the micro-batches of a step: 2 bytes per parameter besides the bf16 weight
+FP8_WEIGHT_COPY_BYTES = 2.0
+#: FP8 tensors of one TE linear layer with delayed scaling: input, weight, output (forward), two gradients (backward)
+FP8_TENSORS_PER_GEMM = 5
+#: GEMMs per transformer layer that run in FP8 (QKV, attention projection, FC1, FC2)
+FP8_GEMMS_PER_LAYER = 4
 
 
-def state_recipe(precision: str, optimizer: str = "adam", grad_bytes: float | None = None, zero: int = 0) -> StateRecipe:
+def fp8_amax_bytes(layers: int, history: int) -> float:
+    """Bytes of the delayed-scaling state of ``layers`` transformer layers: per FP8 tensor an fp32 amax history of
+    ``history`` entries plus its scale and inverse scale."""
+    return float(layers * FP8_GEMMS_PER_LAYER * FP8_TENSORS_PER_GEMM * (history + 2) * 4)
+
+
+def state_recipe(
+    precision: str,
+    optimizer: str = "adam",
+    grad_bytes: float | None = None,
+    zero: int = 0,
+    state_dtype: str = "fp32",
+    fp8: bool = False,
+) -> StateRecipe:
     """The model-state recipe for a precision, optimizer and ZeRO stage.
 
     ``grad_bytes`` overrides the gradient element size (4 where the engine keeps
     fp32 gradients: Megatron's main grads, DeepSpeed's fp32 accumulation).
+    ``state_dtype`` is the optimizer moments' dtype (fp32 unless a precision-aware
+    optimizer keeps them in bf16 or fp16: Adam 2 x 2 bytes instead of 2 x 4).
+    ``fp8`` adds the FP8 weight copies (:data:`FP8_WEIGHT_COPY_BYTES`) to the weights.
     """
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"unknown optimizer {optimizer!r}")
-    moments = OPTIMIZER_STATE_BYTES[optimizer]
+    if state_dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown optimizer state dtype {state_dtype!r}")
+    moments = OPTIMIZER_STATE_BYTES[optimizer] * DTYPE_BYTES[state_dtype] / 4.0
     if precision == "fp32":
         w, g, master = 4.0, 4.0, 0.0
     elif precision in ("bf16", "fp16"):
@@ -82,7 +111,8 @@ def state_recipe(precision: str, optimizer: str = "adam", grad_bytes: float | No
         raise ValueError(f"unknown precision {precision!r}")
     if grad_bytes is not None:
         g = float(grad_bytes)
-    return StateRecipe(w, g, master, moments, shard_optimizer=zero >= 1, shard_grads=zero >= 2, shard_weights=zero >= 3)
+    copies = FP8_WEIGHT_COPY_BYTES if fp8 else 0.0
+    return StateRecipe(w, g, master, moments, shard_optimizer=zero >= 1, shard_grads=zero >= 2, shard_weights=zero >= 3, copy_bytes=copies)
 
 
 @dataclass(frozen=True)

@@ -48,20 +48,56 @@ class Layout:
     recompute: str
     zero: int
     sequence_parallel: bool = False
+    #: context-parallel group size: each sequence is split over cp GPUs (ring attention); world = pp x tp x cp x dp
+    cp: int = 1
+    #: tensor-parallel collectives overlapped with the GEMMs (Megatron --tp-comm-overlap: needs sequence parallelism)
+    tp_comm_overlap: bool = False
+    #: gradient reduce(-scatter) overlapped with the last micro-batch's backward (Megatron --overlap-grad-reduce)
+    overlap_grad_reduce: bool = False
+    #: parameter all-gather of the distributed optimizer overlapped with the next forward (--overlap-param-gather)
+    overlap_param_gather: bool = False
+    #: dtype of the gradients kept and reduced: "fp32" (the engine's main gradients) or "bf16"
+    main_grads_dtype: str = "fp32"
+    #: dtype of the Adam moments: "fp32", or "bf16" / "fp16" (Megatron's precision-aware optimizer)
+    optimizer_state_dtype: str = "fp32"
+    #: Transformer Engine FP8 GEMMs (bf16 weights and activations, FP8 matmuls at the device's FP8 peak)
+    fp8: bool = False
+
+    @property
+    def world(self) -> int:
+        """GPUs the layout uses: pp x tp x cp x dp."""
+        return self.pp * self.tp * self.cp * self.dp
+
+    @property
+    def overlaps(self) -> tuple[str, ...]:
+        """The communication overlaps the layout assumes, by their Megatron flag names."""
+        on = (
+            ("tp-comm-overlap", self.tp_comm_overlap),
+            ("overlap-grad-reduce", self.overlap_grad_reduce),
+            ("overlap-param-gather", self.overlap_param_gather),
+        )
+        return tuple(name for name, flag in on if flag)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Layout":
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        values = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        if d.get("engine") == "megatron" and "overlap_grad_reduce" not in d:
+            # plans written before the overlaps were fields: Megatron's gradient reduce overlapped (and was rendered)
+            # whenever there was a data-parallel group or a distributed optimizer
+            values["overlap_grad_reduce"] = d.get("dp", 1) > 1 or d.get("zero", 0) >= 1
+        return cls(**values)
 
     def short(self) -> str:
         v = f" v{self.vp}" if self.vp > 1 else ""
         sp = " +sp" if self.sequence_parallel else ""
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
+        fp8 = " fp8" if self.fp8 else ""
         return (
-            f"pp{self.pp} tp{self.tp} dp{self.dp}{v} {self.schedule} mb{self.micro_batch}x{self.num_microbatches} "
-            f"recompute={self.recompute} zero={self.zero}{sp}"
+            f"pp{self.pp} tp{self.tp}{cp} dp{self.dp}{v} {self.schedule} mb{self.micro_batch}x{self.num_microbatches} "
+            f"recompute={self.recompute} zero={self.zero}{sp}{fp8}"
         )
 
 

@@ -40,6 +40,9 @@ class EngineRules(Protocol):
     recompute_modes: tuple[str, ...]
     zero_levels: tuple[int, ...]
     searched_schedules: tuple[str, ...]
+    context_parallel: bool
+    fp8: bool
+    overlaps: tuple[str, ...]
 
     def allowed_cuts(self, costs: ModelCosts) -> np.ndarray:
         """(n + 1,) booleans: where this engine can cut between pieces."""
@@ -53,14 +56,18 @@ class EngineRules(Protocol):
         """Why this engine cannot run ``layout`` (empty when it can)."""
         ...
 
-    def state_recipe(self, precision: str, zero: int, optimizer: str) -> StateRecipe:
-        """Model-state bytes per parameter as this engine allocates them."""
+    def state_recipe(self, precision: str, zero: int, optimizer: str, layout: Layout | None = None) -> StateRecipe:
+        """Model-state bytes per parameter as this engine allocates them for ``layout``'s precision options."""
+        ...
+
+    def default_overlaps(self, tp: int, zero: int, data_parallel: int) -> dict[str, bool]:
+        """The overlaps (Layout field names) an unpinned search turns on."""
         ...
 
     def sends_output_copies(self, schedule: str) -> bool:
         """Whether each stage keeps one more copy of its output per micro-batch in flight."""
         ...
 
-    def exposed_dp_time(self, comm_s: float, backward_s: Sequence[float]) -> float:
-        """Seconds of the data-parallel gradient exchange ``comm_s`` that the backward passes do not hide."""
+    def exposed_dp_time(self, layout: Layout, reduce_s: float, gather_s: float, backward_s: Sequence[float], forward_s: Sequence[float], params: float) -> float:
+        """Seconds of the data-parallel exchange (gradient reduction, parameter all-gather) the step does not hide."""
         ...

@@ -30,14 +30,23 @@ from planner.errors import UsageError
 from planner.hardware import Cluster, DeviceProfile, memory_time
 from planner.records import ModelCosts
 from planner.solve import partition as part
-from planner.solve.memory import GiB, RuntimeOverhead, range_matrices, stage_params
+from planner.solve.memory import GiB, RuntimeOverhead, fp8_amax_bytes, range_matrices, stage_params
 from planner.solve.plan import Layout, Predicted
 from planner.solve.rules import EngineRules, RejectKind
 from planner.solve.schedules import SCHEDULE_INFO, build_schedule
 from planner.solve.simulate import SimResult, StageMemory, StageTimes, simulate
-from planner.solve.timing import PieceTimes, analytical_times, shard_costs, tp_collective_time, with_measured
+from planner.solve.timing import PieceTimes, analytical_times, kv_bytes, shard_costs, split_context, tp_collective_time, with_measured
 
 RECOMPUTE_MODES = ("none", "selective", "full")
+#: context-parallel sizes an unpinned search tries, and the shortest sequence it tries them for (ring attention pays off only
+#: when the attention block per rank is long enough to hide the KV exchange; shorter sequences keep cp = 1)
+CP_SIZES = (2, 4, 8)
+CP_MIN_SEQ = 8192
+#: TE userbuffers of --tp-comm-overlap: one (s x b, h) bf16 buffer per overlapped GEMM role (QKV, projection, FC1, FC2
+#: forward and their dgrad/wgrad bulk overlaps: 10 in Transformer Engine's default initialize_ub method lists)
+TP_OVERLAP_BUFFERS = 10
+#: --fp8-amax-history-len the Megatron renderer writes (NeMo's and Megatron's FP8 examples use 1024 with amax algo max)
+FP8_AMAX_HISTORY = 1024
 DEFAULT_MEM_TARGET = 0.85
 #: default global batch: 8 samples per GPU keeps a 1F1B bubble under 1 - 8/(8+1) ~ 11% even at pp = world size
 SAMPLES_PER_GPU = 8
@@ -71,6 +80,13 @@ class SearchOptions:
     top_k: int = 5
     measured: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)  # device key -> piece -> (fwd, bwd) s at the costed micro-batch
     exhaustive: bool = False  # price every candidate (no bound pruning): for tests and benchmarks
+    cp: int | None = None  # context-parallel size (searched from CP_SIZES for long sequences when None)
+    tp_comm_overlap: bool | None = None  # None: searched (on and off) where the engine has it and tp > 1
+    overlap_grad_reduce: bool | None = None  # None: on where the engine has it and there is a data-parallel group
+    overlap_param_gather: bool | None = None  # None: on with the distributed optimizer where the engine has it
+    main_grads_dtype: str = "fp32"  # "bf16": gradients kept and reduced in bf16
+    optimizer_state_dtype: str = "fp32"  # "bf16" / "fp16": Adam moments in half precision (precision-aware optimizer)
+    fp8: bool = False  # Transformer Engine FP8 GEMMs at the device's FP8 peak
 
 
 @dataclass
@@ -164,40 +180,42 @@ class Context:
         self.engine = engine
         self.allowed = engine.allowed_cuts(costs)
         self.min_gpus_per_node = min(g.gpus_per_node for g in cluster.groups)
-        self._sharded: dict[tuple[int, int, bool], ModelCosts] = {}
-        self._times: dict[tuple[int, int, str, str, bool], PieceTimes] = {}
-        self._memory: dict[tuple[int, int, str, bool], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
-        self._cuts: dict[tuple[int, int, bool], tuple[np.ndarray, np.ndarray]] = {}
+        self._sharded: dict[tuple[int, int, bool, int], ModelCosts] = {}
+        self._times: dict[tuple[object, ...], PieceTimes] = {}
+        self._memory: dict[tuple[int, int, str, bool, int], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._cuts: dict[tuple[int, int, bool, int], tuple[np.ndarray, np.ndarray]] = {}
         self._prefix: dict[int, tuple[PieceTimes, np.ndarray]] = {}
-        self._p2p: dict[tuple[int, int, int, int, bool, bool], np.ndarray] = {}
+        self._p2p: dict[tuple[int, int, int, int, bool, bool, int], np.ndarray] = {}
 
-    def sharded(self, b: int, tp: int, sp: bool = True) -> ModelCosts:
-        key = (b, tp, sp and tp > 1)
+    def sharded(self, b: int, tp: int, sp: bool = True, cp: int = 1) -> ModelCosts:
+        key = (b, tp, sp and tp > 1, cp)
         if key not in self._sharded:
-            self._sharded[key] = shard_costs(self.costs.scaled(b), tp, sequence_parallel=sp and tp > 1)
+            self._sharded[key] = split_context(shard_costs(self.costs.scaled(b), tp, sequence_parallel=sp and tp > 1), cp)
         return self._sharded[key]
 
-    def memory(self, b: int, tp: int, recompute: str, sp: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def memory(self, b: int, tp: int, recompute: str, sp: bool = True, cp: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(parameters, other static bytes, activation bytes per micro-batch, pending-W bytes) per piece range."""
-        key = (b, tp, recompute, sp)
+        key = (b, tp, recompute, sp, cp)
         if key not in self._memory:
-            self._memory[key] = range_matrices(self.sharded(b, tp, sp), tp, recompute)
+            self._memory[key] = range_matrices(self.sharded(b, tp, sp, cp), tp, recompute)
         return self._memory[key]
 
-    def cut_bytes(self, b: int, tp: int, sp: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    def cut_bytes(self, b: int, tp: int, sp: bool = True, cp: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """Bytes sent forward and backward across each cut, per micro-batch, per GPU."""
-        key = (b, tp, sp)
+        key = (b, tp, sp, cp)
         if key not in self._cuts:
-            c = self.sharded(b, tp, sp).cuts
+            c = self.sharded(b, tp, sp, cp).cuts
             self._cuts[key] = (np.array([x.bytes for x in c], dtype=float), np.array([x.grad_bytes for x in c], dtype=float))
         return self._cuts[key]
 
-    def p2p(self, b: int, tp: int, src: int, dst: int, forward: bool, sp: bool = True) -> np.ndarray:
-        """Seconds to send each cut's forward (or gradient) bytes from global rank src to dst."""
-        key = (b, tp, src, dst, forward, sp)
+    def p2p(self, b: int, tp: int, src: int, dst: int, forward: bool, sp: bool = True, cp: int = 1) -> np.ndarray:
+        """Seconds to send each cut's forward (or gradient) bytes from global rank src to dst, with the device's
+        per-message pipeline synchronisation cost."""
+        key = (b, tp, src, dst, forward, sp, cp)
         if key not in self._p2p:
-            fwd, bwd = self.cut_bytes(b, tp, sp)
-            self._p2p[key] = _p2p(self.cluster, fwd if forward else bwd, src, dst)
+            fwd, bwd = self.cut_bytes(b, tp, sp, cp)
+            sync = fixed_costs(self.cluster.device_of(src))[1]
+            self._p2p[key] = _p2p(self.cluster, fwd if forward else bwd, src, dst, sync)
         return self._p2p[key]
 
     def prefix(self, t: PieceTimes) -> np.ndarray:
@@ -206,22 +224,35 @@ class Context:
             self._prefix[key] = (t, np.concatenate([[0.0], np.cumsum(t.total)]))
         return self._prefix[key][1]
 
-    def times(self, b: int, tp: int, recompute: str, first_rank: int, dtype: str, sp: bool = True) -> PieceTimes:
+    def times(
+        self, b: int, tp: int, recompute: str, first_rank: int, dtype: str, sp: bool = True, cp: int = 1, tp_overlap: bool = False, fp8: bool = False
+    ) -> PieceTimes:
         dev = self.cluster.device_of(first_rank)
-        key = (b, tp, recompute, dev.key, sp)
+        key = (b, tp, recompute, dev.key, sp, cp, tp_overlap, fp8)
         if key not in self._times:
-            sharded = self.sharded(b, tp, sp)
+            sharded = self.sharded(b, tp, sp, cp)
             coll: float | list[float] = 0.0
             if tp > 1:
                 ranks = list(range(first_rank, first_rank + tp))
-                coll = [tp_collective_time(self.cluster, c.bytes, ranks, sp) for c in self.costs.scaled(b).cuts[:-1]]
-            t = analytical_times(sharded, dev, dtype, recompute, tp, coll)
+                coll = [tp_collective_time(self.cluster, c.bytes / cp, ranks, sp) for c in self.costs.scaled(b).cuts[:-1]]
+            step = 0.0
+            if cp > 1:
+                ring = [first_rank + k * tp for k in range(cp)]
+                nbytes = kv_bytes(self.costs.scaled(b), tp, cp)
+                step = max(self.cluster.p2p_latency(x, y) + nbytes / self.cluster.p2p_bandwidth(x, y) for x, y in zip(ring, ring[1:] + ring[:1]))
+            kernel = fixed_costs(dev)[0]
+            t = analytical_times(sharded, dev, dtype, recompute, tp, coll, tp_overlap, "fp8" if fp8 else None, kernel, cp, step)
             measured = self.opts.measured.get(dev.key)
-            if measured and tp == 1:
+            if measured and tp == 1 and cp == 1 and not fp8:
                 f = b / self.costs.micro_batch
                 t = with_measured(t, {k: (fw * f, bw * f) for k, (fw, bw) in measured.items()}, recompute)
             self._times[key] = t
         return self._times[key]
+
+
+def fixed_costs(device: DeviceProfile) -> tuple[float, float]:
+    """(least seconds one operator takes, seconds of synchronisation per pipeline send/recv) from the device profile."""
+    return device.kernel_floor_s, device.p2p_sync_s
 
 
 # --------------------------------------------------------------------------- candidates
@@ -232,45 +263,91 @@ def enumerate_layouts(costs: ModelCosts, cluster: Cluster, opts: SearchOptions, 
     world = cluster.world_size
     rules = engine
     gpn = min(g.gpus_per_node for g in cluster.groups)
+    if opts.fp8 and not engine.fp8:
+        raise UsageError(f"engine {engine.name} has no FP8 training (Transformer Engine FP8 GEMMs).", "Use --engine megatron for --dtype fp8, or --dtype bf16.")
+    if opts.fp8:
+        fp8_problems(cluster)
+    if (opts.cp or 1) > 1 and not engine.context_parallel:
+        raise UsageError(f"engine {engine.name} runs no context parallelism (--cp {opts.cp}).", "Use --engine megatron for --cp > 1, or drop --cp.")
     tps = [opts.tp] if opts.tp else [t for t in divisors(gpn) if t == 1 or rules.tensor_parallel]
     has_core = any(l.core_saved_bytes > 0 for l in costs.layers)
     recomputes = [opts.recompute] if opts.recompute else [r for r in rules.recompute_modes if r != "selective" or has_core]
     zeros = [opts.zero] if opts.zero is not None else list(rules.zero_levels)
     schedules = [opts.schedule] if opts.schedule else list(engine.searched_schedules)
+    if opts.cp is not None and opts.cp < 1:
+        raise UsageError(f"--cp must be at least 1, got {opts.cp}.", "Use --cp 1 (no context parallelism) or a divisor of the GPUs left after tp.")
+    if opts.cp:
+        cps = [opts.cp]
+    else:
+        long_seq = (costs.seq_len or 0) >= CP_MIN_SEQ
+        cps = [1] + [c for c in CP_SIZES if engine.context_parallel and long_seq and (costs.seq_len or 0) % (2 * c) == 0]
     out: list[Layout] = []
     rejected: list[Rejection] = []
     n = costs.n
     for tp in tps:
-        for pp in ([opts.pp] if opts.pp else divisors(world // tp) if world % tp == 0 else []):
-            if world % (tp * pp):
-                continue
-            dp = world // (tp * pp)
-            if opts.dp and dp != opts.dp:
-                continue
-            for b in ([opts.micro_batch] if opts.micro_batch else opts.micro_batches):
-                if global_batch % (dp * b):
+        for cp in cps:
+            model = tp * cp
+            for pp in ([opts.pp] if opts.pp else divisors(world // model) if world % model == 0 else []):
+                if world % (model * pp):
                     continue
-                m = global_batch // (dp * b)
-                for sched in (schedules if pp > 1 else [opts.schedule or "1f1b"]):
-                    if sched in ("interleaved", "interleaved-zb", "looped-bfs"):
-                        vs = [opts.vp] if opts.vp else [v for v in opts.virtual_stages if pp * v <= n]
-                    elif sched in ("zbv", "dualpipev"):
-                        vs = [2]
-                    else:
-                        vs = [1]
-                    if opts.vp and opts.vp not in vs:
+                dp = world // (model * pp)
+                if opts.dp and dp != opts.dp:
+                    continue
+                for b in ([opts.micro_batch] if opts.micro_batch else opts.micro_batches):
+                    if global_batch % (dp * b):
                         continue
-                    for v in vs:
-                        if pp * v > n or (pp == 1 and v > 1) or (pp == 1 and sched not in ("1f1b", "gpipe")):
+                    m = global_batch // (dp * b)
+                    for sched in (schedules if pp > 1 else [opts.schedule or "1f1b"]):
+                        if sched in ("interleaved", "interleaved-zb", "looped-bfs"):
+                            vs = [opts.vp] if opts.vp else [v for v in opts.virtual_stages if pp * v <= n]
+                        elif sched in ("zbv", "dualpipev"):
+                            vs = [2]
+                        else:
+                            vs = [1]
+                        if opts.vp and opts.vp not in vs:
                             continue
-                        for rc in recomputes:
-                            for z in zeros:
-                                if opts.zero is None and not engine.searches_zero(z, costs.dtype, dp):
-                                    continue
-                                out.append(Layout(engine.name, pp, tp, dp, v, b, m, global_batch, sched, rc, z, tp > 1))
+                        for v in vs:
+                            if pp * v > n or (pp == 1 and v > 1) or (pp == 1 and sched not in ("1f1b", "gpipe")):
+                                continue
+                            for rc in recomputes:
+                                for z in zeros:
+                                    if opts.zero is None and not engine.searches_zero(z, costs.dtype, dp):
+                                        continue
+                                    base = Layout(engine.name, pp, tp, dp, v, b, m, global_batch, sched, rc, z, tp > 1, cp=cp)
+                                    out += with_options(base, opts, engine)
     if not out:
         raise UsageError(_no_layout_message(world, opts, global_batch, costs), "Relax a pin, or change --global-batch or --gpus.")
     return out, rejected
+
+
+def with_options(base: Layout, opts: SearchOptions, engine: EngineRules) -> list[Layout]:
+    """``base`` with the precision options and overlaps: pinned ones as given, the others as the engine defaults them;
+    ``--tp-comm-overlap`` searched both ways where the engine has it and tp > 1."""
+    defaults = engine.default_overlaps(base.tp, base.zero, base.dp * base.cp)
+    grad = opts.overlap_grad_reduce if opts.overlap_grad_reduce is not None else defaults.get("overlap_grad_reduce", False)
+    gather = opts.overlap_param_gather if opts.overlap_param_gather is not None else defaults.get("overlap_param_gather", False) and grad
+    if opts.tp_comm_overlap is not None:
+        tpo = [opts.tp_comm_overlap]
+    else:
+        tpo = [False, True] if "tp-comm-overlap" in engine.overlaps and base.tp > 1 and base.sequence_parallel else [False]
+    common = dict(
+        overlap_grad_reduce=grad,
+        overlap_param_gather=gather,
+        main_grads_dtype=opts.main_grads_dtype,
+        optimizer_state_dtype=opts.optimizer_state_dtype,
+        fp8=opts.fp8,
+    )
+    return [replace(base, tp_comm_overlap=t, **common) for t in tpo]
+
+
+def fp8_problems(cluster: Cluster) -> None:
+    """A UsageError when a device of ``cluster`` has no FP8 tensor cores (no fp8 peak in its profile)."""
+    lacking = sorted({g.device.name for g in cluster.groups if "fp8" not in g.device.peak_flops})
+    if lacking:
+        raise UsageError(
+            f"--dtype fp8 needs FP8 tensor cores, and {', '.join(lacking)} has none (its profile lists no fp8 peak).",
+            "Use --dtype bf16 on this cluster, or plan for H100, H200 or B200 GPUs.",
+        )
 
 
 def _no_layout_message(world: int, opts: SearchOptions, gb: int, costs: ModelCosts) -> str:
@@ -296,7 +373,7 @@ def lower_bound(ctx: Context, lay: Layout, dtype: str) -> float:
         if key in seen:
             continue
         seen.add(key)
-        t = ctx.times(lay.micro_batch, lay.tp, lay.recompute, first, dtype).total
+        t = ctx.times(lay.micro_batch, lay.tp, lay.recompute, first, dtype, lay.sequence_parallel, lay.cp, lay.tp_comm_overlap, lay.fp8).total
         best = min(best, lay.num_microbatches * max(sum(t) / lay.pp, max(t)))
     return best
 
@@ -339,9 +416,9 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     problems = ctx.engine.layout_problems(lay, costs) + _node_rules(lay.tp, ctx.min_gpus_per_node)
     if problems:
         return Rejection(lay, "; ".join(problems), RejectKind.RULE)
-    p, v, tp, dp, b, m = lay.pp, lay.vp, lay.tp, lay.dp, lay.micro_batch, lay.num_microbatches
+    p, v, tp, dp, b, m, cp = lay.pp, lay.vp, lay.tp, lay.dp, lay.micro_batch, lay.num_microbatches, lay.cp
     S = p * v
-    block = dp * tp
+    block = dp * cp * tp
     devices = []
     for r in range(p):
         first, last = r * block, (r + 1) * block - 1
@@ -353,23 +430,23 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     sched = build_schedule(lay.schedule, p, m_order, v) if p > 1 else build_schedule("1f1b", 1, 1, 1)
     stage_rank = tuple(sched.stage_to_rank)
     sp = lay.sequence_parallel
-    sharded = ctx.sharded(b, tp, sp)
+    sharded = ctx.sharded(b, tp, sp, cp)
     n = costs.n
     split = SCHEDULE_INFO[sched.name].split_backward
 
     # memory: static bytes (state, buffers, working set) and activation bytes per micro-batch, as (n+1)^2 matrices
-    recipe = ctx.engine.state_recipe(costs.dtype, lay.zero, opts.optimizer)
-    w, g, o = recipe.per_param(dp)
+    recipe = ctx.engine.state_recipe(costs.dtype, lay.zero, opts.optimizer, lay)
+    w, g, o = recipe.per_param(dp * cp)  # gradients are reduced and optimizer state sharded over dp x cp
     per_param = w + g + o
-    params_m, other_m, act, wgrad = ctx.memory(b, tp, lay.recompute, sp)
+    params_m, other_m, act, wgrad = ctx.memory(b, tp, lay.recompute, sp, cp)
     static = params_m * per_param + other_m
     if ctx.engine.sends_output_copies(lay.schedule):
-        act = act + ctx.cut_bytes(b, tp, sp)[0][None, :]
+        act = act + ctx.cut_bytes(b, tp, sp, cp)[0][None, :]
     held, pending = _order_peaks(sched.name, p, m_order, v) if p > 1 else ((1,), (0,))
     if sched.name == "gpipe":
         held = (m,) * S
     frag = 1.0 + opts.overhead.fragmentation
-    fixed = opts.overhead.context + opts.overhead.communicator
+    fixed = opts.overhead.context + opts.overhead.communicator + feature_buffers(costs, lay)
     caps = [devices[stage_rank[j]].memory_bytes for j in range(S)]
     rank_budget = [devices[r].memory_bytes * opts.mem_target - fixed for r in range(p)]
     # each stage may use its rank's whole budget; ranks holding several stages are re-checked below
@@ -397,18 +474,17 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         key = devices[r].key
         if key not in classes:
             classes[key] = len(classes)
-            times_by_class.append(ctx.times(b, tp, lay.recompute, r * block, dtype, sp))
+            times_by_class.append(ctx.times(b, tp, lay.recompute, r * block, dtype, sp, cp, lay.tp_comm_overlap, lay.fp8))
     compute = [ctx.prefix(t) for t in times_by_class]
     stage_device = [classes[devices[stage_rank[j]].key] for j in range(S)]
 
     # boundary transfers: forward activations and backward gradients over the link between neighbouring stages
-    fwd_bytes, bwd_bytes = ctx.cut_bytes(b, tp)
     send_f: list[np.ndarray] = []
     send_b: list[np.ndarray] = []
     for j in range(S - 1):
         a, c = stage_rank[j] * block, stage_rank[j + 1] * block
-        send_f.append(ctx.p2p(b, tp, a, c, forward=True, sp=sp))
-        send_b.append(ctx.p2p(b, tp, c, a, forward=False, sp=sp))
+        send_f.append(ctx.p2p(b, tp, a, c, forward=True, sp=sp, cp=cp))
+        send_b.append(ctx.p2p(b, tp, c, a, forward=False, sp=sp, cp=cp))
     zero = np.zeros(n + 1)
     comm_in = [zero] + [send_f[j - 1] + send_b[j - 1] for j in range(1, S)]
     comm_out = [send_f[j] + send_b[j] for j in range(S - 1)] + [zero]
@@ -426,14 +502,13 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     )
     if bounds is None:
         sol = part.solve(pb)
-        # a rank holding several stages (interleaved, V) must fit their sum: shrink the budgets of the stages of
-        # ranks that overflow in proportion and solve again (a few rounds settle it; the simulator's peak is checked last)
+        # a rank holding several stages (interleaved, V) must fit their static memory plus the activations it holds
+        # at its simulated peak (the same answer plan.json reports): shrink the budgets of the stages of ranks that
+        # overflow in proportion and solve again (a few rounds settle it; the peak with real times is checked last)
         for _ in range(8 if v > 1 else 0):
             if sol is None:
                 break
-            per_rank = [0.0] * p
-            for j in range(S):
-                per_rank[stage_rank[j]] += sol.memory[j]
+            per_rank = _rank_need(sol.bounds, static, act, wgrad, stage_rank, sched.name, p, m_order, v, frag)
             over = [r for r in range(p) if per_rank[r] > rank_budget[r]]
             if not over:
                 break
@@ -493,20 +568,23 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         tensors = sum(stage_mem[j].values())
         stage_mem[j]["overhead"] = fixed / v + opts.overhead.fragmentation * tensors
         stage_mem[j]["total"] = tensors + stage_mem[j]["overhead"]
-    # data-parallel gradient exchange and optimizer step
+    # data-parallel gradient exchange (over dp x cp: context-parallel ranks hold the same weights) and optimizer step
     dp_exposed, opt_time = 0.0, 0.0
+    group = dp * cp
     for r in range(p):
         prm = sum(params[j] for j in range(S) if stage_rank[j] == r)
         dev = devices[r]
-        ranks = [r * block + d * tp for d in range(dp)]
-        if dp > 1:
+        ranks = [r * block + d * tp for d in range(group)]
+        if group > 1:
             if recipe.shard_optimizer:
-                comm = cluster.reduce_scatter_time(prm * recipe.grad_bytes, ranks) + cluster.all_gather_time(prm * recipe.weight_bytes, ranks)
+                reduce = cluster.reduce_scatter_time(prm * recipe.grad_bytes, ranks)
+                gather = cluster.all_gather_time(prm * recipe.weight_bytes, ranks)
             else:
-                comm = cluster.allreduce_time(prm * recipe.grad_bytes, ranks)
-            exposed = ctx.engine.exposed_dp_time(comm, [I[j] + W[j] for j in range(S) if stage_rank[j] == r])
+                reduce, gather = cluster.allreduce_time(prm * recipe.grad_bytes, ranks), 0.0
+            mine = [j for j in range(S) if stage_rank[j] == r]
+            exposed = ctx.engine.exposed_dp_time(lay, reduce, gather, [I[j] + W[j] for j in mine], [F[j] for j in mine], prm)
             dp_exposed = max(dp_exposed, exposed)
-        local = prm / (dp if recipe.shard_optimizer else 1)
+        local = prm / (group if recipe.shard_optimizer else 1)
         opt_time = max(opt_time, memory_time(local * OPTIMIZER_STEP_BYTES, dev))
     step = sim.step_time + dp_exposed + opt_time
     predicted = _predicted(ctx, lay, step, sim, dp_exposed, opt_time, max(rm["total"] for rm in rank_mem), devices)
@@ -529,11 +607,42 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     )
 
 
-def _p2p(cluster: Cluster, nbytes: np.ndarray, a: int, b: int) -> np.ndarray:
-    """Seconds to send each of ``nbytes`` from rank a to rank b: latency + bytes / bandwidth; 0 on the same rank or for no bytes."""
+def feature_buffers(costs: ModelCosts, lay: Layout) -> float:
+    """Bytes per GPU of the buffers the layout's features allocate: TE userbuffers for --tp-comm-overlap
+    (:data:`TP_OVERLAP_BUFFERS` x (s / cp x b) x h x 2 bytes) and the FP8 delayed-scaling state of the
+    transformer layers one pipeline rank holds (at most ceil(layers / pp))."""
+    arch = costs.architecture or {}
+    out = 0.0
+    if lay.tp_comm_overlap and arch and costs.seq_len:
+        out += TP_OVERLAP_BUFFERS * costs.seq_len / lay.cp * lay.micro_batch * arch["hidden_size"] * 2.0
+    if lay.fp8:
+        blocks = len({l.block for l in costs.layers if l.block is not None})
+        out += fp8_amax_bytes(-(-blocks // lay.pp), FP8_AMAX_HISTORY)
+    return out
+
+
+def _rank_need(
+    bounds: Sequence[int], static: np.ndarray, act: np.ndarray, wgrad: np.ndarray, stage_rank: Sequence[int], name: str, p: int, m: int, v: int, frag: float
+) -> list[float]:
+    """Bytes each pipeline rank needs for stages cut at ``bounds``: its stages' static bytes plus the simulated peak of
+    activations (and pending weight-gradient inputs) it holds, with the fragmentation reserve."""
+    rng = list(zip(bounds, bounds[1:]))
+    mem = StageMemory(tuple(float(act[a, c]) for a, c in rng), tuple(float(wgrad[a, c]) for a, c in rng))
+    split = SCHEDULE_INFO[name].split_backward
+    sim = simulate(build_schedule(name, p, m, v), StageTimes.uniform(p * v, 1.0, 1.0, 1.0 if split else 0.0), mem, timeline=False)
+    need = [0.0] * p
+    for j, (a, c) in enumerate(rng):
+        need[stage_rank[j]] += float(static[a, c])
+    peaks = sim.peak_bytes or [0.0] * p
+    return [(need[r] + peaks[r]) * frag for r in range(p)]
+
+
+def _p2p(cluster: Cluster, nbytes: np.ndarray, a: int, b: int, sync_s: float = 0.0) -> np.ndarray:
+    """Seconds to send each of ``nbytes`` from rank a to rank b: latency + synchronisation + bytes / bandwidth; 0 on the
+    same rank or for no bytes."""
     if a == b:
         return np.zeros_like(nbytes)
-    lat, bw = cluster.p2p_latency(a, b), cluster.p2p_bandwidth(a, b)
+    lat, bw = cluster.p2p_latency(a, b) + sync_s, cluster.p2p_bandwidth(a, b)
     return np.where(nbytes > 0, lat + nbytes / bw, 0.0)
 
 
@@ -589,7 +698,7 @@ def model_flops_per_step(costs: ModelCosts, global_batch: int) -> float:
 
 def _predicted(ctx: Context, lay: Layout, step: float, sim: SimResult, dp_exposed: float, opt_time: float, peak: float, devices: Sequence[DeviceProfile]) -> Predicted:
     costs = ctx.costs
-    world = lay.pp * lay.tp * lay.dp
+    world = lay.world
     flops = model_flops_per_step(costs, lay.global_batch)
     per_gpu = flops / step / world
     peak_flops = sum(d.flops(costs.dtype) for d in devices) / len(devices)

@@ -18,7 +18,15 @@ MLP piece one all-gather + reduce-scatter of the residual stream forward and
 one backward (each pair moves what one all-reduce moves: Korthikanti et al.
 2022, section 4.2.2); the vocabulary-parallel embedding and head add one
 all-reduce (embedding forward, head backward). These collectives are on the
-critical path, so they add to the piece's time.
+critical path, so they add to the piece's time, unless the layout overlaps them.
+
+With Megatron's ``--tp-comm-overlap`` (Transformer Engine userbuffers, sequence
+parallelism required) each all-gather / reduce-scatter is split into ``tp``
+chunks pipelined with the GEMM that consumes or produces them: the GEMM hides
+the transfer except the one chunk that starts (or ends) the ring, so a piece
+exposes ``max(collectives / tp, collectives - its matmul time)``
+(:func:`overlapped_collective_time`). The backward overlaps the same way
+(TE's bulk overlap of the dgrad and wgrad GEMMs).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from typing import Mapping, Sequence
 
 from planner import hardware
 from planner.hardware import Cluster, DeviceProfile
-from planner.records import ModelCosts
+from planner.records import ModelCosts, scale_layer
 
 TP_COLLECTIVES = {"attention": (1, 1), "mlp": (1, 1), "block": (2, 2), "embedding": (1, 0), "head": (0, 1)}
 
@@ -36,6 +44,14 @@ TP_COLLECTIVES = {"attention": (1, 1), "mlp": (1, 1), "block": (2, 2), "embeddin
 #: system (calculon-ai/calculon systems/a100_80g.json) prices reduce_scatter and all_gather at 1.5 each against
 #: all_reduce's 2.0 on NVLink, i.e. the pair at 1.5 all-reduces (NCCL's RS/AG reach a lower bus bandwidth than its AR)
 SP_PAIR_ALLREDUCES = 1.5
+
+
+def overlapped_collective_time(coll_s: float, matmul_s: float, tp: int) -> float:
+    """Seconds of ``coll_s`` of tensor-parallel collectives a piece still exposes when they overlap ``matmul_s`` of
+    its GEMMs, split into ``tp`` chunks: at least one chunk (coll_s / tp), and whatever the GEMMs are too short to hide."""
+    if coll_s <= 0 or tp <= 1:
+        return max(0.0, coll_s)
+    return max(coll_s / tp, coll_s - matmul_s)
 
 
 def tp_collective_time(cluster: Cluster, nbytes: float, ranks: Sequence[int], sequence_parallel: bool = True) -> float:
@@ -104,6 +120,45 @@ def shard_costs(costs: ModelCosts, tp: int, sequence_parallel: bool = True) -> M
     return replace(costs, layers=tuple(layers), cuts=cuts)
 
 
+def split_context(costs: ModelCosts, cp: int) -> ModelCosts:
+    """The costs one GPU of a context-parallel group of ``cp`` sees: every per-token quantity (FLOPs, bytes moved,
+    saved activations, stage-boundary tensors) divided by ``cp``; parameters unchanged.
+
+    Megatron splits each sequence into 2 x cp chunks and gives rank i chunks i and 2cp - 1 - i, so each
+    rank does 1/cp of the causal attention work as well as of the token-wise work.
+    """
+    if cp == 1:
+        return costs
+    f = 1.0 / cp
+    layers = tuple(scale_layer(l, f) for l in costs.layers)
+    cuts = tuple(replace(c, tensors=tuple(replace(t, bytes=int(round(t.bytes * f))) for t in c.tensors)) for c in costs.cuts)
+    return replace(costs, layers=layers, cuts=cuts)
+
+
+def kv_bytes(costs: ModelCosts, tp: int, cp: int) -> float:
+    """Bytes of one rank's key and value block for the costed micro-batch: 2 x (s / cp) x b x kv_hidden / tp x 2 bytes
+    (bf16), kv_hidden = hidden x query_groups / heads; 0 without an architecture."""
+    arch = costs.architecture or {}
+    if not arch or not costs.seq_len:
+        return 0.0
+    heads = arch["num_attention_heads"]
+    kv_hidden = arch["hidden_size"] * (arch.get("num_query_groups") or heads) / heads
+    return 2.0 * costs.seq_len / cp * costs.micro_batch * kv_hidden / tp * 2.0
+
+
+def ring_attention_exposed(step_comm_s: float, core_s: float, cp: int) -> tuple[float, float]:
+    """(forward, backward) seconds of ring attention's KV exchange a piece exposes.
+
+    The causal attention of a rank is done in ``cp`` block steps of ``core_s / cp`` each; each of the
+    cp - 1 transfers of the next KV block (``step_comm_s``) overlaps one step. The backward passes KV
+    and their gradients (twice the bytes) against twice the compute.
+    """
+    if cp <= 1:
+        return 0.0, 0.0
+    a = core_s / cp
+    return (cp - 1) * max(0.0, step_comm_s - a), (cp - 1) * max(0.0, 2 * step_comm_s - 2 * a)
+
+
 def analytical_times(
     costs: ModelCosts,
     device: DeviceProfile,
@@ -111,30 +166,51 @@ def analytical_times(
     recompute: str = "none",
     tp: int = 1,
     tp_collective_time: float | Sequence[float] = 0.0,
+    tp_overlap: bool = False,
+    matmul_dtype: str | None = None,
+    kernel_floor_s: float = 0.0,
+    cp: int = 1,
+    cp_step_s: float = 0.0,
 ) -> PieceTimes:
     """Roofline times of every piece (``costs`` already sharded with :func:`shard_costs`).
 
     ``tp_collective_time`` is the seconds of one residual-stream collective over
-    the tensor-parallel group, per piece or one value for all (0 when tp == 1).
+    the tensor-parallel group, per piece or one value for all (0 when tp == 1);
+    ``tp_overlap`` hides them behind the piece's GEMMs (:func:`overlapped_collective_time`).
+    ``matmul_dtype`` rates the GEMMs at another peak than ``dtype`` (``"fp8"``: Transformer
+    Engine FP8 GEMMs, while the other operators move ``dtype`` bytes). ``kernel_floor_s`` is
+    the least time one operator takes (the device's back-to-back kernel issue time).
+    ``cp_step_s`` is one KV-block transfer around the context-parallel ring of ``cp`` GPUs,
+    overlapped with the attention core (:func:`ring_attention_exposed`).
     """
+    mm_dtype = matmul_dtype or dtype
     n = len(costs.layers)
     coll = [float(tp_collective_time)] * n if isinstance(tp_collective_time, (int, float)) else list(tp_collective_time)
 
     fwd, bi, bw, rc = [], [], [], []
     for k, l in enumerate(costs.layers):
-        mm_f = ops_time(l.op_flops_fwd, l.flops_fwd, device, dtype)
-        mm_b = ops_time(l.op_flops_bwd, l.flops_bwd, device, dtype)
+        mm_f = ops_time(l.op_flops_fwd, l.flops_fwd, device, mm_dtype, kernel_floor_s)
+        mm_b = ops_time(l.op_flops_bwd, l.flops_bwd, device, mm_dtype, kernel_floor_s)
         w_share = l.flops_bwd_weight / l.flops_bwd if l.flops_bwd > 0 else 0.0
-        f = mm_f + bytes_time(l.op_bytes_fwd + l.op_bytes_fwd_resid, l.mem_bytes_fwd, device)
+        f = mm_f + bytes_time(l.op_bytes_fwd + l.op_bytes_fwd_resid, l.mem_bytes_fwd, device, kernel_floor_s)
         w = mm_b * w_share
-        i = mm_b * (1.0 - w_share) + bytes_time(l.op_bytes_bwd + l.op_bytes_bwd_resid, l.mem_bytes_bwd, device)
+        i = mm_b * (1.0 - w_share) + bytes_time(l.op_bytes_bwd + l.op_bytes_bwd_resid, l.mem_bytes_bwd, device, kernel_floor_s)
         n_f, n_b = TP_COLLECTIVES.get(l.kind, (0, 0)) if tp > 1 else (0, 0)
-        f += n_f * coll[k]
-        i += n_b * coll[k]
+        if tp_overlap:
+            f += overlapped_collective_time(n_f * coll[k], mm_f, tp)
+            i += overlapped_collective_time(n_b * coll[k], mm_b, tp)
+        else:
+            f += n_f * coll[k]
+            i += n_b * coll[k]
+        if cp > 1 and l.core_flops_fwd > 0:
+            core = ops_time(l.op_flops_core, l.core_flops_fwd, device, dtype, kernel_floor_s) + bytes_time(l.op_bytes_core, l.core_bytes_fwd, device, kernel_floor_s)
+            ring_f, ring_b = ring_attention_exposed(cp_step_s, core, cp)
+            f += ring_f
+            i += ring_b
         if recompute == "full":
             r = f
         elif recompute == "selective":
-            r = ops_time(l.op_flops_core, l.core_flops_fwd, device, dtype) + bytes_time(l.op_bytes_core, l.core_bytes_fwd, device)
+            r = ops_time(l.op_flops_core, l.core_flops_fwd, device, dtype, kernel_floor_s) + bytes_time(l.op_bytes_core, l.core_bytes_fwd, device, kernel_floor_s)
         else:
             r = 0.0
         fwd.append(f)
@@ -144,18 +220,20 @@ def analytical_times(
     return PieceTimes(tuple(fwd), tuple(bi), tuple(bw), tuple(rc), ("analytical",) * n)
 
 
-def ops_time(op_flops: Sequence[float], total: float, device: DeviceProfile, dtype: str) -> float:
-    """Seconds for a piece's matmul-like operators, each rated by its own size; ``total`` FLOPs when no list is known."""
+def ops_time(op_flops: Sequence[float], total: float, device: DeviceProfile, dtype: str, floor_s: float = 0.0) -> float:
+    """Seconds for a piece's matmul-like operators, each rated by its own size and taking at least ``floor_s``;
+    ``total`` FLOPs when no list is known."""
     if not op_flops:
         return hardware.matmul_time(total, device, dtype)
-    return sum(hardware.matmul_time(x, device, dtype) for x in op_flops if x > 0)
+    return sum(max(floor_s, hardware.matmul_time(x, device, dtype)) for x in op_flops if x > 0)
 
 
-def bytes_time(op_bytes: Sequence[float], total: float, device: DeviceProfile) -> float:
-    """Seconds for a piece's memory-bound operators, each rated by its transfer size; ``total`` bytes when no list is known."""
+def bytes_time(op_bytes: Sequence[float], total: float, device: DeviceProfile, floor_s: float = 0.0) -> float:
+    """Seconds for a piece's memory-bound operators, each rated by its transfer size and taking at least ``floor_s``;
+    ``total`` bytes when no list is known."""
     if not op_bytes:
         return hardware.memory_time(total, device)
-    return sum(hardware.memory_time(x, device, bytes_per_op=x) for x in op_bytes)
+    return sum(max(floor_s, hardware.memory_time(x, device, bytes_per_op=x)) for x in op_bytes)
 
 
 def with_measured(times: PieceTimes, measured: Mapping[int, tuple[float, float]], recompute: str) -> PieceTimes:
