@@ -65,7 +65,7 @@ def owned_files(path: Path) -> set[str] | None:
     files = doc.get("files") if isinstance(doc, dict) else None
     if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
         return None
-    return {f for f in files if _safe_rel(f)}
+    return {f for f in files if _safe_rel(f)} | {MARKER}
 
 
 def _safe_rel(rel: str) -> bool:
