@@ -132,10 +132,21 @@ def _timeout(value: float) -> float | None:
     return cv.finite_number("--timeout", value, 0.0, cv.MAX_TIMEOUT_S)
 
 
+#: longest --model-arg accepted (characters); values are Python literals, not data files
+MAX_MODEL_ARG_CHARS = 4096
+
+
 def _model_args(pairs: Optional[List[str]]) -> dict:
+    """--model-arg KEY=VALUE pairs, bounded in length; a literal too deep to parse is an exit-2 error."""
     from planner.model.load import parse_model_args
 
-    return parse_model_args(pairs)
+    for pair in pairs or ():
+        if len(pair) > MAX_MODEL_ARG_CHARS:
+            raise UsageError(f"--model-arg {pair[:40]!r}... is {len(pair):,} characters; the limit is {MAX_MODEL_ARG_CHARS:,}.")
+    try:
+        return parse_model_args(pairs)
+    except (RecursionError, MemoryError):
+        raise UsageError("a --model-arg value nests too deeply to read.", "Pass plain numbers, strings, lists or dicts.") from None
 
 
 @app.command()
