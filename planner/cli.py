@@ -8,6 +8,7 @@ input, 1 for a request with no answer), never as a traceback.
 from __future__ import annotations
 
 import json
+import stat
 import sys
 import time
 from contextlib import contextmanager
@@ -20,9 +21,12 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from planner import __version__
+from planner import __version__, hardware
 from planner import cli_values as cv
+from planner.engines import ENGINES, get_engine
 from planner.errors import PlannerError, UsageError
+from planner.fileio import MAX_INPUT_BYTES
+from planner.hardware.profiles import profile_scan_notes
 from planner.model.guard import DEFAULT_TIMEOUT_S, Guard, guard_user_code, stdout_to_stderr
 
 app = typer.Typer(
@@ -211,8 +215,6 @@ def inspect(
 
 def _check_pins(engine: str, pp, tp, dp, vp, micro_batch, global_batch, schedule, recompute, zero, mem_target) -> None:
     """Every pin in range and, for names, one the engine accepts (exit 2 listing what is accepted)."""
-    from planner.engines import ENGINES, get_engine
-
     cv.choice("--engine", engine, tuple(ENGINES))
     for flag, value in (("--pp", pp), ("--tp", tp), ("--dp", dp), ("--vp", vp), ("--micro-batch", micro_batch)):
         cv.positive_int(flag, value)
@@ -314,16 +316,12 @@ def plan(
 
 
 def _hardware_profiles(paths: Optional[List[Path]]):
-    from planner import hardware
-
     return hardware.available_profiles(paths or ())
 
 
 @hardware_app.command("list")
 def hardware_list(hardware_profile: Optional[List[Path]] = typer.Option(None, "--hardware-profile", help="Extra profile file or folder.")) -> None:
     """List the known devices."""
-    from planner import hardware
-    from planner.hardware.profiles import profile_scan_notes
 
     with _errors():
         profiles = _hardware_profiles(hardware_profile)
@@ -341,8 +339,6 @@ def hardware_list(hardware_profile: Optional[List[Path]] = typer.Option(None, "-
 @hardware_app.command("show")
 def hardware_show(name: str, hardware_profile: Optional[List[Path]] = typer.Option(None, "--hardware-profile")) -> None:
     """Show one device profile with the source of every number."""
-    from planner import hardware
-
     with _errors():
         profiles = _hardware_profiles(hardware_profile)
         prof, note = hardware.resolve_device(name, profiles)
@@ -447,6 +443,32 @@ def smoke(
     raise typer.Exit(0 if result.ok else 1)
 
 
+#: suffixes of the files `validate` and `explain` may read inside a directory
+_READ_SUFFIXES = (".json", ".sh", ".yaml", ".yml", ".txt", ".args")
+
+
+def _check_inputs(paths: List[Path]) -> None:
+    """Files the checks will read are regular and at most fileio.MAX_INPUT_BYTES (a FIFO would block the read,
+    a 200 MB config would take minutes): exit 2 naming the file, before anything is read."""
+    candidates: list[Path] = []
+    for p in paths:
+        if p.is_dir():
+            candidates += [c for c in sorted(p.iterdir()) if c.suffix in _READ_SUFFIXES]
+        else:
+            candidates.append(p)
+    for c in candidates:
+        try:
+            st = c.stat()
+        except OSError:
+            continue  # missing or a dangling link: the check itself reports it
+        if stat.S_ISDIR(st.st_mode):
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            raise UsageError(f"{str(c)!r} is not a regular file (a pipe, socket or device); it is not read.", "Remove it or name regular files.")
+        if st.st_size > MAX_INPUT_BYTES:
+            raise UsageError(f"{str(c)!r} is {st.st_size:,} bytes; configs and plans are read up to {MAX_INPUT_BYTES:,} bytes.")
+
+
 @app.command()
 def validate(
     paths: List[Path] = typer.Argument(..., help="Plan directories or single files (ds_config JSON, Megatron launch script or args file, plan.json)."),
@@ -463,6 +485,7 @@ def validate(
 
     with _errors():
         cv.choice("--format", fmt, cv.VALIDATE_FORMATS)
+        _check_inputs(list(paths))
         cv.positive_int("--pp", pp)
         limit = _timeout(timeout)
         args = _model_args(model_arg) if model_arg else None
@@ -478,6 +501,7 @@ def explain(plan_dir: Path = typer.Argument(..., help="A plan directory (or its 
     from planner.report import explain as explain_plan
 
     with _errors():
+        _check_inputs([plan_dir])
         try:
             explain_plan(out, plan_dir)
         except (KeyError, TypeError, ValueError, IndexError, StopIteration, AttributeError, ZeroDivisionError) as e:

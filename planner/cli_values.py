@@ -8,7 +8,8 @@ error, never "unset"). The limits bound the work one command can ask for.
 from __future__ import annotations
 
 import math
-from typing import Iterable, TypeVar
+from collections.abc import Iterable
+from typing import TypeVar
 
 from planner.errors import UsageError, did_you_mean
 

@@ -13,10 +13,11 @@ import secrets
 import shutil
 import stat
 import tempfile
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 from planner.errors import UsageError
 

@@ -30,8 +30,8 @@ MAX_PYTHON_BYTES = 256 * 2**20
 @pytest.fixture(scope="module", autouse=True)
 def _imported():
     """Import torch and the planner's modules once, outside the per-example time limit."""
-    import planner.check.validate  # noqa: F401
-    import planner.planning  # noqa: F401
+    import planner.check.validate
+    import planner.planning
     import planner.report  # noqa: F401
 
 

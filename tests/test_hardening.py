@@ -85,7 +85,7 @@ def cli(*args: str, cwd: Path | None = None):
 
 def run_planner(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """The real console entry point in a fresh process."""
-    return subprocess.run([PY, "-c", "from planner.cli import main; main()", *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([PY, "-c", "from planner.cli import main; main()", *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 # ----------------------------------------------------------------------------- 1. user code under a guard
@@ -336,9 +336,8 @@ def test_concurrent_writer_fails_cleanly(tmp_path, tiny_plan):
     plan, _ = tiny_plan
     out = tmp_path / "plan"
     out.mkdir()
-    with fileio.dir_lock(out):
-        with pytest.raises(UsageError, match="another planner process"):
-            write_plan_dir(out, plan)
+    with fileio.dir_lock(out), pytest.raises(UsageError, match="another planner process"):
+        write_plan_dir(out, plan)
     write_plan_dir(out, plan)
     assert (out / "plan.json").is_file()
 
@@ -657,3 +656,34 @@ def test_json_depth_and_bounded_loads():
     with pytest.raises(UsageError, match="deeper"):
         fileio.loads_json_bounded("[" * 1000 + "]" * 1000, "x")
     assert fileio.loads_json_bounded('{"a": [1]}', "x") == {"a": [1]}
+
+
+def test_validate_and_explain_refuse_fifos_and_huge_files(tmp_path):
+    """issue: a 200 MB config took 205 s; a FIFO blocks any read."""
+    d = tmp_path / "plan"
+    d.mkdir()
+    os.mkfifo(d / "ds_config.json")
+    for args in (["validate", d], ["validate", d / "ds_config.json"], ["explain", d]):
+        code, _, err = cli(*args)
+        assert code == 2 and "not a regular file" in err
+    big = tmp_path / "big" / "plan.json"
+    big.parent.mkdir()
+    with open(big, "wb") as f:
+        f.truncate(fileio.MAX_INPUT_BYTES + 1)
+    t0 = time.monotonic()
+    code, _, err = cli("explain", big.parent)
+    assert code == 2 and "bytes" in err and time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize(
+    "prelude, build",
+    [
+        ("def architecture():\n    return 'gpt'", "pass"),  # architecture() returning a string
+        ("", "m = Net(dim, layers); m.blocks.add_module(\"q'x\\n-->\", nn.Identity()); return m"),  # a submodule name with quotes and a newline
+    ],
+)
+def test_failures_on_user_code_are_exit_2(tmp_path, prelude, build):
+    """issue: architecture() returning a string and submodule names with quotes or newlines were internal errors."""
+    m = model_file(tmp_path, prelude=prelude, build=build)
+    code, _, err = cli("plan", m, "--gpus", "2xA100", "-q")
+    assert code == 2 and "model.py failed" in err and "internal error" not in err

@@ -23,9 +23,9 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 from planner.errors import UsageError
 
@@ -105,7 +105,7 @@ class Guard:
         if self._timer is not None:
             self._timer.cancel()
 
-    def _on_alarm(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+    def _on_alarm(self, signum, frame) -> None:
         if self._armed:
             raise UserCodeTimeout()
 
@@ -122,6 +122,11 @@ class Guard:
 
 
 _REAL_EXIT = os._exit
+
+
+def _one_line(text: str, limit: int = 500) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _can_alarm() -> bool:
@@ -159,6 +164,16 @@ def guard_user_code(what: str, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> I
             f"{what} called sys.exit({e.code!r}) (SystemExit) while {g.describe()}.",
             "A model file must not end the process; remove the exit (or guard it with if __name__ == '__main__').",
         ) from None
+    except (UsageError, MemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001 - user code, or torch on user code, failed in a user-code phase
+        if g.phase not in USER_PHASES or os.environ.get("PLANNER_DEBUG"):
+            raise
+        raise UsageError(
+            f"{g.describe()} {what} failed: {type(e).__name__}: {_one_line(str(e))}",
+            "The model file (or torch on it) failed. If the model runs in plain PyTorch, this is a planner bug: "
+            "re-run with PLANNER_DEBUG=1 for the traceback and report it.",
+        ) from e
     except KeyboardInterrupt:
         raise UsageError(
             f"interrupted (KeyboardInterrupt) while {g.describe()} {what}.",

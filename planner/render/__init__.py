@@ -18,9 +18,10 @@ import ast
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from planner import __version__
 from planner.errors import UsageError
@@ -43,7 +44,7 @@ MARKER = ".planner"
 STAGING = ".planner"
 
 #: engine name -> its renderer: (plan, command, out_dir) -> {relative path: text}
-RENDERERS: dict[str, Callable[[Plan, str, "Path | None"], dict[str, str]]] = {
+RENDERERS: dict[str, Callable[[Plan, str, Path | None], dict[str, str]]] = {
     "deepspeed": render_deepspeed,
     "megatron": render_megatron,
     "torch": render_torch,
