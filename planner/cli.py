@@ -426,7 +426,7 @@ def smoke(
         cv.finite_number("--tolerance", tolerance, 0.0, 1e6, low_open=False)
         args = _model_args(model_arg)
         # the ranks run in their own processes under --timeout; in this process only exits are guarded
-        with _user_code(plan_dir / "plan.json", None, initial_phase="smoke run"):
+        with _user_code(Path("the model file"), None, initial_phase="smoke run"):
             result = run_smoke(plan_dir, steps, ranks, timeout, device, args, tolerance, str(megatron_path) if megatron_path else None, keep=keep)
     lay = result.layout
     out.print(_styled("bold", "smoke", f" {result.engine} on {result.ranks} {result.device} rank(s): pp{lay['pp']} dp{lay['dp']} v{lay['vp']} {lay['schedule']} mb{lay['micro_batch']}x{lay['num_microbatches']}, {result.steps} steps"))
@@ -489,7 +489,7 @@ def validate(
         cv.positive_int("--pp", pp)
         limit = _timeout(timeout)
         args = _model_args(model_arg) if model_arg else None
-        with _user_code(model or Path("the model file"), limit, initial_phase="model") as _g:
+        with _user_code(model or Path("the model file"), limit, initial_phase="model"):
             code, text = validate_paths(paths, gpus=gpus, model=model, strict=strict, fmt=fmt, pp=pp, model_args=args)
     sys.stdout.write(text)  # plain: messages contain [brackets] that rich would read as markup
     raise typer.Exit(code)

@@ -687,3 +687,26 @@ def test_failures_on_user_code_are_exit_2(tmp_path, prelude, build):
     m = model_file(tmp_path, prelude=prelude, build=build)
     code, _, err = cli("plan", m, "--gpus", "2xA100", "-q")
     assert code == 2 and "model.py failed" in err and "internal error" not in err
+
+
+def test_forked_child_still_exits_for_real():
+    """Inside the guard, os._exit raises only in the planner's own process; a child the user code forks exits."""
+    from planner.model.guard import guard_user_code
+
+    with guard_user_code("model.py", None):
+        pid = os.fork()
+        if pid == 0:
+            os._exit(7)
+        _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 7
+    assert os._exit.__module__ == "posix"  # restored
+
+
+def test_watchdog_ends_a_hang_outside_python(tmp_path):
+    """A model stuck in C code (a catastrophic regular expression) never returns to Python for SIGALRM: the
+    watchdog still ends the run with exit 2 and the message, a few seconds after the limit."""
+    m = model_file(tmp_path, prelude="import re\nre.match(r'(a+)+$', 'a' * 64 + 'b')")
+    t0 = time.monotonic()
+    p = run_planner("inspect", m, "--timeout", "1", timeout=90)
+    assert p.returncode == 2 and "did not finish importing within 1 s" in p.stderr
+    assert time.monotonic() - t0 < 60

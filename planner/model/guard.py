@@ -31,6 +31,8 @@ from planner.errors import UsageError
 
 #: phases in which user code runs and the time limit applies
 USER_PHASES = {"import": "importing", "build": "building", "trace": "tracing", "cost": "costing"}
+#: how other phases read in messages
+PHASE_WORDS = {**USER_PHASES, "model": "loading or checking", "smoke run": "running"}
 #: default limit for `--timeout`, seconds
 DEFAULT_TIMEOUT_S = 300.0
 #: seconds the watchdog waits after the limit before ending a process stuck outside Python
@@ -60,9 +62,10 @@ class Guard:
     phase: str = "import"
     _timer: threading.Timer | None = field(default=None, repr=False)
     _armed: bool = field(default=False, repr=False)
+    _previous: object = field(default=None, repr=False)
 
     def describe(self) -> str:
-        return USER_PHASES.get(self.phase, self.phase)
+        return PHASE_WORDS.get(self.phase, self.phase)
 
     def wrap(self, progress: Progress | None) -> Progress:
         """A progress callback that records the phase (and stops the clock outside user code) before ``progress``."""
@@ -89,7 +92,7 @@ class Guard:
             return
         self._armed = True
         if _can_alarm():
-            signal.signal(signal.SIGALRM, self._on_alarm)
+            self._previous = signal.signal(signal.SIGALRM, self._on_alarm)
             signal.setitimer(signal.ITIMER_REAL, self.timeout_s)
         self._timer = threading.Timer(self.timeout_s + WATCHDOG_GRACE_S, self._watchdog)
         self._timer.daemon = True
@@ -101,7 +104,7 @@ class Guard:
         self._armed = False
         if _can_alarm():
             signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.signal(signal.SIGALRM, self._previous if self._previous is not None else signal.SIG_DFL)
         if self._timer is not None:
             self._timer.cancel()
 
