@@ -710,3 +710,20 @@ def test_watchdog_ends_a_hang_outside_python(tmp_path):
     p = run_planner("inspect", m, "--timeout", "1", timeout=90)
     assert p.returncode == 2 and "did not finish importing within 1 s" in p.stderr
     assert time.monotonic() - t0 < 60
+
+
+def test_directory_with_the_old_bare_marker_is_upgraded(tmp_path, tiny_plan):
+    """A plan directory written before the manifest (bare `.planner`): its rendered files are replaced, others kept."""
+    from planner.render import render_files, write_plan_dir
+
+    plan, _ = tiny_plan
+    out = tmp_path / "plan"
+    out.mkdir()
+    for rel, text in render_files(plan, "planner plan old command", out).items():
+        (out / rel).write_text(text)
+    (out / ".planner").write_text("planner 0.1.0\n")
+    (out / "notes.md").write_text("mine")
+    write_plan_dir(out, plan)
+    assert (out / "notes.md").read_text() == "mine"
+    assert "notes.md" not in json.loads((out / ".planner").read_text())["files"]
+    assert "planner plan old command" not in (out / "launch_torchrun.sh").read_text()
