@@ -21,13 +21,9 @@ MAX_DEGREE = 1 << 16
 MAX_GLOBAL_BATCH = 1 << 24
 #: largest --timeout (seconds)
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
-#: closed sets
+#: closed sets (the engine's schedules, recomputation modes and ZeRO stages come from planner.engines)
 DTYPES = ("bf16", "fp16", "fp32")
 TRACERS = ("auto", "fx", "export")
-ENGINES = ("deepspeed", "megatron", "torch")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
-RECOMPUTE = ("none", "selective", "full")
-ZERO_STAGES = (0, 1, 2, 3)
 VALIDATE_FORMATS = ("text", "json", "github")
 SMOKE_DEVICES = ("auto", "cpu", "cuda")
 PROFILE_DEVICES = ("cuda", "cpu")
@@ -75,7 +71,3 @@ def finite_number(flag: str, value: float | None, low: float, high: float, low_o
         raise UsageError(f"{flag} must be a finite number in {bracket}{low:g}, {high:g}], got {value!r}.")
     return float(value)
 
-
-def zero_stage(value: int | None) -> int | None:
-    """--zero: one of DeepSpeed's ZeRO stages 0-3 (the engine then says which work with a pipeline)."""
-    return choice("--zero", value, ZERO_STAGES)
