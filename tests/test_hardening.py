@@ -577,11 +577,11 @@ def test_collectives_on_the_largest_cluster_take_milliseconds():
     from planner.hardware.gpus import MAX_WORLD_SIZE
 
     c = parse_gpus(f"{MAX_WORLD_SIZE // 8}x8xA100")
-    ranks = list(range(3, c.world_size, 8))
+    ranks = list(range(c.world_size))  # rank by rank this took 120 ms per call; by node groups about 4 ms
     t0 = time.perf_counter()
     for _ in range(10):
         c.allreduce_time(1e9, ranks)
-    assert (time.perf_counter() - t0) / 10 < 0.05
+    assert (time.perf_counter() - t0) / 10 < 0.04
 
 
 @pytest.mark.parametrize("spec", ["1000000x8xA100", "99999999999x1xH100", "9" * 5000 + "xA100", "131073xA100"])
