@@ -8,6 +8,7 @@ input, 1 for a request with no answer), never as a traceback.
 from __future__ import annotations
 
 import json
+import stat
 import sys
 import time
 from contextlib import contextmanager
@@ -18,9 +19,15 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
-from planner import __version__
-from planner.errors import PlannerError
+from planner import __version__, hardware
+from planner import cli_values as cv
+from planner.engines import ENGINES, get_engine
+from planner.errors import PlannerError, UsageError
+from planner.fileio import MAX_INPUT_BYTES
+from planner.hardware.profiles import profile_scan_notes
+from planner.model.guard import DEFAULT_TIMEOUT_S, Guard, guard_user_code, stdout_to_stderr
 
 app = typer.Typer(
     add_completion=False,
@@ -31,23 +38,47 @@ app = typer.Typer(
 hardware_app = typer.Typer(no_args_is_help=True, help="List and show hardware profiles.")
 app.add_typer(hardware_app, name="hardware")
 
-out = Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 200)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+# markup=False: user text (paths, model args, device names, exception messages) is printed literally
+out = Console(highlight=False, soft_wrap=False, markup=False, width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
+
+
+def _styled(style: str, label: str, rest: str) -> Text:
+    t = Text()
+    t.append(label, style=style)
+    t.append(rest)
+    return t
 
 
 def _fail(e: PlannerError) -> None:
-    err.print(f"[bold red]error:[/] {e.message}", markup=True, highlight=False)
+    err.print(_styled("bold red", "error:", f" {e.message}"))
     if e.hint:
-        err.print(e.hint, markup=False)
+        err.print(e.hint)
     raise typer.Exit(e.exit_code)
 
 
 @contextmanager
 def _errors() -> Iterator[None]:
+    """PlannerErrors, and the operating system's refusals (disk full, read-only, permission), as one paragraph."""
     try:
         yield
     except PlannerError as e:
         _fail(e)
+    except OSError as e:
+        where = f" {e.filename!s}" if e.filename else ""
+        _fail(UsageError(f"cannot write or read{where}: {e.strerror or e}.", "Check the path, its permissions and the free disk space."))
+    except RecursionError:
+        _fail(UsageError("an input is nested too deeply to read.", "Check the files and values you passed."))
+    except UnicodeDecodeError as e:
+        _fail(UsageError(f"an input file is not UTF-8 text ({e.reason} at byte {e.start})."))
+
+
+@contextmanager
+def _user_code(model: Path, timeout_s: float | None, initial_phase: str = "import") -> Iterator[Guard]:
+    """Run the body as the model file's code: exits and hangs become errors; its prints go to stderr."""
+    with guard_user_code(str(model.name or model), timeout_s) as g, stdout_to_stderr():
+        g.phase = initial_phase
+        yield g
 
 
 @contextmanager
@@ -95,6 +126,31 @@ def human_flops(x: float) -> str:
 
 ModelArg = typer.Option(None, "--model-arg", help="KEY=VALUE passed to the model file's functions (repeatable).")
 Leaf = typer.Option(None, "--leaf", help="Class name to keep as one piece (repeatable).")
+Timeout = typer.Option(DEFAULT_TIMEOUT_S, "--timeout", help="Seconds allowed for importing, building, tracing and costing the model (0: no limit).")
+
+
+def _timeout(value: float) -> float | None:
+    """--timeout: 0 means no limit; otherwise a finite number of seconds up to a week."""
+    if value == 0:
+        return None
+    return cv.finite_number("--timeout", value, 0.0, cv.MAX_TIMEOUT_S)
+
+
+#: longest --model-arg accepted (characters); values are Python literals, not data files
+MAX_MODEL_ARG_CHARS = 4096
+
+
+def _model_args(pairs: Optional[List[str]]) -> dict:
+    """--model-arg KEY=VALUE pairs, bounded in length; a literal too deep to parse is an exit-2 error."""
+    from planner.model.load import parse_model_args
+
+    for pair in pairs or ():
+        if len(pair) > MAX_MODEL_ARG_CHARS:
+            raise UsageError(f"--model-arg {pair[:40]!r}... is {len(pair):,} characters; the limit is {MAX_MODEL_ARG_CHARS:,}.")
+    try:
+        return parse_model_args(pairs)
+    except (RecursionError, MemoryError):
+        raise UsageError("a --model-arg value nests too deeply to read.", "Pass plain numbers, strings, lists or dicts.") from None
 
 
 @app.command()
@@ -106,14 +162,19 @@ def inspect(
     leaf: Optional[List[str]] = Leaf,
     tracer: str = typer.Option("auto", "--tracer", help="auto | fx | export"),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    timeout: float = Timeout,
 ) -> None:
     """Show what every piece of the model costs: FLOPs, parameters, saved activations, cut bytes."""
     from planner.model.analyze import analyze
-    from planner.model.load import parse_model_args
 
     with _errors():
-        with progress_reporter(not as_json) as report:
-            a = analyze(model, parse_model_args(model_arg), micro_batch, dtype, leaf, tracer, progress=report)
+        cv.positive_int("--micro-batch", micro_batch)
+        cv.choice("--dtype", dtype, cv.DTYPES)
+        cv.choice("--tracer", tracer, cv.TRACERS)
+        limit = _timeout(timeout)
+        args = _model_args(model_arg)
+        with progress_reporter(not as_json) as report, _user_code(model, limit) as g:
+            a = analyze(model, args, micro_batch, dtype, leaf, tracer, progress=g.wrap(report))
     c = a.costs
     totals = {
         "params": c.total_params,
@@ -152,15 +213,28 @@ def inspect(
     out.print(f"traced with {a.layer_graph.tracer}; saved = activation bytes kept for backward per micro-batch; cut after = bytes crossing the cut after the piece (skip connections included)")
 
 
+def _check_pins(engine: str, pp, tp, dp, vp, micro_batch, global_batch, schedule, recompute, zero, mem_target) -> None:
+    """Every pin in range and, for names, one the engine accepts (exit 2 listing what is accepted)."""
+    cv.choice("--engine", engine, tuple(ENGINES))
+    for flag, value in (("--pp", pp), ("--tp", tp), ("--dp", dp), ("--vp", vp), ("--micro-batch", micro_batch)):
+        cv.positive_int(flag, value)
+    cv.positive_int("--global-batch", global_batch, cv.MAX_GLOBAL_BATCH)
+    cv.finite_number("--mem-target", mem_target, 0.0, 1.0)
+    eng = get_engine(engine)
+    cv.choice("--schedule", schedule, eng.schedules)
+    cv.choice("--recompute", recompute, eng.recompute_modes)
+    cv.choice("--zero", zero, eng.zero_levels)
+
+
 @app.command()
 def plan(
     model: Path = typer.Argument(..., help="Model file defining build_model() and example_inputs(), or hf:CONFIG.json, timm:NAME, torchvision:NAME."),
     gpus: str = typer.Option(..., "--gpus", help="Cluster, e.g. 8xA100, 64xH100, 4x8xA100-80GB, 8xA100+8xV100."),
     engine: str = typer.Option("deepspeed", "--engine", help="deepspeed | megatron | torch"),
-    out_dir: Optional[Path] = typer.Option(None, "--out", help="Write plan.json, the engine's configs and launch scripts, and the report here."),
+    out_dir: Optional[Path] = typer.Option(None, "--out", help="Write plan.json, the engine's configs and launch scripts, and the report here (other files there are kept)."),
     as_json: bool = typer.Option(False, "--json", help="Print plan.json to stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the one-line layout."),
-    force: bool = typer.Option(False, "--force", help="Overwrite an existing directory that is not a planner output."),
+    force: bool = typer.Option(False, "--force", help="Replace files in --out that the planner did not write."),
     model_arg: Optional[List[str]] = ModelArg,
     dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp16 | fp32 | fp8 (Transformer Engine FP8 GEMMs; Megatron, H100/H200/B200)"),
     leaf: Optional[List[str]] = Leaf,
@@ -185,15 +259,19 @@ def plan(
     overlap_param_gather: Optional[bool] = typer.Option(None, "--overlap-param-gather/--no-overlap-param-gather", help="Pin the parameter all-gather overlap (Megatron, zero 1)."),
     main_grads_dtype: str = typer.Option("fp32", "--main-grads-dtype", help="fp32 | bf16: gradients kept and reduced in (Megatron)."),
     optimizer_state_dtype: str = typer.Option("fp32", "--optimizer-state-dtype", help="fp32 | bf16 | fp16: Adam moments (Megatron, zero 1)."),
+    timeout: float = Timeout,
 ) -> None:
     """Choose the layout and stage split, predict step time and memory, and write the configs."""
-    from planner.model.load import parse_model_args
     from planner.planning import PlanRequest, plan_model
 
     with _errors():
+        _check_pins(engine, pp, tp, dp, vp, micro_batch, global_batch, schedule, recompute, zero, mem_target)
+        cv.choice("--dtype", dtype, cv.DTYPES)
+        cv.choice("--tracer", tracer, cv.TRACERS)
+        limit = _timeout(timeout)
         req = PlanRequest(
             model_file=str(model),
-            model_args=parse_model_args(model_arg),
+            model_args=_model_args(model_arg),
             gpus=gpus,
             engine=engine,
             dtype=dtype,
@@ -220,19 +298,22 @@ def plan(
             main_grads_dtype=main_grads_dtype,
             optimizer_state_dtype=optimizer_state_dtype,
         )
-        _check_choice("--recompute", recompute, ("none", "selective", "full"))
-        _check_choice("--main-grads-dtype", main_grads_dtype, ("fp32", "bf16"))
-        _check_choice("--optimizer-state-dtype", optimizer_state_dtype, ("fp32", "bf16", "fp16"))
+        cv.positive_int("--cp", cp)
+        cv.choice("--main-grads-dtype", main_grads_dtype, ("fp32", "bf16"))
+        cv.choice("--optimizer-state-dtype", optimizer_state_dtype, ("fp32", "bf16", "fp16"))
         if out_dir is not None:
             from planner.render import check_output_dir
 
             check_output_dir(out_dir, force)
-        with progress_reporter(not (as_json or quiet)) as report:
-            the_plan, analysis, result = plan_model(req, progress=report)
+        with progress_reporter(not (as_json or quiet)) as report, _user_code(model, limit) as g:
+            the_plan, analysis, result = plan_model(req, progress=g.wrap(report))
+        notes: list[str] = []
         if out_dir is not None:
             from planner.render import write_plan_dir
 
-            write_plan_dir(out_dir, the_plan, command=_command_line())
+            notes = write_plan_dir(out_dir, the_plan, force=force)
+    for note in notes:
+        err.print(f"note: {note}")
     doc = the_plan.to_dict()
     if as_json:
         from planner.fileio import dumps_json
@@ -249,27 +330,16 @@ def plan(
         out.print(f"wrote {out_dir}/ (plan.json and the {engine} files)")
 
 
-def _check_choice(flag: str, value, choices) -> None:
-    from planner.errors import UsageError, did_you_mean
-
-    if value is not None and value not in choices:
-        raise UsageError(f"{flag} {value!r} is not one of {', '.join(choices)}.{did_you_mean(str(value), choices)}")
-
-
-def _command_line() -> str:
-    """The command as typed, for the headers of generated files (shell-quoted)."""
-    import shlex
-
-    return " ".join(["planner"] + [shlex.quote(a) for a in sys.argv[1:]])
+def _hardware_profiles(paths: Optional[List[Path]]):
+    return hardware.available_profiles(paths or ())
 
 
 @hardware_app.command("list")
 def hardware_list(hardware_profile: Optional[List[Path]] = typer.Option(None, "--hardware-profile", help="Extra profile file or folder.")) -> None:
     """List the known devices."""
-    from planner import hardware
 
     with _errors():
-        profiles = hardware.available_profiles(hardware_profile or ())
+        profiles = _hardware_profiles(hardware_profile)
         rows = hardware.profiles_table_rows(profiles)
     table = Table(title="hardware profiles")
     for col in rows[0].keys() if rows else []:
@@ -277,15 +347,15 @@ def hardware_list(hardware_profile: Optional[List[Path]] = typer.Option(None, "-
     for row in rows:
         table.add_row(*[str(v) for v in row.values()])
     out.print(table)
+    for note in profile_scan_notes(hardware_profile or ()):
+        err.print(f"note: {note}")
 
 
 @hardware_app.command("show")
 def hardware_show(name: str, hardware_profile: Optional[List[Path]] = typer.Option(None, "--hardware-profile")) -> None:
     """Show one device profile with the source of every number."""
-    from planner import hardware
-
     with _errors():
-        profiles = hardware.available_profiles(hardware_profile or ())
+        profiles = _hardware_profiles(hardware_profile)
         prof, note = hardware.resolve_device(name, profiles)
         rows = hardware.describe_profile(prof)
     if note:
@@ -312,19 +382,26 @@ def profile(
     repeats: int = typer.Option(10, "--repeats", help="Timed runs per piece (median and spread are recorded)."),
     calibrate: bool = typer.Option(False, "--calibrate", help="Also measure matmul FLOP/s and memory bandwidth and write a hardware profile."),
     hardware_out: Optional[Path] = typer.Option(None, "--hardware-out", help="Where --calibrate writes the hardware profile YAML."),
+    timeout: float = Timeout,
 ) -> None:
     """Measure every distinct piece's forward and backward time on this machine's device (for `plan --profile`)."""
-    from planner.errors import UsageError
     from planner.fileio import write_text_atomic
-    from planner.model.load import parse_model_args
     from planner.hardware.calibrated import profile_to_hardware_yaml, suggested_hardware_key
     from planner.model.profile import profile_model, write_profile
 
     with _errors():
+        cv.choice("--device", device, cv.PROFILE_DEVICES)
+        cv.choice("--dtype", dtype, cv.DTYPES)
+        cv.choice("--tracer", tracer, cv.TRACERS)
+        cv.positive_int("--micro-batch", micro_batch)
+        cv.non_negative_int("--warmup", warmup, 10_000)
+        cv.positive_int("--repeats", repeats, 10_000)
+        limit = _timeout(timeout)
         if hardware_out is not None and not calibrate:
             raise UsageError("--hardware-out needs --calibrate (the hardware profile comes from the calibration).")
-        with progress_reporter(True) as report:
-            doc = profile_model(model, parse_model_args(model_arg), device, micro_batch, dtype, leaf, tracer, warmup=warmup, repeats=repeats, calibrate=calibrate, progress=report)
+        args = _model_args(model_arg)
+        with progress_reporter(True) as report, _user_code(model, limit) as g:
+            doc = profile_model(model, args, device, micro_batch, dtype, leaf, tracer, warmup=warmup, repeats=repeats, calibrate=calibrate, progress=g.wrap(report))
         write_profile(out_path, doc)
         hw_path = None
         if calibrate:
@@ -356,21 +433,26 @@ def smoke(
 ) -> None:
     """Run a rendered plan for real at a scale this machine can run, and check it computes what a single process does."""
     from planner.check.smoke import smoke as run_smoke
-    from planner.model.load import parse_model_args
 
-    _check_choice("--device", device, ("auto", "cpu", "cuda"))
     with _errors():
-        result = run_smoke(plan_dir, steps, ranks, timeout, device, parse_model_args(model_arg), tolerance, str(megatron_path) if megatron_path else None, keep=keep)
+        cv.choice("--device", device, cv.SMOKE_DEVICES)
+        cv.positive_int("--steps", steps, 1_000_000)
+        cv.positive_int("--ranks", ranks, cv.MAX_DEGREE)
+        cv.finite_number("--timeout", timeout, 0.0, cv.MAX_TIMEOUT_S)
+        cv.finite_number("--tolerance", tolerance, 0.0, 1e6, low_open=False)
+        args = _model_args(model_arg)
+        # the ranks run in their own processes under --timeout; in this process only exits are guarded
+        with _user_code(Path("the model file"), None, initial_phase="smoke run"):
+            result = run_smoke(plan_dir, steps, ranks, timeout, device, args, tolerance, str(megatron_path) if megatron_path else None, keep=keep)
     lay = result.layout
-    out.print(f"[bold]smoke[/] {result.engine} on {result.ranks} {result.device} rank(s): pp{lay['pp']} dp{lay['dp']} v{lay['vp']} {lay['schedule']} mb{lay['micro_batch']}x{lay['num_microbatches']}, {result.steps} steps")
+    out.print(_styled("bold", "smoke", f" {result.engine} on {result.ranks} {result.device} rank(s): pp{lay['pp']} dp{lay['dp']} v{lay['vp']} {lay['schedule']} mb{lay['micro_batch']}x{lay['num_microbatches']}, {result.steps} steps"))
     for note in result.scale_down:
         out.print(f"  scaled down: {note}")
     for c in result.checks:
-        mark = "[green]ok[/]  " if c.ok else "[red]FAIL[/]"
         first, *rest = c.detail.splitlines() or [""]
-        out.print(f"{mark} {c.name}: {first}")
+        out.print(_styled("green" if c.ok else "red", "ok  " if c.ok else "FAIL", f" {c.name}: {first}"))
         for line in rest:
-            out.print(f"       {line}", markup=False, highlight=False)
+            out.print(f"       {line}")
     if result.kept:
         out.print(f"kept the scaled plan and logs in {result.kept}")
     out.print(f"wrote {plan_dir / 'smoke.json'}")
@@ -420,6 +502,32 @@ def calibrate(
     out.print(f"wrote {out_file} (use: --hardware-profile {out_file} --gpus 8x{name})")
 
 
+#: suffixes of the files `validate` and `explain` may read inside a directory
+_READ_SUFFIXES = (".json", ".sh", ".yaml", ".yml", ".txt", ".args")
+
+
+def _check_inputs(paths: List[Path]) -> None:
+    """Files the checks will read are regular and at most fileio.MAX_INPUT_BYTES (a FIFO would block the read,
+    a 200 MB config would take minutes): exit 2 naming the file, before anything is read."""
+    candidates: list[Path] = []
+    for p in paths:
+        if p.is_dir():
+            candidates += [c for c in sorted(p.iterdir()) if c.suffix in _READ_SUFFIXES]
+        else:
+            candidates.append(p)
+    for c in candidates:
+        try:
+            st = c.stat()
+        except OSError:
+            continue  # missing or a dangling link: the check itself reports it
+        if stat.S_ISDIR(st.st_mode):
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            raise UsageError(f"{str(c)!r} is not a regular file (a pipe, socket or device); it is not read.", "Remove it or name regular files.")
+        if st.st_size > MAX_INPUT_BYTES:
+            raise UsageError(f"{str(c)!r} is {st.st_size:,} bytes; configs and plans are read up to {MAX_INPUT_BYTES:,} bytes.")
+
+
 @app.command()
 def validate(
     paths: List[Path] = typer.Argument(..., help="Plan directories or single files (ds_config JSON, Megatron launch script or args file, plan.json)."),
@@ -429,14 +537,19 @@ def validate(
     pp: Optional[int] = typer.Option(None, "--pp", help="Pipeline stages of a lone DeepSpeed config (set in its training script)."),
     fmt: str = typer.Option("text", "--format", help="text | json | github (workflow annotations)"),
     strict: bool = typer.Option(False, "--strict", help="Fail on warnings too."),
+    timeout: float = Timeout,
 ) -> None:
     """Check committed configs: engine rules, batch arithmetic, unknown keys, memory fit and drift from a fresh render."""
     from planner.check.validate import validate_paths
-    from planner.model.load import parse_model_args
 
-    _check_choice("--format", fmt, ("text", "json", "github"))
     with _errors():
-        code, text = validate_paths(paths, gpus=gpus, model=model, strict=strict, fmt=fmt, pp=pp, model_args=parse_model_args(model_arg) if model_arg else None)
+        cv.choice("--format", fmt, cv.VALIDATE_FORMATS)
+        _check_inputs(list(paths))
+        cv.positive_int("--pp", pp)
+        limit = _timeout(timeout)
+        args = _model_args(model_arg) if model_arg else None
+        with _user_code(model or Path("the model file"), limit, initial_phase="model"):
+            code, text = validate_paths(paths, gpus=gpus, model=model, strict=strict, fmt=fmt, pp=pp, model_args=args)
     sys.stdout.write(text)  # plain: messages contain [brackets] that rich would read as markup
     raise typer.Exit(code)
 
@@ -447,7 +560,14 @@ def explain(plan_dir: Path = typer.Argument(..., help="A plan directory (or its 
     from planner.report import explain as explain_plan
 
     with _errors():
-        explain_plan(out, plan_dir)
+        _check_inputs([plan_dir])
+        try:
+            explain_plan(out, plan_dir)
+        except (KeyError, TypeError, ValueError, IndexError, StopIteration, AttributeError, ZeroDivisionError) as e:
+            if isinstance(e, UnicodeDecodeError):
+                raise
+            raise UsageError(f"{str(plan_dir)!r} does not hold a readable plan.json: {type(e).__name__}: {e}.",
+                             "Re-plan with `planner plan ... --out DIR`; plan.json is written by the planner, not by hand.") from None
 
 
 @app.command()
@@ -473,6 +593,6 @@ def main() -> None:
         import traceback
 
         last = traceback.extract_tb(e.__traceback__)[-1]
-        err.print(f"[bold red]internal error:[/] {type(e).__name__}: {e} (at {Path(last.filename).name}:{last.lineno})", markup=True)
-        err.print("This is a planner bug. Re-run with PLANNER_DEBUG=1 for the traceback and report it with the command you ran.", markup=False)
+        err.print(_styled("bold red", "internal error:", f" {type(e).__name__}: {e} (at {Path(last.filename).name}:{last.lineno})"))
+        err.print("This is a planner bug. Re-run with PLANNER_DEBUG=1 for the traceback and report it with the command you ran.")
         raise SystemExit(3)

@@ -14,6 +14,7 @@ from planner import hardware
 from planner.engines import get_engine
 from planner.errors import InfeasibleError, UsageError
 from planner.hardware import Cluster
+from planner.hardware.gpus import MAX_WORLD_SIZE
 from planner.model.analyze import analyze
 from planner.model.profile_match import match_profile
 from planner.records import ModelCosts
@@ -274,10 +275,14 @@ def _nothing_fits(costs: ModelCosts, cluster: Cluster, req: PlanRequest, result:
     if cluster.homogeneous and len(cluster.groups) == 1:
         g = cluster.groups[0]
         for k in (2, 4, 8, 16, 32):
-            bigger = hardware.parse_gpus(f"{g.nodes * k}x{g.gpus_per_node}x{g.device.key}", inter_node_gbps=None)
+            # the resolved group (a custom profile, --gpus-per-node and --inter-node-gbps included), on k times the nodes
+            spec = f"{g.nodes * k}x{g.gpus_per_node}x{g.device.key}"
+            if g.size * k > MAX_WORLD_SIZE:
+                break
+            bigger = Cluster(groups=(replace(g, nodes=g.nodes * k),), spec=spec, notes=cluster.notes)
             loose = replace(req, pp=None, dp=None, global_batch=None if req.global_batch is None else req.global_batch)
             if _fits(costs, bigger, loose):
-                hints.append(f"{bigger.world_size} GPUs ({g.nodes * k}x{g.gpus_per_node}x{g.device.key}) would fit")
+                hints.append(f"{bigger.world_size} GPUs ({spec}) would fit")
                 break
     hint = ("Smallest change that fits: " + "; ".join(hints) + ".") if hints else "Try more GPUs, --recompute full, --micro-batch 1, or a device with more memory."
     if req.engine != "megatron" and costs.architecture:

@@ -11,6 +11,8 @@ alone. Text is deterministic: fixed number formats, plan order.
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -282,11 +284,10 @@ def print_summary(console: Console, plan: Plan, result=None) -> None:
     console.print(_memory_table(plan))
     console.print(Text("bar: 1 cell = 5% of the GPU; w weights, g grads, o optimizer, a activations, b buffers, x overhead; ◀ most loaded", style="dim"))
     console.print()
-    console.print(
-        f"[bold]predicted step {_ms(pr.step_time_s)} ms[/] = pipeline {_ms(pr.pipeline_time_s)} + exposed DP sync "
-        f"{_ms(pr.dp_comm_exposed_s)} + optimizer {_ms(pr.optimizer_s)} ms",
-        highlight=False,
-    )
+    step = Text()
+    step.append(f"predicted step {_ms(pr.step_time_s)} ms", style="bold")
+    step.append(f" = pipeline {_ms(pr.pipeline_time_s)} + exposed DP sync {_ms(pr.dp_comm_exposed_s)} + optimizer {_ms(pr.optimizer_s)} ms")
+    console.print(step, highlight=False)
     console.print(
         f"{pr.tokens_per_s:,.0f} tokens/s, {pr.samples_per_s:,.1f} samples/s, {pr.tflops_per_gpu:.1f} TFLOP/s per GPU, "
         f"MFU {pr.mfu:.1%}, bubble {pr.bubble_fraction:.1%}",
@@ -319,16 +320,22 @@ def explain(console: Console, plan_dir: str | Path) -> Plan:
 # ------------------------------------------------------------------- report.md
 
 
+_MD_ESCAPE = {"&": "&amp;", "<": "&lt;", ">": "&gt;", "\r": " ", "\n": " "}
+_MD_PUNCT = set("\\`*[]|")
+
+
 def _md(s: Any) -> str:
-    """Text safe inside a Markdown table cell."""
-    return str(s).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+    """User text as literal Markdown inline text (safe in a table cell): HTML characters become entities and
+    Markdown punctuation is backslash-escaped, so a value such as ``--><script>`` or ``*x*`` renders as typed."""
+    return "".join(_MD_ESCAPE.get(c) or ("\\" + c if c in _MD_PUNCT else c) for c in str(s))
 
 
 def _code(s: Any) -> str:
-    """An inline code span that survives backticks in ``s``."""
-    s = str(s).replace("\n", " ")
-    fence = "``" if "`" in s else "`"
-    pad = " " if fence == "``" else ""
+    """An inline code span that survives backticks in ``s`` (the fence is longer than any backtick run in it)."""
+    s = str(s).replace("\r", " ").replace("\n", " ")
+    longest = max((len(run) for run in re.findall(r"`+", s)), default=0)
+    fence = "`" * (longest + 1)
+    pad = " " if longest else ""
     return f"{fence}{pad}{s}{pad}{fence}"
 
 
@@ -435,8 +442,8 @@ def _report_context(plan: Plan, command: str) -> dict[str, Any]:
         peak = d.get("peak_flops", {})
         devices.append(
             {
-                "key": key,
-                "name": d.get("name", key),
+                "key": _code(key),
+                "name": _md(d.get("name", key)),
                 "peak": f"{peak[dtype] / 1e12:,.0f}" if dtype in peak else "n/a",
                 "memory": _gib(d.get("memory_bytes", 0)),
                 "hbm": f"{d.get('memory_bandwidth', 0) / 1e9:,.0f}",
@@ -453,13 +460,13 @@ def _report_context(plan: Plan, command: str) -> dict[str, Any]:
         "command": command,
         "command_code": _code(command),
         "model_file": _code(plan.inputs.get("model_file", "?")),
-        "model_name": _model_name(plan),
-        "model_args": ", ".join(f"{k}={v}" for k, v in sorted(plan.inputs.get("model_args", {}).items())) or "none",
-        "sha256": plan.inputs.get("model_file_sha256", ""),
+        "model_name": _md(_model_name(plan)),
+        "model_args": _md(", ".join(f"{k}={v}" for k, v in sorted(plan.inputs.get("model_args", {}).items())) or "none"),
+        "sha256": _code(plan.inputs.get("model_file_sha256", "")),
         "params": _count(plan.model.get("params", 0)),
         "seq_len": plan.model.get("seq_len"),
         "dtype": dtype,
-        "cluster": plan.cluster.get("spec") or plan.inputs.get("gpus", ""),
+        "cluster": _md(plan.cluster.get("spec") or plan.inputs.get("gpus", "")),
         "cluster_notes": [_md(n) for n in plan.cluster.get("notes", [])],
         "world": world,
         "lay": lay,
@@ -499,7 +506,7 @@ def _report_context(plan: Plan, command: str) -> dict[str, Any]:
         "time_sources": src,
         "measured": "measured" in src,
         "all_measured": src == ["measured"],
-        "profile": plan.inputs.get("profile"),
+        "profile": _code(plan.inputs.get("profile") or "profile.json"),
         "notes": [_md(n) for n in plan.notes],
     }
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
 
+import numpy as np
+
 from planner.hardware.profiles import GB, DeviceProfile
 
 
@@ -140,6 +142,36 @@ class Cluster:
             link = dev.intra_bandwidth
         return link * dev.allreduce_efficiency_intra
 
+    def _rank_array(self, ranks: Sequence[int]) -> np.ndarray:
+        """``ranks`` as sorted unique int64 (a ``range`` is expanded by numpy, never by a Python loop)."""
+        if isinstance(ranks, np.ndarray):
+            arr = ranks.astype(np.int64, copy=False)
+        elif isinstance(ranks, range):
+            arr = np.arange(ranks.start, ranks.stop, ranks.step, dtype=np.int64)
+        else:
+            arr = np.asarray(list(ranks), dtype=np.int64)
+        if arr.size > 1 and not bool(np.all(arr[1:] > arr[:-1])):  # already sorted and unique: the usual case
+            arr = np.unique(arr)
+        if arr.size and (arr[0] < 0 or arr[-1] >= self.world_size):
+            bad = int(arr[0]) if arr[0] < 0 else int(arr[-1])
+            raise ValueError(f"rank {bad} is outside this {self.world_size}-GPU cluster")
+        return arr
+
+    def _node_members(self, arr: np.ndarray) -> list[tuple[NodeGroup, np.ndarray, np.ndarray]]:
+        """Per node group touched: (group, member count of each node touched, local index of each member in
+        node order), from the groups' arithmetic rather than rank by rank."""
+        out = []
+        for g, (r0, _) in zip(self.groups, self._starts):
+            lo, hi = np.searchsorted(arr, [r0, r0 + g.size])
+            if lo == hi:
+                continue
+            off = arr[lo:hi] - r0
+            node = off // g.gpus_per_node  # sorted
+            starts = np.flatnonzero(np.r_[True, node[1:] != node[:-1]])
+            counts = np.diff(np.r_[starts, node.size])
+            out.append((g, counts, off % g.gpus_per_node))
+        return out
+
     def bus_bandwidth(self, ranks: Sequence[int]) -> tuple[float, float]:
         """(busbw in bytes/s, latency per ring step in seconds) for a collective over ``ranks``.
 
@@ -151,27 +183,48 @@ class Cluster:
         use k NIC shares; with one rank per node this is the plain per-GPU
         bandwidth), taking the slowest node, and never above the intra-node tier of
         any node's subset. Latency is the slowest tier's.
+
+        Computed per node group from the members' node and local indices (numpy), so a collective over a
+        million ranks costs milliseconds.
         """
-        by_node: dict[int, tuple[NodeGroup, list[int]]] = {}
-        for r in sorted(set(ranks)):
-            grp, node, loc = self._locate(r)
-            by_node.setdefault(node, (grp, []))[1].append(loc)
-        if len(by_node) == 1:
-            (g, local), = by_node.values()
-            if len(local) < 2:
+        arr = self._rank_array(ranks)
+        if arr.size == 0:
+            raise ValueError("a collective needs at least one rank")
+        members = self._node_members(arr)
+        if sum(len(counts) for _, counts, _ in members) == 1:
+            g, counts, local = members[0]
+            if counts[0] < 2:
                 return math.inf, 0.0
-            return self._intra_busbw(g.device, local), g.device.intra_latency
-        inter = min(len(ls) * grp.inter_bandwidth * grp.device.allreduce_efficiency_inter for grp, ls in by_node.values())
-        caps = [self._intra_busbw(grp.device, ls) for grp, ls in by_node.values() if len(ls) > 1]
-        latency = max(g.device.inter_latency for g, _ in by_node.values())
-        return min([inter, *caps]), latency
+            return self._intra_busbw(g.device, [int(x) for x in local]), g.device.intra_latency
+        inter = min(float(counts.min()) * g.inter_bandwidth * g.device.allreduce_efficiency_inter for g, counts, _ in members)
+        caps = [self._group_intra_cap(g, counts, local) for g, counts, local in members]
+        latency = max(g.device.inter_latency for g, _, _ in members)
+        return min([inter, *(c for c in caps if c is not None)]), latency
+
+    def _group_intra_cap(self, g: NodeGroup, counts: np.ndarray, local: np.ndarray) -> float | None:
+        """The lowest intra-node busbw among this group's nodes holding two or more members (None: none do)."""
+        multi = counts[counts > 1]
+        if multi.size == 0:
+            return None
+        dev = g.device
+        if dev.intra_topology == "mesh":
+            return dev.intra_bandwidth * (int(multi.min()) - 1) * dev.allreduce_efficiency_intra
+        if dev.intra_topology == "pairs":
+            if (counts > 2).any():
+                return dev.pcie_bandwidth * dev.allreduce_efficiency_intra
+            ends = np.cumsum(counts)
+            pair = counts == 2
+            bridged = bool(np.all(local[(ends - counts)[pair]] // 2 == local[(ends - 1)[pair]] // 2))
+            return (dev.intra_bandwidth if bridged else dev.pcie_bandwidth) * dev.allreduce_efficiency_intra
+        return dev.intra_bandwidth * dev.allreduce_efficiency_intra
 
     def _collective(self, nbytes: float, ranks: Sequence[int], factor: float) -> float:
         _check_bytes(nbytes)
-        n = len(set(ranks))
+        arr = self._rank_array(ranks)
+        n = int(arr.size)
         if n == 0:
             return 0.0
-        busbw, latency = self.bus_bandwidth(ranks)
+        busbw, latency = self.bus_bandwidth(arr)
         if n == 1 or nbytes == 0:
             return 0.0
         return factor * (n - 1) / n * nbytes / busbw + factor * (n - 1) * latency

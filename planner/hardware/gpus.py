@@ -21,9 +21,15 @@ def _gpus_error(spec: str, problem: str, hint: str | None = None) -> UsageError:
     return UsageError(f"--gpus {spec!r}: {problem}", hint=hint or f"Write one of: {GPUS_FORMS}.")
 
 
+#: the largest cluster the planner plans for (GPUs); the largest training clusters built hold about 10**5
+MAX_WORLD_SIZE = 1 << 17
+
+
 def _parse_count(spec: str, text: str) -> int:
     if "." in text:
-        raise _gpus_error(spec, f"counts must be whole numbers, got {text}.")
+        raise _gpus_error(spec, f"counts must be whole numbers, got {text[:20]}.")
+    if len(text.lstrip("+-0")) > 9:
+        raise _gpus_error(spec, f"the count {text[:20]}{'...' if len(text) > 20 else ''} is too large (at most {MAX_WORLD_SIZE:,} GPUs in all).")
     value = int(text)
     if value <= 0:
         raise _gpus_error(spec, f"counts must be positive, got {text}.")
@@ -105,6 +111,10 @@ def parse_gpus(
                 nodes = total // per_node
         inter = inter_node_gbps * 1e9 / 8 if inter_node_gbps is not None else device.inter_bandwidth
         groups.append(NodeGroup(device=device, nodes=nodes, gpus_per_node=per_node, inter_bandwidth=inter))
+    world = sum(g.size for g in groups)
+    if world > MAX_WORLD_SIZE:
+        raise _gpus_error(spec, f"{world:,} GPUs is more than the {MAX_WORLD_SIZE:,} the planner plans for.",
+                          hint="Plan one pipeline-parallel replica group at a time, or a smaller cluster.")
     return Cluster(groups=tuple(groups), spec=spec, notes=tuple(notes))
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 import os
 import re
+import reprlib
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -222,7 +224,7 @@ class _Checker:
         self.fail(field, problem)
 
     def value(self, field: str, kind: str, expected: str, v: Any) -> Any:
-        got = f"got {type(v).__name__} {v!r}"
+        got = f"got {type(v).__name__} {_short_repr(v)}"
         is_num = isinstance(v, (int, float)) and not isinstance(v, bool)
         if kind in ("pos", "pos_int", "fraction"):
             if not is_num or not math.isfinite(v):
@@ -231,6 +233,9 @@ class _Checker:
                 self.fail(field, f"must be a whole number ({expected}), {got}.")
             if v <= 0:
                 self.fail(field, f"must be positive ({expected}), {got}.")
+            top = _UPPER.get(field.rsplit(".", 1)[-1], MAX_PROFILE_NUMBER)
+            if v > top:
+                self.fail(field, f"must be at most {top:g} ({expected}), {got}: no device is that large.")
             if kind == "fraction" and v > 1:
                 self.fail(field, f"must be a fraction in (0, 1] ({expected}), {got}.")
             return int(v) if kind == "pos_int" else float(v)
@@ -290,13 +295,13 @@ class _Checker:
             m = self.mapping(field, expected, v)
             for k, x in m.items():
                 if not isinstance(x, str) or not x.strip():
-                    self.fail(f"{field}.{k}", f"must be non-empty text (a URL or a note), got {type(x).__name__} {x!r}.")
+                    self.fail(f"{field}.{k}", f"must be non-empty text (a URL or a note), got {type(x).__name__} {_short_repr(x)}.")
             return dict(m)
         raise AssertionError(kind)  # pragma: no cover
 
     def mapping(self, field: str, expected: str, v: Any) -> dict:
         if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
-            self.fail(field, f"must be {expected}, got {type(v).__name__} {v!r}.")
+            self.fail(field, f"must be {expected}, got {type(v).__name__} {_short_repr(v)}.")
         return v
 
     def sources(self, data: dict, sources: dict) -> None:
@@ -320,12 +325,62 @@ class _Checker:
             )
 
 
+#: largest number any profile field may hold (in the field's own unit), and tighter bounds by field name
+MAX_PROFILE_NUMBER = 1e7
+_UPPER = {
+    "usable_memory_bytes": 2.0**50,
+    "memory_gib": 2.0**20,
+    "gpus_per_node": 4096,
+    "bf16": 1e5, "fp16": 1e5, "fp32": 1e5, "tf32": 1e5, "fp8": 1e5, "fp64": 1e5, "int8": 1e5,  # TFLOP/s
+}
+#: largest profile file read (bytes) and deepest nesting of its YAML
+MAX_PROFILE_BYTES = 1 << 20
+MAX_YAML_DEPTH = 20
+
+
+def _short_repr(v: Any, limit: int = 120) -> str:
+    """``repr(v)`` cut to ``limit`` characters (a hostile value must not make the message huge)."""
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxother = 3, limit, limit
+    text = r.repr(v)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_yaml_shape(text: str, path: Path) -> None:
+    """Refuse aliases (a profile needs none; they allow exponential 'billion laughs' expansion) and deep nesting."""
+    depth = 0
+    try:
+        for ev in yaml.parse(text, Loader=_YAML_LOADER):
+            if isinstance(ev, yaml.AliasEvent):
+                raise UsageError(f"hardware profile {path} uses a YAML alias (*name); profiles must spell every value out.",
+                                 hint="Replace the alias with the value it refers to.")
+            if isinstance(ev, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                depth += 1
+                if depth > MAX_YAML_DEPTH:
+                    raise UsageError(f"hardware profile {path} nests deeper than {MAX_YAML_DEPTH} levels.",
+                                     hint=f"See {hardware_profiles_dir() / 'a100-80gb.yaml'} for the shape of a profile.")
+            elif isinstance(ev, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                depth -= 1
+    except yaml.YAMLError as e:
+        raise UsageError(f"hardware profile {path} is not valid YAML: {e}".rstrip(),
+                         hint="Fix the YAML syntax (indentation, colons, brackets).") from None
+
+
 def _read_yaml(path: Path) -> Any:
     try:
-        text = path.read_text(encoding="utf-8")
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            raise UsageError(f"hardware profile {path} is not a regular file.", hint="Point at a *.yaml file or a folder of them.")
+        if st.st_size > MAX_PROFILE_BYTES:
+            raise UsageError(f"hardware profile {path} is {st.st_size:,} bytes; a profile is a few kB (limit {MAX_PROFILE_BYTES:,}).",
+                             hint="Point at the profile YAML itself.")
+        text = path.read_bytes().decode("utf-8")
     except OSError as e:
         raise UsageError(f"cannot read hardware profile {path}: {e.strerror or e}.",
                          hint=f"Check the path; bundled profiles are in {hardware_profiles_dir()}.") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"hardware profile {path} is not UTF-8 text ({e.reason} at byte {e.start}).") from None
+    _check_yaml_shape(text, path)
     try:
         return yaml.load(text, Loader=_YAML_LOADER)
     except yaml.YAMLError as e:
@@ -407,25 +462,56 @@ def load_profile(path: str | os.PathLike) -> DeviceProfile:
     return profile
 
 
+def _folder_files(folder: Path) -> tuple[list[Path], list[str]]:
+    """The regular ``*.yaml``/``*.yml`` files of ``folder`` (symlinks followed once), and a note per entry skipped
+    (a FIFO, a device, a folder, a dangling link or a symlink loop is never opened)."""
+    files: list[Path] = []
+    notes: list[str] = []
+    for p in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
+        try:
+            st = p.stat()
+        except OSError as e:
+            notes.append(f"skipped {p}: {e.strerror or e} (a dangling link or a symlink loop)")
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            notes.append(f"skipped {p}: not a regular file")
+            continue
+        files.append(p)
+    return files, notes
+
+
+def profile_scan_notes(extra_paths: Sequence[str | os.PathLike] = ()) -> list[str]:
+    """Notes on the entries of the profile folders that :func:`available_profiles` skipped."""
+    notes: list[str] = []
+    for entry, _ in _profile_entries(extra_paths):
+        if entry.is_dir():
+            notes += _folder_files(entry)[1]
+    return notes
+
+
 def _profile_files(entry: Path, origin: str) -> list[Path]:
     if entry.is_dir():
-        return sorted([*entry.glob("*.yaml"), *entry.glob("*.yml")])
-    if entry.is_file():
+        return _folder_files(entry)[0]
+    if entry.exists():
         return [entry]
     raise UsageError(f"hardware profile path {entry} ({origin}) does not exist.",
                      hint=f"Point {ENV_VAR} or the extra path at a folder of *.yaml profiles or at one profile file.")
 
 
-def available_profiles(extra_paths: Sequence[str | os.PathLike] = ()) -> dict[str, DeviceProfile]:
-    """All profiles by key: bundled, then ``$PLANNER_HARDWARE_PATH`` folders (os.pathsep-separated),
-    then ``extra_paths`` (files or folders). Later entries override earlier ones with the same key."""
+def _profile_entries(extra_paths: Sequence[str | os.PathLike]) -> list[tuple[Path, str]]:
     entries: list[tuple[Path, str]] = [(hardware_profiles_dir(), "bundled profiles")]
     for part in os.environ.get(ENV_VAR, "").split(os.pathsep):
         if part.strip():
             entries.append((Path(part.strip()).expanduser(), f"from ${ENV_VAR}"))
     entries += [(Path(p).expanduser(), "extra path") for p in extra_paths]
+    return entries
+
+
+def available_profiles(extra_paths: Sequence[str | os.PathLike] = ()) -> dict[str, DeviceProfile]:
+    """All profiles by key: bundled, then ``$PLANNER_HARDWARE_PATH`` folders (os.pathsep-separated),
+    then ``extra_paths`` (files or folders). Later entries override earlier ones with the same key."""
     out: dict[str, DeviceProfile] = {}
-    for entry, origin in entries:
+    for entry, origin in _profile_entries(extra_paths):
         for f in _profile_files(entry, origin):
             p = load_profile(f)
             out[p.key] = p

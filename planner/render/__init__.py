@@ -1,23 +1,31 @@
 """Write a plan directory: plan.json, the engine's configs and launch scripts, the report, a README.
 
-Everything is rendered into a temporary directory beside the target and
-moved into place in one rename, so a failed render leaves nothing
-half-written; an existing directory that is not a planner output is never
-replaced without ``--force``. Files carry the planner version and the command
-in their header and nothing time- or host-dependent: the same inputs give
-byte-identical files.
+The planner owns only the files it wrote: the manifest ``.planner`` (JSON) lists them. Re-planning
+replaces those and deletes the ones the new plan no longer renders; every other file (checkpoints,
+notes, smoke.json, the model file) stays. A file the planner did not write is never overwritten
+without ``--force``, and the model file never. The update is a journaled sequence of renames under
+a lock (planner.fileio.update_dir): an interrupted one is finished or rolled back on the next run,
+and a concurrent writer fails at once.
+
+Files carry the planner version and the canonical planning command in their header (model path
+relative to the plan directory, never ``--out``, ``--force`` or the working directory) and nothing
+time- or host-dependent: the same inputs give byte-identical files from any directory or checkout.
 """
 
 from __future__ import annotations
 
+import ast
+import json
+import os
 import shutil
-import tempfile
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 from planner import __version__
 from planner.errors import UsageError
-from planner.fileio import dumps_json, replace_dir_atomic, write_text_atomic
+from planner.fileio import FileSpec, dir_lock, dumps_json, recover_dir, update_dir
 from planner.render.deepspeed import render_deepspeed
 from planner.render.megatron import render_megatron
 from planner.render.torchpp import render_torch
@@ -25,64 +33,209 @@ from planner.report import report_files
 from planner.solve.plan import Plan
 from planner.templating import one_line, render_template, shell_quote
 
-__all__ = ["MARKER", "RENDERERS", "check_output_dir", "one_line", "render_files", "render_template", "shell_quote", "write_plan_dir"]
+__all__ = [
+    "MARKER", "RENDERERS", "canonical_command", "canonical_plan", "check_output_dir", "one_line", "render_files",
+    "render_template", "shell_quote", "write_plan_dir",
+]
 
+#: the manifest: JSON {"planner": version, "files": [relative paths the planner wrote]}
 MARKER = ".planner"
+#: prefix of the staging folders of an update inside the plan directory (.planner.tmp.ID, .planner.old.ID)
+STAGING = ".planner"
 
 #: engine name -> its renderer: (plan, command, out_dir) -> {relative path: text}
-RENDERERS: dict[str, Callable[[Plan, str, "Path | None"], dict[str, str]]] = {
+RENDERERS: dict[str, Callable[[Plan, str, Path | None], dict[str, str]]] = {
     "deepspeed": render_deepspeed,
     "megatron": render_megatron,
     "torch": render_torch,
 }
+
+EXECUTABLE_SUFFIXES = (".sh",)
 
 
 def is_planner_dir(path: Path) -> bool:
     return (path / MARKER).is_file()
 
 
-def check_output_dir(path: str | Path, force: bool) -> None:
-    """Refuse to replace a non-empty directory that the planner did not write, unless ``force``."""
+def owned_files(path: Path) -> set[str] | None:
+    """The files the manifest in ``path`` lists; None when there is no manifest or it is the old bare marker."""
+    try:
+        doc = json.loads((path / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        return None
+    return {f for f in files if _safe_rel(f)} | {MARKER}
+
+
+def _safe_rel(rel: str) -> bool:
+    """A relative path inside the directory (a manifest never makes us touch a file outside it)."""
+    p = Path(rel)
+    return bool(rel) and not p.is_absolute() and ".." not in p.parts and rel != MARKER
+
+
+def check_output_dir(path: str | Path, force: bool = False) -> None:
+    """Refuse an ``--out`` the planner cannot write: a file, under a file, or not writable (exit 2).
+
+    Which existing files would be shadowed is only known once the plan is rendered (see write_plan_dir).
+    """
+    del force  # shadowing is judged per file in write_plan_dir
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise UsageError(f"--out {str(path)!r} is a file, not a directory.", "Choose a directory path for --out.")
-    if path.is_dir() and any(path.iterdir()) and not is_planner_dir(path) and not force:
-        raise UsageError(
-            f"--out {str(path)!r} already exists and was not written by planner; it would be replaced.",
-            "Choose another directory, or pass --force to replace it.",
-        )
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise UsageError(f"--out {str(path)!r} is inside {str(probe)!r}, which is a file.", "Choose a directory path for --out.")
+    if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {str(path)!r}: {str(probe)!r} is not writable.", "Choose a directory you can write to.")
 
 
-def render_files(plan: Plan, command: str, out_dir: Path | None = None) -> dict[str, str]:
-    """Every file of the plan directory as {relative path: text} (deterministic).
+def canonical_plan(plan: Plan, out_dir: Path) -> Plan:
+    """``plan`` with its model file recorded relative to ``out_dir`` (so the bytes do not depend on where we ran)."""
+    model = plan.inputs.get("model_file")
+    if not model:
+        return plan
+    rel = Path(os.path.relpath(Path(model).resolve(), Path(out_dir).resolve())).as_posix()
+    return replace(plan, inputs={**plan.inputs, "model_file": rel})
 
-    ``out_dir`` is where the files will live (for paths the scripts need); it defaults to the working directory.
+
+def _arg_text(value: Any) -> str:
+    """A --model-arg value as the CLI parses it back (planner.model.load.parse_model_args)."""
+    if isinstance(value, str):
+        try:
+            ast.literal_eval(value)
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            if value.lower() not in ("true", "false", "none"):
+                return value
+        return repr(value)
+    return repr(value)
+
+
+#: (flag, plan.json inputs key, default that is left out)
+_FLAGS = (
+    ("--dtype", "dtype", "bf16"),
+    ("--tracer", "tracer", "auto"),
+    ("--gpus-per-node", "gpus_per_node", None),
+    ("--inter-node-gbps", "inter_node_gbps", None),
+    ("--global-batch", "global_batch", None),
+    ("--pp", "pp", None),
+    ("--tp", "tp", None),
+    ("--dp", "dp", None),
+    ("--vp", "vp", None),
+    ("--micro-batch", "micro_batch", None),
+    ("--schedule", "schedule", None),
+    ("--recompute", "recompute", None),
+    ("--zero", "zero", None),
+    ("--mem-target", "mem_target", 0.85),
+    ("--profile", "profile", None),
+)
+
+
+def canonical_command(plan: Plan) -> str:
+    """The `planner plan` command that re-makes ``plan`` when run in the plan directory (shell-quoted).
+
+    Built from plan.json's inputs (model path as recorded, i.e. relative to the plan directory), never from
+    the command as typed: ``--force``, the working directory and the spelling of ``--out`` leave no trace.
     """
-    files: dict[str, str] = {"plan.json": dumps_json(plan.to_dict()), MARKER: f"planner {__version__}\n"}
+    inp = plan.inputs
+    words = ["planner", "plan", str(inp.get("model_file", "MODEL.py")), "--gpus", str(inp.get("gpus", "")), "--engine", plan.layout.engine]
+    for k, v in sorted((inp.get("model_args") or {}).items()):
+        words += ["--model-arg", f"{k}={_arg_text(v)}"]
+    for leaf in inp.get("leaf") or ():
+        words += ["--leaf", str(leaf)]
+    for p in inp.get("hardware_profiles") or ():
+        words += ["--hardware-profile", str(p)]
+    for flag, key, default in _FLAGS:
+        v = inp.get(key)
+        if v is not None and v != default:
+            words += [flag, f"{v:g}" if isinstance(v, float) else str(v)]
+    words += ["--out", "."]
+    return " ".join(shell_quote(w) if i > 1 else w for i, w in enumerate(words))
+
+
+def render_files(plan: Plan, command: str | None = None, out_dir: Path | None = None) -> dict[str, str]:
+    """Every file of the plan directory as {relative path: text} (deterministic), the manifest included.
+
+    ``out_dir`` is where the files will live: the model path is recorded relative to it. ``command`` is the
+    header's command; None gives :func:`canonical_command`.
+    """
+    if out_dir is not None:
+        plan = canonical_plan(plan, out_dir)
+    if command is None:
+        command = canonical_command(plan)
     renderer = RENDERERS.get(plan.layout.engine)
     if renderer is None:
         raise UsageError(f"no renderer for engine {plan.layout.engine!r}", f"Plan with one of: {', '.join(RENDERERS)}.")
-    files.update(renderer(plan, command, out_dir))
+    files: dict[str, str] = {"plan.json": dumps_json(plan.to_dict())}
+    files.update(renderer(plan, command, None))
     files.update(report_files(plan, command))
+    files[MARKER] = dumps_json({"planner": __version__, "files": sorted(files)})
     return files
 
 
-EXECUTABLE_SUFFIXES = (".sh",)
+def _mode(rel: str) -> int:
+    return 0o755 if rel.endswith(EXECUTABLE_SUFFIXES) or rel == "hostfile.sh" else 0o644
 
 
-def write_plan_dir(path: str | Path, plan: Plan, command: str) -> None:
-    """Render the plan directory and move it into place atomically."""
+def _recover_legacy(path: Path) -> list[str]:
+    """Leftovers of the whole-directory swap of planner <= 0.x beside ``path``: ``.NAME.old.*`` (the previous
+    directory) and ``.NAME.tmp.*`` (an unfinished render)."""
+    notes: list[str] = []
+    parent = path.parent
+    if not parent.is_dir():
+        return notes
+    olds = sorted(parent.glob(f".{path.name}.old.*"))
+    if olds and not path.exists():
+        os.replace(olds[0], path)
+        notes.append(f"restored {path} from {olds[0].name}, left by an interrupted write")
+        olds = olds[1:]
+    for old in olds:
+        notes.append(f"kept {old} (a previous copy of {path.name} left by an interrupted write; delete it once checked)")
+    for tmp in sorted(parent.glob(f".{path.name}.tmp.*")):
+        shutil.rmtree(tmp, ignore_errors=True)
+        notes.append(f"removed {tmp} (an unfinished render left by an interrupted write)")
+    return notes
+
+
+def write_plan_dir(path: str | Path, plan: Plan, command: str | None = None, force: bool = False) -> list[str]:
+    """Write the plan's files into ``path``, replacing only the planner's own files; returns notes to print.
+
+    Exit-2 errors: ``path`` unusable, another writer holds the directory, a file the planner did not write
+    would be overwritten (allowed with ``force``), or a rendered file would overwrite the model file (never).
+    """
     path = Path(path)
-    files = render_files(plan, command, path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp.", dir=path.parent))
-    try:
-        for rel, text in sorted(files.items()):
-            target = staging / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            mode = 0o755 if rel.endswith(EXECUTABLE_SUFFIXES) or rel == "hostfile.sh" else 0o644
-            write_text_atomic(target, text, mode=mode)
-        replace_dir_atomic(staging, path)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    check_output_dir(path, force)
+    notes = _recover_legacy(path.absolute())
+    path.mkdir(parents=True, exist_ok=True)
+    with dir_lock(path):
+        notes += recover_dir(path, STAGING)
+        files = render_files(plan, command, path)
+        owned = owned_files(path)
+        if owned is None:  # no manifest (or the old bare marker): what this render writes is ours only if marked
+            owned = set(files) if is_planner_dir(path) else {MARKER} & set(files)
+        model = path / files_model(files)
+        for rel in files:
+            target = path / rel
+            if model.is_file() and target.exists() and os.path.samefile(target, model):
+                raise UsageError(f"the plan would overwrite the model file {str(model)!r} with its {rel}.",
+                                 "Move the model file or rename it; the planner never replaces it.")
+        shadowed = sorted(rel for rel in files if rel not in owned and ((path / rel).exists() or (path / rel).is_symlink()))
+        if shadowed and not force:
+            raise UsageError(
+                f"--out {str(path)!r} holds files the planner did not write that this plan would replace: {', '.join(shadowed)}.",
+                "Move them, choose another --out, or pass --force to replace them (other files are always kept).",
+            )
+        remove = sorted(rel for rel in owned - set(files) if (path / rel).is_file() and not (model.is_file() and os.path.samefile(path / rel, model)))
+        order = [r for r in sorted(files) if r != MARKER] + [MARKER]  # the manifest last: it marks the update done
+        update_dir(path, {r: FileSpec(files[r], _mode(r)) for r in order}, remove, STAGING)
+    return notes
+
+
+def files_model(files: dict[str, str]) -> str:
+    """The model file's path (relative to the plan directory) as recorded in the rendered plan.json."""
+    return str(json.loads(files["plan.json"]).get("inputs", {}).get("model_file") or "")

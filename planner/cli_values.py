@@ -1,0 +1,73 @@
+"""One validation layer for command-line values: ranges, finite numbers and closed sets.
+
+Each check returns the value or raises :class:`~planner.errors.UsageError` (exit 2) saying
+what is accepted. A 0 or a negative is refused wherever it means nothing (``--pp 0`` is an
+error, never "unset"). The limits bound the work one command can ask for.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import TypeVar
+
+from planner.errors import UsageError, did_you_mean
+
+T = TypeVar("T")
+
+#: largest value any layout dimension pin may take (pp, tp, dp, vp, micro-batch)
+MAX_DEGREE = 1 << 16
+#: largest --global-batch (samples per optimizer step); larger ones are not a training run
+MAX_GLOBAL_BATCH = 1 << 24
+#: largest --timeout (seconds)
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+#: closed sets (the engine's schedules, recomputation modes and ZeRO stages come from planner.engines)
+DTYPES = ("bf16", "fp16", "fp32")
+TRACERS = ("auto", "fx", "export")
+VALIDATE_FORMATS = ("text", "json", "github")
+SMOKE_DEVICES = ("auto", "cpu", "cuda")
+PROFILE_DEVICES = ("cuda", "cpu")
+
+
+def choice(flag: str, value: T | None, choices: Iterable[T]) -> T | None:
+    """``value`` when it is one of ``choices`` (or None: not given), else exit 2 listing them."""
+    choices = tuple(choices)
+    if value is None or value in choices:
+        return value
+    listed = ", ".join(str(c) for c in choices)
+    raise UsageError(
+        f"{flag} {value!r} is not accepted.{did_you_mean(str(value), [str(c) for c in choices])}",
+        f"Accepted: {listed}.",
+    )
+
+
+def positive_int(flag: str, value: int | None, upper: int = MAX_DEGREE) -> int | None:
+    """A whole number in [1, ``upper``], or None (not given)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= upper:
+        raise UsageError(f"{flag} must be a whole number from 1 to {upper:,}, got {value!r}.",
+                         "Leave the flag out to let the planner choose." if upper == MAX_DEGREE else None)
+    return value
+
+
+def non_negative_int(flag: str, value: int | None, upper: int) -> int | None:
+    """A whole number in [0, ``upper``], or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= upper:
+        raise UsageError(f"{flag} must be a whole number from 0 to {upper:,}, got {value!r}.")
+    return value
+
+
+def finite_number(flag: str, value: float | None, low: float, high: float, low_open: bool = True) -> float | None:
+    """A finite number in (``low``, ``high``] (or [``low``, ``high``] with ``low_open=False``), or None."""
+    if value is None:
+        return None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        bracket = "(" if low_open else "["
+        raise UsageError(f"{flag} must be a finite number in {bracket}{low:g}, {high:g}], got {value!r}.")
+    return float(value)
+
