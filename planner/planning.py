@@ -101,7 +101,7 @@ def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | Non
     if req.profile:
         measured, profile_notes = match_profile(req.profile, analysis, cluster)
     if req.bounds is not None:
-        result = _evaluate_pinned(analysis.costs, cluster, replace(req, measured=measured))
+        result = evaluate_pinned(analysis.costs, cluster, replace(req, measured=measured))
     else:
         result = search(analysis.costs, cluster, replace(req, measured=measured), engine, progress=progress)
     if result.best is None:
@@ -116,7 +116,7 @@ def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | Non
     return plan, analysis, result
 
 
-def _evaluate_pinned(costs: ModelCosts, cluster: Cluster, req: PlanRequest) -> SearchResult:
+def evaluate_pinned(costs: ModelCosts, cluster: Cluster, req: PlanRequest) -> SearchResult:
     """Price the one layout and stage split ``req`` pins completely (what `smoke` and `validate` re-price)."""
     need = ("pp", "tp", "dp", "vp", "micro_batch", "global_batch", "schedule", "recompute", "zero")
     missing = [k for k in need if getattr(req, k) is None]

@@ -2,7 +2,7 @@
 
 A run is a plan directory and what it measured: its smoke.json (`planner smoke`)
 or an engine log (Megatron-LM, DeepSpeed; planner.check.run_logs). Each run is
-re-priced exactly as the planner prices it (planning._evaluate_pinned: the
+re-priced exactly as the planner prices it (planning.evaluate_pinned: the
 layout and stage boundaries that ran, the model traced again, the hardware
 profile with candidate parameter values), so the fitted profile predicts what
 `planner plan --hardware-profile FILE` will predict.
@@ -41,7 +41,7 @@ import yaml
 from planner import hardware
 from planner.check.run_logs import RunMeasurement, read_log, read_smoke
 from planner.errors import UsageError
-from planner.planning import PlanRequest, _evaluate_pinned
+from planner.planning import PlanRequest, evaluate_pinned
 from planner.solve.memory import RuntimeOverhead
 from planner.solve.plan import Plan, load_plan
 from planner.solve.search import Evaluation
@@ -117,7 +117,7 @@ class Run:
         profiles = {**self.profiles, self.device_key: replace(device, key=self.device_key)}
         req = self.request
         cluster = hardware.parse_gpus(req.gpus, gpus_per_node=req.gpus_per_node, inter_node_gbps=req.inter_node_gbps, profiles=profiles)
-        res = _evaluate_pinned(self.costs, cluster, req, {})
+        res = evaluate_pinned(self.costs, cluster, req)
         if res.best is None:
             reason = res.rejected[0].reason if res.rejected else "no reason recorded"
             raise UsageError(f"run {self.name}: the planner cannot price the layout that ran ({reason}).",

@@ -10,13 +10,13 @@ Checks a ds_config.json as DeepSpeed 0.19.8 reads it, with the line of every key
   world / (pp x model-parallel) (deepspeed/runtime/config.py; /work/shared/reference/engines.md); when that size is
   unknown, what holds for every possible one;
 * ZeRO stage >= 2 with a pipeline, which ``PipelineEngine.__init__`` refuses only at
-  start-up (planner.engines.zero_rules); fp16 with bf16;
+  start-up (planner.engines.deepspeed); fp16 with bf16;
 * every key at every level against the table of keys DeepSpeed reads
   (:func:`known_keys`), with the closest known key suggested; removed,
   deprecated and accepted-but-unread keys; optimizer/scheduler ``params`` against
   the keyword arguments of the class DeepSpeed builds;
 * an ``activation_checkpointing`` section no script applies;
-* fewer micro-batches than pipeline stages (planner.engines.schedule_rules) and a
+* fewer micro-batches than pipeline stages (Engine.schedule_problems) and a
   large 1F1B bubble, (p - 1) / (m + p - 1) > :data:`BUBBLE_WARNING`.
 
 The key table ships as data (``templates/validate/deepspeed_keys_<version>.tsv``), so the key checks need no
@@ -33,6 +33,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from planner.engines.deepspeed import ENGINE as DEEPSPEED
 from planner.check import deepspeed_engine
 from planner.check.deepspeed_engine import BatchError
 from planner.check.findings import Finding
@@ -451,11 +452,9 @@ class _Checker:
         if not isinstance(stage, int) or isinstance(stage, bool):
             return None
         if stage >= 2 and pipelined is not False:
-            from planner.engines import zero_rules
-
             known_pp = self.ctx.pp is not None and self.ctx.pp > 1
             because = f"pipeline parallelism (pp = {self.ctx.pp}, from {self.ctx.pp_source})" if known_pp else "a pipeline section (pipeline parallelism)"
-            reason = zero_rules("deepspeed", stage, self.ctx.pp if known_pp else 2)
+            reason = DEEPSPEED.zero_problems(stage, self.ctx.pp if known_pp else 2)
             self.add(
                 "DS002", ("zero_optimization", "stage"),
                 f"ZeRO stage {stage} with {because}: {reason[0] if reason else 'refused by PipelineEngine'}. DeepSpeedConfig alone accepts it, "
@@ -561,10 +560,8 @@ class _Checker:
         pp = self.ctx.pp
         if pp is None or pp <= 1 or gas is None or not isinstance(gas, int):
             return
-        from planner.engines import schedule_rules
-
         line = ("gradient_accumulation_steps",) if "gradient_accumulation_steps" in self.cfg else ("train_batch_size",)
-        problems = schedule_rules("deepspeed", "1f1b", pp, gas, 1)
+        problems = DEEPSPEED.schedule_problems("1f1b", pp, gas, 1)
         if problems:
             self.add(
                 "DS011", line,

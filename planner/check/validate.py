@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
+from planner.engines import ENGINES
 from planner.check.deepspeed_engine import partition_balanced
 from planner.check.deepspeed_rules import DSConfig, DSContext, check_ds_config, looks_like_ds_config
 from planner.check.findings import Finding, exit_code, format_findings, from_megatron, sort_findings
@@ -326,8 +327,6 @@ def _unit_context(run: _Run, u: Unit) -> _Ctx:
 
 def _check_plan(run: _Run, ctx: _Ctx) -> None:
     """plan.json on its own: layout arithmetic, stage split, engine rules (planner.engines)."""
-    from planner.engines import ENGINES, schedule_rules, zero_rules
-
     plan, rel = ctx.plan, ctx.plan_file
     text = (ctx.unit.directory / "plan.json").read_text()
     lay = plan.layout
@@ -344,12 +343,11 @@ def _check_plan(run: _Run, ctx: _Ctx) -> None:
         bad("global_batch", f"micro_batch {lay.micro_batch} x num_microbatches {lay.num_microbatches} x dp {lay.dp} = "
             f"{lay.micro_batch * lay.num_microbatches * lay.dp}, not global_batch {lay.global_batch}.")
     cluster_world = sum(int(g.get("nodes", 0)) * int(g.get("gpus_per_node", 0)) for g in plan.cluster.get("groups", [])) or None
-    if cluster_world is not None and lay.pp * lay.tp * lay.dp > cluster_world:
-        bad("pp", f"pp {lay.pp} x tp {lay.tp} x dp {lay.dp} = {lay.pp * lay.tp * lay.dp} GPUs, more than the {cluster_world} of the planned cluster.")
-    problems = (schedule_rules(lay.engine, lay.schedule, lay.pp, lay.num_microbatches, lay.vp) if lay.pp > 1 else []) + zero_rules(lay.engine, lay.zero, lay.pp)
-    modes = getattr(ENGINES[lay.engine], "recompute_modes", None)
-    if modes and lay.recompute not in modes:
-        problems.append(f"{lay.engine} has no {lay.recompute} recomputation")
+    if cluster_world is not None and lay.world > cluster_world:
+        bad("pp", f"pp {lay.pp} x tp {lay.tp} x cp {lay.cp} x dp {lay.dp} = {lay.world} GPUs, more than the {cluster_world} of the planned cluster.")
+    engine = ENGINES[lay.engine]
+    problems = (engine.schedule_problems(lay.schedule, lay.pp, lay.num_microbatches, lay.vp) if lay.pp > 1 else []) + engine.zero_problems(lay.zero, lay.pp)
+    problems += engine.recompute_problems(lay.recompute)
     for p in problems:
         bad("layout", f"the layout {lay.short()} breaks an engine rule: {p}.")
     stages = sorted(plan.stages, key=lambda s: s.index)
@@ -569,16 +567,21 @@ def _memory_megatron(run: _Run, ctx: _Ctx, rel: str, args, world: int | None) ->
     if None in (tp, pp, cp, mb, gb) or counts is None or not tp or not pp or not cp or not mb or world % (tp * pp * cp) or gb % (mb * (world // (tp * pp * cp))):
         run.add("MEM003", rel, line, "memory not checked: the parallel sizes, batch sizes or layer split are not consistent (see the MEG findings).", "fix the flags first")
         return
-    if cp > 1:
-        run.add("MEM003", rel, line, f"memory not checked: context parallelism (cp = {cp}) is not in the planner's memory model.", "check memory with cp = 1 plans")
-        return
-    dp = world // (tp * pp)
+    dp = world // (tp * pp * cp)
     vp = len(counts) // pp
     m = gb // (mb * dp)
     dtype = "bf16" if args.has("--bf16") else "fp16" if args.has("--fp16") else "fp32"
     layout = Layout(
         "megatron", pp, tp, dp, vp, mb, m, gb, "interleaved" if vp > 1 else "1f1b", _megatron_recompute(args),
         1 if args.has("--use-distributed-optimizer") else 0, bool(args.has("--sequence-parallel") and tp > 1),
+        cp=cp,
+        tp_comm_overlap=args.has("--tp-comm-overlap"),
+        overlap_grad_reduce=args.has("--overlap-grad-reduce"),
+        overlap_param_gather=args.has("--overlap-param-gather"),
+        # the inverse of planner.render.megatron.feature_flags
+        main_grads_dtype=args.value("--main-grads-dtype") or ("bf16" if args.has("--grad-reduce-in-bf16") else "fp32"),
+        optimizer_state_dtype=args.value("--exp-avg-dtype") or "fp32",
+        fp8=args.has("--fp8-format"),
     )
     costs = _costs(run, ctx, rel, line, dtype)
     if costs is None:

@@ -20,14 +20,4 @@ def get_engine(name: str) -> Engine:
     return ENGINES[name]
 
 
-def zero_rules(engine: str, zero: int, pp: int) -> list[str]:
-    """Why ``engine`` cannot run ZeRO stage ``zero`` with ``pp`` pipeline stages (Engine.zero_problems)."""
-    return get_engine(engine).zero_problems(zero, pp)
-
-
-def schedule_rules(engine: str, schedule: str, pp: int, m: int, v: int) -> list[str]:
-    """Why ``engine`` cannot run ``schedule`` with pp ranks, m micro-batches, v stages per rank (Engine.schedule_problems)."""
-    return get_engine(engine).schedule_problems(schedule, pp, m, v)
-
-
-__all__ = ["ENGINES", "Engine", "get_engine", "schedule_rules", "zero_rules"]
+__all__ = ["ENGINES", "Engine", "get_engine"]
