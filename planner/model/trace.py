@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import networkx as nx
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
@@ -299,8 +298,8 @@ class LayerGraph:
     """A traced model split into pieces, with the values crossing each cut.
 
     ``boundaries[k]`` lists the values live across cut k (0: the model inputs,
-    n: the model outputs); ``graph`` is a networkx DiGraph over piece indices
-    whose edges carry the values one piece passes to a later one.
+    n: the model outputs). The fx graph is already a DAG in topological order, so the values
+    crossing every cut come from one liveness sweep over it (no separate graph library).
     """
 
     model: nn.Module
@@ -309,7 +308,6 @@ class LayerGraph:
     boundaries: list[list[fx.Node]]
     cut_kinds: list[str]
     metas: dict[fx.Node, ValueMeta]
-    graph: nx.DiGraph
     tracer: str
     blocks: list[str]
     notes: list[str] = field(default_factory=list)
@@ -812,39 +810,19 @@ def _split(
         )
         pieces.append(Piece(i, name, kind, blk, nodes, mods))
 
-    # 4. boundaries and the piece graph
+    # 4. boundaries
     starts = [pos[p.nodes[0]] for p in pieces] + [len(compute)]
     boundaries = [crossing(j) for j in starts[:-1]]
     out_values = [v for v in out_node.all_input_nodes if v not in free]
     boundaries.append(out_values)
     kinds = ["input"] + ["sub" if pieces[k].block is not None and pieces[k].block == pieces[k - 1].block else "block" for k in range(1, len(pieces))] + ["output"]
 
-    piece_of = {n: p.index for p in pieces for n in p.nodes}
-    for ph in placeholders:
-        piece_of[ph] = -1
-    g = nx.DiGraph()
-    g.add_node(-1, name="(input)")
-    for p in pieces:
-        g.add_node(p.index, name=p.name, kind=p.kind)
-    g.add_node(len(pieces), name="(output)")
-    for v in list(placeholders) + compute:
-        src = piece_of[v]
-        consumers = {piece_of[u] for u in v.users if u in piece_of and piece_of[u] != src}
-        consumers |= {len(pieces)} if (v in out_values) else set()
-        for u in _free_users(v, free):
-            consumers |= {piece_of[w] for w in u.users if w in piece_of and piece_of[w] != src}
-        for dst in consumers:
-            if g.has_edge(src, dst):
-                g[src][dst]["values"].append(v.name)
-                g[src][dst]["bytes"] += metas[v].bytes if v in metas else 0
-            else:
-                g.add_edge(src, dst, values=[v.name], bytes=metas[v].bytes if v in metas else 0)
     notes = [
         f"no cut before {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} ({len(names)} piece(s) joined to the one "
         f"before): the non-tensor value(s) {vals} would cross it, and they change with the batch size"
         for vals, names in merge_notes.items()
     ]
-    return LayerGraph(model, gm, pieces, boundaries, kinds, metas, g, tracer, blocks, notes)
+    return LayerGraph(model, gm, pieces, boundaries, kinds, metas, tracer, blocks, notes)
 
 
 def _has(model: nn.Module, path: str) -> bool:
@@ -853,10 +831,6 @@ def _has(model: nn.Module, path: str) -> bool:
         return True
     except AttributeError:
         return False
-
-
-def _free_users(v: fx.Node, free: set[fx.Node]) -> list[fx.Node]:
-    return [u for u in v.users if u in free]
 
 
 def _free_last_use(u: fx.Node, pos: dict, out_node: fx.Node, free: set, end: int) -> list[int]:
