@@ -87,7 +87,13 @@ def main() -> None:
     sections = []
     t = time.time()
     rows = inspect_speed.run()
-    sections.append(("Tracing and costing the largest presets (`planner inspect`)", inspect_speed.markdown(rows) + "\n\nTarget: 70B in under 30 s and 2 GiB.", time.time() - t))
+    sections.append(
+        (
+            "Tracing and costing the largest presets (`planner inspect`)",
+            inspect_speed.markdown(rows) + "\n\nTarget: 70B in under 30 s and 2 GiB.",
+            time.time() - t,
+        )
+    )
     t = time.time()
     problems = [partition_quality.make_problem(*m) for m in partition_quality.MODELS]
     text = "Compute only (what the lower bound describes):\n\n" + partition_quality.markdown(partition_quality.run_all(False, problems))
@@ -95,13 +101,27 @@ def main() -> None:
     text += partition_quality.markdown(partition_quality.run_all(True, problems))
     sections.append(("Partition quality against today's tools", partition_quality.__doc__.strip() + "\n\n" + text, time.time() - t))
     t = time.time()
-    sections.append(("Prediction against published runs", published_runs.__doc__.strip() + "\n\n" + published_runs.markdown(published_runs.predict_all()), time.time() - t))
+    sections.append(
+        ("Prediction against published runs", published_runs.__doc__.strip() + "\n\n" + published_runs.markdown(published_runs.predict_all()), time.time() - t)
+    )
     t = time.time()
     sections.append(("Planning speed and memory", planning_speed.__doc__.strip() + "\n\n" + planning_speed.markdown(planning_speed.run_all()), time.time() - t))
     t = time.time()
-    sections.append(("Smoke vs prediction on this CPU", smoke_vs_prediction.__doc__.strip() + "\n\n" + smoke_vs_prediction.markdown(smoke_vs_prediction.run()), time.time() - t))
+    sections.append(
+        (
+            "Smoke vs prediction on this CPU",
+            smoke_vs_prediction.__doc__.strip() + "\n\n" + smoke_vs_prediction.markdown(smoke_vs_prediction.run()),
+            time.time() - t,
+        )
+    )
     t = time.time()
-    sections.append(("Calibrated profile vs a run it was not fitted to (CPU)", calibration.__doc__.strip() + "\n\n" + calibration.markdown(calibration.run()), time.time() - t))
+    sections.append(
+        (
+            "Calibrated profile vs a run it was not fitted to (CPU)",
+            calibration.__doc__.strip() + "\n\n" + calibration.markdown(calibration.run()),
+            time.time() - t,
+        )
+    )
     sections.append(("Measured on a GPU (recorded, not regenerated)", _recorded_gpu(), 0.0))
     notes = (ROOT / "bench" / "NOTES.md").read_text() if (ROOT / "bench" / "NOTES.md").is_file() else ""
     head = [

@@ -68,8 +68,9 @@ def run(work: Path | None = None) -> dict:
         cal = _plan(work / (d.name + "-cal"), "2xcpu-bench", model_args, layout, "--hardware-profile", profile)
         if [s["pieces"] for s in cal["stages"]] != [s["pieces"] for s in plan["stages"]]:
             raise RuntimeError(f"{label}: the calibrated plan splits the model differently from the run")
-        checks.append({"run": label, "measured_s": _measured(d), "calibrated_s": cal["predicted"]["step_time_s"],
-                       "uncalibrated_s": plan["predicted"]["step_time_s"]})
+        checks.append(
+            {"run": label, "measured_s": _measured(d), "calibrated_s": cal["predicted"]["step_time_s"], "uncalibrated_s": plan["predicted"]["step_time_s"]}
+        )
     return {
         "fit_measured_s": (_measured(fit_dir), _measured(fit_again)),
         "fit_uncalibrated_s": fit_plan["predicted"]["step_time_s"],
@@ -93,8 +94,10 @@ def markdown(r: dict) -> str:
         ),
     ]
     for c in r["checks"]:
-        lines.append(f"| predicted: {c['run']} | {c['measured_s'] * 1e3:.0f} ms | {c['uncalibrated_s'] * 1e3:.0f} ms ({err(c['uncalibrated_s'], c['measured_s'])}) | "
-                     f"{c['calibrated_s'] * 1e3:.0f} ms ({err(c['calibrated_s'], c['measured_s'])}) |")
+        lines.append(
+            f"| predicted: {c['run']} | {c['measured_s'] * 1e3:.0f} ms | {c['uncalibrated_s'] * 1e3:.0f} ms ({err(c['uncalibrated_s'], c['measured_s'])}) | "
+            f"{c['calibrated_s'] * 1e3:.0f} ms ({err(c['calibrated_s'], c['measured_s'])}) |"
+        )
     lines += [
         "",
         "Fitted from the two runs of one layout: " + "; ".join(fitted) + " (one layout cannot separate them: they move together).",

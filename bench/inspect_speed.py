@@ -33,5 +33,7 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['preset']} | {r['wall_s']:.1f} s | {r['peak_rss_bytes'] / 2**30:.2f} GiB |")
     lines.append("")
-    lines.append("Peak RSS is the largest of the child processes so far (ru_maxrss of children), so each row is at most the true peak of that run or an earlier one.")
+    lines.append(
+        "Peak RSS is the largest of the child processes so far (ru_maxrss of children), so each row is at most the true peak of that run or an earlier one."
+    )
     return "\n".join(lines)

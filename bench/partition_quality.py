@@ -26,9 +26,9 @@ DeepSpeed and torch.distributed.pipelining can run.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 

@@ -20,8 +20,8 @@ ENGINES = ("megatron", "deepspeed")
 
 def measure(preset: str) -> dict:
     from planner import hardware
-    from planner.model.analyze import analyze
     from planner.engines import get_engine
+    from planner.model.analyze import analyze
     from planner.solve.search import SearchOptions, search
 
     t0 = time.perf_counter()

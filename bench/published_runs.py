@@ -210,7 +210,16 @@ def model_file(run: PublishedRun) -> tuple[Path, dict]:
         args = {"preset": "gpt2", "n_layer": m.layers, "n_embd": m.hidden, "n_head": m.heads, "seq_len": m.seq, "vocab_size": m.vocab}
         args["attention"] = "explicit" if run.source.attention == "explicit" else "sdpa"
         return ROOT / "examples" / "gpt2.py", args
-    args = {"preset": "llama-7b", "n_layers": m.layers, "dim": m.hidden, "n_heads": m.heads, "n_kv_heads": m.kv_heads, "ffn_dim": m.ffn, "seq_len": m.seq, "vocab_size": m.vocab}
+    args = {
+        "preset": "llama-7b",
+        "n_layers": m.layers,
+        "dim": m.hidden,
+        "n_heads": m.heads,
+        "n_kv_heads": m.kv_heads,
+        "ffn_dim": m.ffn,
+        "seq_len": m.seq,
+        "vocab_size": m.vocab,
+    }
     return ROOT / "examples" / "llama.py", args
 
 
@@ -255,8 +264,8 @@ def costs_for(run: PublishedRun):
 def predict(run: PublishedRun) -> Prediction:
     """Price one published run with its layout pinned (engine megatron), at --mem-target 1.0 and the default."""
     from planner import hardware
-    from planner.solve.plan import Layout
     from planner.engines import get_engine
+    from planner.solve.plan import Layout
     from planner.solve.search import (
         DEFAULT_MEM_TARGET,
         Context,
@@ -317,7 +326,11 @@ def markdown(preds: list[Prediction]) -> str:
         else:
             fits = "yes" if p.rejected_default is None else "no"
             lines.append(f"{head} {p.predicted_step_s:.3g} s | {p.error * 100:+.1f}% | {p.peak_memory_bytes / 2**30:.1f} GiB | {fits} |")
-    lines += ["", "| group | rows | priced | not expressible | out of memory at 1.0 | mean abs. error | max abs. error | mean signed error |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "| group | rows | priced | not expressible | out of memory at 1.0 | mean abs. error | max abs. error | mean signed error |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     groups: dict[str, list[Prediction]] = {}
     for p in preds:
         groups.setdefault(f"{p.run.source.key} ({p.run.split})", []).append(p)
@@ -353,7 +366,20 @@ def _evaluate(run: PublishedRun, recompute: str | None = None, precision: str | 
     costs = costs_for(run)
     cluster = hardware.parse_gpus(f"{run.gpus}x{DEVICE_PROFILE[run.source.device]}")
     m = run.global_batch // (run.dp * run.micro_batch)
-    lay = Layout("megatron", run.pp, run.tp, run.dp, run.vp, run.micro_batch, m, run.global_batch, "interleaved" if run.vp > 1 else "1f1b", recompute or run.recompute, 1 if run.distributed_optimizer else 0, run.sequence_parallel)
+    lay = Layout(
+        "megatron",
+        run.pp,
+        run.tp,
+        run.dp,
+        run.vp,
+        run.micro_batch,
+        m,
+        run.global_batch,
+        "interleaved" if run.vp > 1 else "1f1b",
+        recompute or run.recompute,
+        1 if run.distributed_optimizer else 0,
+        run.sequence_parallel,
+    )
     ctx = search.Context(costs, cluster, search.SearchOptions(engine="megatron", global_batch=run.global_batch, mem_target=1.0), get_engine("megatron"))
     if tp_comm:
         return search.evaluate_layout(ctx, lay, costs.dtype)
@@ -395,7 +421,10 @@ def diagnose(run: PublishedRun) -> dict:
 
 
 def diagnosis_markdown(rows: list[dict]) -> str:
-    lines = ["| run | published | predicted | error | bubble | DP exposed | optimizer | TP collectives on the critical path | error with TP free | other |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| run | published | predicted | error | bubble | DP exposed | optimizer | TP collectives on the critical path | error with TP free | other |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for d in rows:
         pub = d["published"]
         if "step" in d:
@@ -406,11 +435,21 @@ def diagnosis_markdown(rows: list[dict]) -> str:
                 f"(published - predicted) / micro-batch = {1000 * (pub - d['step']) / d['microbatches']:+.0f} ms |"
             )
         elif "bf16_step" in d:
-            lines.append(f"| {d['id']} | {pub:.3g} s | | | | | | | | priced in bf16: {d['bf16_step']:.3g} s = {d['bf16_step'] / pub:.2f} x the published FP8 step |")
+            lines.append(
+                f"| {d['id']} | {pub:.3g} s | | | | | | | | priced in bf16: {d['bf16_step']:.3g} s = {d['bf16_step'] / pub:.2f} x the published FP8 step |"
+            )
         elif "bf16_oom_gib" in d:
             lines.append(f"| {d['id']} | {pub:.3g} s | | | | | | | | priced in bf16: out of memory, {d['bf16_oom_gib']:.1f} GiB needed on 80 GB |")
         elif "selective_step" in d:
-            bits = [f"{rc}: " + (f"{d[rc + '_step']:.3g} s ({100 * (d[rc + '_step'] - pub) / pub:+.1f}%), peak {d[rc + '_peak_gib']:.1f} GiB" if d[rc + "_step"] else f"out of memory ({d[rc + '_peak_gib']:.1f} GiB)") for rc in ("selective", "full")]
+            bits = [
+                f"{rc}: "
+                + (
+                    f"{d[rc + '_step']:.3g} s ({100 * (d[rc + '_step'] - pub) / pub:+.1f}%), peak {d[rc + '_peak_gib']:.1f} GiB"
+                    if d[rc + "_step"]
+                    else f"out of memory ({d[rc + '_peak_gib']:.1f} GiB)"
+                )
+                for rc in ("selective", "full")
+            ]
             lines.append(f"| {d['id']} | {pub:.3g} s | out of memory | | | | | | | re-priced with recomputation: {'; '.join(bits)} |")
     return "\n".join(lines)
 

@@ -19,14 +19,14 @@ PINS = dict(pp=2, dp=1, micro_batch=4, global_batch=16, schedule="1f1b", recompu
 
 
 def run() -> dict:
+    import torch
+
     from planner.check.smoke import smoke
     from planner.fileio import write_text_atomic
     from planner.hardware.calibrated import profile_to_hardware_yaml
     from planner.model.profile import profile_model, write_profile
     from planner.planning import PlanRequest, plan_model
     from planner.render import write_plan_dir
-
-    import torch
 
     work = Path(tempfile.mkdtemp(prefix="planner-bench-smoke-"))
     # each of the 2 ranks runs on one core (OMP_NUM_THREADS=1): measure and calibrate the same way

@@ -198,19 +198,43 @@ def inspect(
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         return
     table = Table(title=f"{model.name}: {c.n} pieces, micro-batch {c.micro_batch}, {c.dtype}", show_lines=False)
-    for col, just in [("#", "right"), ("layer", "left"), ("kind", "left"), ("params", "right"), ("fwd FLOP", "right"), ("bwd FLOP", "right"), ("saved", "right"), ("out", "right"), ("cut after", "right")]:
+    for col, just in [
+        ("#", "right"),
+        ("layer", "left"),
+        ("kind", "left"),
+        ("params", "right"),
+        ("fwd FLOP", "right"),
+        ("bwd FLOP", "right"),
+        ("saved", "right"),
+        ("out", "right"),
+        ("cut after", "right"),
+    ]:
         table.add_column(col, justify=just)
     for i, l in enumerate(c.layers):
         cut = c.cuts[i + 1].bytes if i + 1 < c.n else 0
-        table.add_row(str(i), l.name, l.kind, f"{l.params:,}", human_flops(l.flops_fwd), human_flops(l.flops_bwd), human_bytes(l.saved_bytes), human_bytes(l.out_bytes), human_bytes(cut) if i + 1 < c.n else "")
+        table.add_row(
+            str(i),
+            l.name,
+            l.kind,
+            f"{l.params:,}",
+            human_flops(l.flops_fwd),
+            human_flops(l.flops_bwd),
+            human_bytes(l.saved_bytes),
+            human_bytes(l.out_bytes),
+            human_bytes(cut) if i + 1 < c.n else "",
+        )
     table.add_section()
-    table.add_row("", "total", "", f"{c.total_params:,}", human_flops(totals["flops_fwd"]), human_flops(totals["flops_bwd"]), human_bytes(totals["saved_bytes"]), "", "")
+    table.add_row(
+        "", "total", "", f"{c.total_params:,}", human_flops(totals["flops_fwd"]), human_flops(totals["flops_bwd"]), human_bytes(totals["saved_bytes"]), "", ""
+    )
     out.print(table)
     for g in c.tied:
         out.print(f"tied: {g.name} ({g.params:,} params) is shared by pieces {', '.join(map(str, g.layers))}; counted once in the total")
     for note in c.notes:
         out.print(f"note: {note}")
-    out.print(f"traced with {a.layer_graph.tracer}; saved = activation bytes kept for backward per micro-batch; cut after = bytes crossing the cut after the piece (skip connections included)")
+    out.print(
+        f"traced with {a.layer_graph.tracer}; saved = activation bytes kept for backward per micro-batch; cut after = bytes crossing the cut after the piece (skip connections included)"
+    )
 
 
 def _check_pins(engine: str, pp, tp, dp, vp, micro_batch, global_batch, schedule, recompute, zero, mem_target) -> None:
@@ -231,7 +255,9 @@ def plan(
     model: Path = typer.Argument(..., help="Model file defining build_model() and example_inputs(), or hf:CONFIG.json, timm:NAME, torchvision:NAME."),
     gpus: str = typer.Option(..., "--gpus", help="Cluster, e.g. 8xA100, 64xH100, 4x8xA100-80GB, 8xA100+8xV100."),
     engine: str = typer.Option("deepspeed", "--engine", help="deepspeed | megatron | torch"),
-    out_dir: Optional[Path] = typer.Option(None, "--out", help="Write plan.json, the engine's configs and launch scripts, and the report here (other files there are kept)."),
+    out_dir: Optional[Path] = typer.Option(
+        None, "--out", help="Write plan.json, the engine's configs and launch scripts, and the report here (other files there are kept)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print plan.json to stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the one-line layout."),
     force: bool = typer.Option(False, "--force", help="Replace files in --out that the planner did not write."),
@@ -254,9 +280,15 @@ def plan(
     mem_target: float = typer.Option(0.85, "--mem-target", help="Fraction of usable GPU memory a plan may use."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Measured per-layer times from `planner profile`."),
     cp: Optional[int] = typer.Option(None, "--cp", help="Pin the context-parallel degree (Megatron; sequence divisible by 2 x cp)."),
-    tp_comm_overlap: Optional[bool] = typer.Option(None, "--tp-comm-overlap/--no-tp-comm-overlap", help="Pin TP communication overlap (Megatron, needs tp > 1)."),
-    overlap_grad_reduce: Optional[bool] = typer.Option(None, "--overlap-grad-reduce/--no-overlap-grad-reduce", help="Pin the gradient-reduce overlap (Megatron)."),
-    overlap_param_gather: Optional[bool] = typer.Option(None, "--overlap-param-gather/--no-overlap-param-gather", help="Pin the parameter all-gather overlap (Megatron, zero 1)."),
+    tp_comm_overlap: Optional[bool] = typer.Option(
+        None, "--tp-comm-overlap/--no-tp-comm-overlap", help="Pin TP communication overlap (Megatron, needs tp > 1)."
+    ),
+    overlap_grad_reduce: Optional[bool] = typer.Option(
+        None, "--overlap-grad-reduce/--no-overlap-grad-reduce", help="Pin the gradient-reduce overlap (Megatron)."
+    ),
+    overlap_param_gather: Optional[bool] = typer.Option(
+        None, "--overlap-param-gather/--no-overlap-param-gather", help="Pin the parameter all-gather overlap (Megatron, zero 1)."
+    ),
     main_grads_dtype: str = typer.Option("fp32", "--main-grads-dtype", help="fp32 | bf16: gradients kept and reduced in (Megatron)."),
     optimizer_state_dtype: str = typer.Option("fp32", "--optimizer-state-dtype", help="fp32 | bf16 | fp16: Adam moments (Megatron, zero 1)."),
     timeout: float = Timeout,
@@ -401,20 +433,31 @@ def profile(
             raise UsageError("--hardware-out needs --calibrate (the hardware profile comes from the calibration).")
         args = _model_args(model_arg)
         with progress_reporter(True) as report, _user_code(model, limit) as g:
-            doc = profile_model(model, args, device, micro_batch, dtype, leaf, tracer, warmup=warmup, repeats=repeats, calibrate=calibrate, progress=g.wrap(report))
+            doc = profile_model(
+                model, args, device, micro_batch, dtype, leaf, tracer, warmup=warmup, repeats=repeats, calibrate=calibrate, progress=g.wrap(report)
+            )
         write_profile(out_path, doc)
         hw_path = None
         if calibrate:
             hw_path = hardware_out or out_path.with_name(suggested_hardware_key(doc) + ".yaml")
             write_text_atomic(hw_path, profile_to_hardware_yaml(doc))
     table = Table(title=f"{model.name} on {doc['device']['name']} ({doc['dtype']}, micro-batch {doc['micro_batch']})")
-    for col, just in (("#", "right"), ("piece", "left"), ("same as", "right"), ("fwd ms [min-max]", "right"), ("bwd ms [min-max]", "right"), ("peak MiB", "right")):
+    for col, just in (
+        ("#", "right"),
+        ("piece", "left"),
+        ("same as", "right"),
+        ("fwd ms [min-max]", "right"),
+        ("bwd ms [min-max]", "right"),
+        ("peak MiB", "right"),
+    ):
         table.add_column(col, justify=just)
     for p in doc["pieces"]:
         f, b = p.get("fwd_s"), p.get("bwd_s")
         span = lambda x: f"{x['median'] * 1e3:.3f} [{x['min'] * 1e3:.3f}-{x['max'] * 1e3:.3f}]" if x else ""
         peak = p.get("peak_bytes")
-        table.add_row(str(p["index"]), p["name"], "" if p.get("same_as") is None else str(p["same_as"]), span(f), span(b), f"{peak / 2**20:,.1f}" if peak else "")
+        table.add_row(
+            str(p["index"]), p["name"], "" if p.get("same_as") is None else str(p["same_as"]), span(f), span(b), f"{peak / 2**20:,.1f}" if peak else ""
+        )
     out.print(table)
     out.print(f"wrote {out_path}" + (f" and {hw_path}" if hw_path else ""))
 
@@ -445,7 +488,13 @@ def smoke(
         with _user_code(Path("the model file"), None, initial_phase="smoke run"):
             result = run_smoke(plan_dir, steps, ranks, timeout, device, args, tolerance, str(megatron_path) if megatron_path else None, keep=keep)
     lay = result.layout
-    out.print(_styled("bold", "smoke", f" {result.engine} on {result.ranks} {result.device} rank(s): pp{lay['pp']} dp{lay['dp']} v{lay['vp']} {lay['schedule']} mb{lay['micro_batch']}x{lay['num_microbatches']}, {result.steps} steps"))
+    out.print(
+        _styled(
+            "bold",
+            "smoke",
+            f" {result.engine} on {result.ranks} {result.device} rank(s): pp{lay['pp']} dp{lay['dp']} v{lay['vp']} {lay['schedule']} mb{lay['micro_batch']}x{lay['num_microbatches']}, {result.steps} steps",
+        )
+    )
     for note in result.scale_down:
         out.print(f"  scaled down: {note}")
     for c in result.checks:
@@ -461,31 +510,58 @@ def smoke(
 
 @app.command(context_settings={"ignore_unknown_options": True})
 def calibrate(
-    runs: Optional[List[str]] = typer.Argument(None, metavar="RUN... [--log FILE PLAN_DIR]...", help="Plan directories holding a smoke.json, and/or --log FILE PLAN_DIR pairs (a Megatron-LM or DeepSpeed log and the plan directory of that run)."),
+    runs: Optional[List[str]] = typer.Argument(
+        None,
+        metavar="RUN... [--log FILE PLAN_DIR]...",
+        help="Plan directories holding a smoke.json, and/or --log FILE PLAN_DIR pairs (a Megatron-LM or DeepSpeed log and the plan directory of that run).",
+    ),
     name: str = typer.Option(..., "--name", help="Name of the calibrated device: use it as --gpus 8xNAME."),
     out_file: Path = typer.Option(..., "--out", help="Where to write the hardware profile YAML (its stem is the profile key)."),
     base: Optional[str] = typer.Option(None, "--base", help="Profile to start from (default: the device the runs were planned for)."),
     hardware_profile: Optional[List[Path]] = typer.Option(None, "--hardware-profile", help="Extra hardware profile YAML (file or folder)."),
 ) -> None:
     """Fit the time model to measured runs and write a hardware profile that predicts them."""
-    from planner.check.calibrate import calibrate as run_calibrate, parse_run_args
+    from planner.check.calibrate import calibrate as run_calibrate
+    from planner.check.calibrate import parse_run_args
 
     with _errors():
         run_dirs, logs = parse_run_args(runs or [])
         result = run_calibrate(run_dirs, logs, name, out_file, base, [str(p) for p in hardware_profile or ()])
     table = Table(title=f"step time: measured vs predicted ({len(result.rows)} run(s), base profile {result.fit.base.key})")
-    for col, just in (("run", "left"), ("layout", "left"), ("measured", "right"), ("base profile", "right"), ("error", "right"), ("calibrated", "right"), ("error ", "right")):
+    for col, just in (
+        ("run", "left"),
+        ("layout", "left"),
+        ("measured", "right"),
+        ("base profile", "right"),
+        ("error", "right"),
+        ("calibrated", "right"),
+        ("error ", "right"),
+    ):
         table.add_column(col, justify=just)
     for r in result.rows:
-        table.add_row(r.run, r.layout, f"{r.measured_s:.4g} s", f"{r.before_s:.4g} s", f"{r.before_s / r.measured_s - 1:+.1%}", f"{r.after_s:.4g} s", f"{r.after_s / r.measured_s - 1:+.1%}")
+        table.add_row(
+            r.run,
+            r.layout,
+            f"{r.measured_s:.4g} s",
+            f"{r.before_s:.4g} s",
+            f"{r.before_s / r.measured_s - 1:+.1%}",
+            f"{r.after_s:.4g} s",
+            f"{r.after_s / r.measured_s - 1:+.1%}",
+        )
     out.print(table)
     if result.memory:
         mt = Table(title="peak memory per pipeline rank")
         for col in ("run", "rank", "allocated (measured)", "tensors (predicted)", "reserved (measured)", "with reserve (predicted)"):
             mt.add_column(col, justify="left" if col == "run" else "right")
         for m in result.memory:
-            mt.add_row(m.run, str(m.pipe_rank), human_bytes(m.measured_allocated) if m.measured_allocated else "-", human_bytes(m.predicted_tensors),
-                       human_bytes(m.measured_reserved) if m.measured_reserved else "-", human_bytes(m.predicted_total))
+            mt.add_row(
+                m.run,
+                str(m.pipe_rank),
+                human_bytes(m.measured_allocated) if m.measured_allocated else "-",
+                human_bytes(m.predicted_tensors),
+                human_bytes(m.measured_reserved) if m.measured_reserved else "-",
+                human_bytes(m.predicted_total),
+            )
         out.print(mt)
     from planner.check.calibrate import BY_ATTR
 
@@ -566,8 +642,10 @@ def explain(plan_dir: Path = typer.Argument(..., help="A plan directory (or its 
         except (KeyError, TypeError, ValueError, IndexError, StopIteration, AttributeError, ZeroDivisionError) as e:
             if isinstance(e, UnicodeDecodeError):
                 raise
-            raise UsageError(f"{str(plan_dir)!r} does not hold a readable plan.json: {type(e).__name__}: {e}.",
-                             "Re-plan with `planner plan ... --out DIR`; plan.json is written by the planner, not by hand.") from None
+            raise UsageError(
+                f"{str(plan_dir)!r} does not hold a readable plan.json: {type(e).__name__}: {e}.",
+                "Re-plan with `planner plan ... --out DIR`; plan.json is written by the planner, not by hand.",
+            ) from None
 
 
 @app.command()
@@ -586,7 +664,7 @@ def main() -> None:
         raise
     except KeyboardInterrupt:
         err.print("interrupted")
-        raise SystemExit(130)
+        raise SystemExit(130) from None
     except Exception as e:  # noqa: BLE001
         if os.environ.get("PLANNER_DEBUG"):
             raise
@@ -595,4 +673,4 @@ def main() -> None:
         last = traceback.extract_tb(e.__traceback__)[-1]
         err.print(_styled("bold red", "internal error:", f" {type(e).__name__}: {e} (at {Path(last.filename).name}:{last.lineno})"))
         err.print("This is a planner bug. Re-run with PLANNER_DEBUG=1 for the traceback and report it with the command you ran.")
-        raise SystemExit(3)
+        raise SystemExit(3) from None

@@ -46,8 +46,10 @@ def positive_int(flag: str, value: int | None, upper: int = MAX_DEGREE) -> int |
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= upper:
-        raise UsageError(f"{flag} must be a whole number from 1 to {upper:,}, got {value!r}.",
-                         "Leave the flag out to let the planner choose." if upper == MAX_DEGREE else None)
+        raise UsageError(
+            f"{flag} must be a whole number from 1 to {upper:,}, got {value!r}.",
+            "Leave the flag out to let the planner choose." if upper == MAX_DEGREE else None,
+        )
     return value
 
 
@@ -70,4 +72,3 @@ def finite_number(flag: str, value: float | None, low: float, high: float, low_o
         bracket = "(" if low_open else "["
         raise UsageError(f"{flag} must be a finite number in {bracket}{low:g}, {high:g}], got {value!r}.")
     return float(value)
-

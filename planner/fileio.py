@@ -129,8 +129,9 @@ def dir_lock(directory: Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise UsageError(f"{str(directory)!r} is being written by another planner process.",
-                                 "Wait for it to finish, or write to another directory.") from None
+                raise UsageError(
+                    f"{str(directory)!r} is being written by another planner process.", "Wait for it to finish, or write to another directory."
+                ) from None
             raise
         yield
     finally:
@@ -146,7 +147,7 @@ def recover_dir(target: Path, prefix: str) -> list[str]:
     """
     notes: list[str] = []
     for old in sorted(target.glob(f"{prefix}.old.*")):
-        ident = old.name[len(prefix) + len(".old."):]
+        ident = old.name[len(prefix) + len(".old.") :]
         tmp = target / f"{prefix}.tmp.{ident}"
         journal = old / JOURNAL
         if not journal.is_file():  # crashed before the journal was complete: nothing was moved yet

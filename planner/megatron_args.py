@@ -83,7 +83,9 @@ ARCHITECTURE: tuple[ArchKey, ...] = (
     ArchKey("activation", REQUIRED, "`gelu` or `swiglu` (`--swiglu`)"),
     ArchKey("position_embedding", REQUIRED, "one of " + ", ".join(f"`{p}`" for p in POSITION_EMBEDDINGS) + " (`--position-embedding-type`)"),
     ArchKey("num_query_groups", None, "key/value heads; unset or equal to the heads means multi-head attention (`--group-query-attention --num-query-groups`)"),
-    ArchKey("ffn_hidden_size", None, "MLP width; unset means Megatron's: 4 x hidden_size, or int(8 x hidden_size / 3 / 64) x 64 with swiglu (`--ffn-hidden-size`)"),
+    ArchKey(
+        "ffn_hidden_size", None, "MLP width; unset means Megatron's: 4 x hidden_size, or int(8 x hidden_size / 3 / 64) x 64 with swiglu (`--ffn-hidden-size`)"
+    ),
     ArchKey("tied_embeddings", True, "input embedding shared with the output layer (else `--untie-embeddings-and-output-weights`)"),
     ArchKey("bias", True, "biases in the linear layers (else `--disable-bias-linear`)"),
     ArchKey("dropout", 0.0, "attention and hidden dropout probability (`--attention-dropout`, `--hidden-dropout`)"),
@@ -125,7 +127,10 @@ def architecture_problem(arch: dict | None, model: str = "the model file") -> tu
         )
     missing = [k for k in ARCHITECTURE_KEYS if arch.get(k) is None]
     if missing:
-        return f"{model}'s architecture() lacks {', '.join(missing)}; Megatron-LM needs them.", "Add the missing keys to architecture() (README.md lists every key)."
+        return (
+            f"{model}'s architecture() lacks {', '.join(missing)}; Megatron-LM needs them.",
+            "Add the missing keys to architecture() (README.md lists every key).",
+        )
     arch = architecture_defaults(arch)
     problems = []
     for key, allowed in (("activation", ACTIVATIONS), ("normalization", NORMALIZATIONS), ("position_embedding", POSITION_EMBEDDINGS)):
@@ -145,7 +150,9 @@ def architecture_problem(arch: dict | None, model: str = "the model file") -> tu
         if not isinstance(arch[key], bool):
             problems.append(f"{key} = {arch[key]!r} (True or False)")
     section = arch["mrope_section"]
-    if arch["position_embedding"] == "mrope" and (not isinstance(section, (list, tuple)) or not section or not all(isinstance(x, int) and x > 0 for x in section)):
+    if arch["position_embedding"] == "mrope" and (
+        not isinstance(section, (list, tuple)) or not section or not all(isinstance(x, int) and x > 0 for x in section)
+    ):
         problems.append(f"position embedding 'mrope' with mrope_section {section!r} (validate_args asserts a list of positive ints)")
     if problems:
         return (

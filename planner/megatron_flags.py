@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import re
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Sequence
 
 from planner.resources import templates_dir
 

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from planner.megatron_flags import Flag, MegatronArgs
 

@@ -10,8 +10,9 @@ it off); there is no ``--overlap-p2p-communication`` flag.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Literal
 
 from planner.errors import close_matches
 from planner.megatron_flags import MEGATRON_VERSION, Flag, FlagSpec, MegatronArgs, as_float, as_int, flag_table
@@ -65,7 +66,6 @@ RULES: dict[str, tuple[str, str]] = {
 }
 
 
-
 @dataclass(frozen=True)
 class Finding:
     """One rule violation: which rule, how bad, where, what, and how to fix it."""
@@ -79,8 +79,6 @@ class Finding:
     def __str__(self) -> str:
         where = f"line {self.line}: " if self.line else ""
         return f"{self.rule} {self.severity}: {where}{self.message} Fix: {self.fix}"
-
-
 
 
 class _Checker:
@@ -102,7 +100,12 @@ class _Checker:
     def run(self) -> list[Finding]:
         a = self.a
         if a.stopped is not None:
-            self.add("MEG031", a.launch_line, a.stopped, "make the script reach its launch when run as `bash SCRIPT` with no arguments (planner validate runs it with stub launchers)")
+            self.add(
+                "MEG031",
+                a.launch_line,
+                a.stopped,
+                "make the script reach its launch when run as `bash SCRIPT` with no arguments (planner validate runs it with stub launchers)",
+            )
             if a.script is None:
                 return self.finish()  # no launch captured: there are no flags to check
         self.flag_syntax()
@@ -157,9 +160,15 @@ class _Checker:
                 continue
             if spec is None:
                 hint = close_matches(f.name.replace("_", "-"), table)
-                alt = {"--overlap-p2p-communication": "point-to-point overlap is on by default in core_v0.16.1 (turn it off with --no-overlap-p2p-communication); remove the flag"}
-                fix = alt.get(f.name) or (f"did you mean {' or '.join(hint)}?" if hint else "remove it, or check the spelling against Megatron-LM's arguments.py")
-                self.add("MEG028", f.line, f"{f.name} is not a flag of Megatron-LM {MEGATRON_VERSION}; pretrain_gpt.py stops with 'unrecognized arguments'.", fix)
+                alt = {
+                    "--overlap-p2p-communication": "point-to-point overlap is on by default in core_v0.16.1 (turn it off with --no-overlap-p2p-communication); remove the flag"
+                }
+                fix = alt.get(f.name) or (
+                    f"did you mean {' or '.join(hint)}?" if hint else "remove it, or check the spelling against Megatron-LM's arguments.py"
+                )
+                self.add(
+                    "MEG028", f.line, f"{f.name} is not a flag of Megatron-LM {MEGATRON_VERSION}; pretrain_gpt.py stops with 'unrecognized arguments'.", fix
+                )
                 continue
             self._check_values(f, spec)
             prev = seen.get(f.name)
@@ -184,7 +193,12 @@ class _Checker:
         if conv is not None:
             for v in f.values:
                 if conv(v) is None:
-                    self.add("MEG027", f.line, f"{f.name} expects {'an integer' if spec.type == 'int' else 'a number'}, got {v!r}.", f"give {f.name} a {spec.type} value")
+                    self.add(
+                        "MEG027",
+                        f.line,
+                        f"{f.name} expects {'an integer' if spec.type == 'int' else 'a number'}, got {v!r}.",
+                        f"give {f.name} a {spec.type} value",
+                    )
 
     # layer split --------------------------------------------------------------
     def split_rules(self, L: int, pp: int) -> None:
@@ -385,10 +399,20 @@ class _Checker:
                 "add --group-query-attention",
             )
         if heads and hidden and not a.has("--kv-channels") and hidden % heads:
-            self.add("MEG023", self.line("--hidden-size"), f"hidden size {hidden} is not divisible by {heads} attention heads (validate_args asserts it).", "give --kv-channels, or fix the sizes")
+            self.add(
+                "MEG023",
+                self.line("--hidden-size"),
+                f"hidden size {hidden} is not divisible by {heads} attention heads (validate_args asserts it).",
+                "give --kv-channels, or fix the sizes",
+            )
         ffn = a.int("--ffn-hidden-size")
         if ffn is not None and ffn > 0 and ffn % tp:
-            self.add("MEG030", self.line("--ffn-hidden-size"), f"FFN hidden size {ffn} is not divisible by tp = {tp} (the MLP's parallel linear layers assert it).", "choose tp dividing the FFN size")
+            self.add(
+                "MEG030",
+                self.line("--ffn-hidden-size"),
+                f"FFN hidden size {ffn} is not divisible by tp = {tp} (the MLP's parallel linear layers assert it).",
+                "choose tp dividing the FFN size",
+            )
 
     # batches and schedule -----------------------------------------------------
     def batch_rules(self, tp: int, pp: int, dp: int | None, L: int | None) -> None:
@@ -440,17 +464,32 @@ class _Checker:
     def misc_rules(self, tp: int, cp: int) -> None:
         a = self.a
         if a.has("--sequence-parallel") and tp == 1:
-            self.add("MEG018", a.line("--sequence-parallel"), "--sequence-parallel with tp = 1: validate_args turns it off (with a warning).", "drop --sequence-parallel, or use tp > 1")
+            self.add(
+                "MEG018",
+                a.line("--sequence-parallel"),
+                "--sequence-parallel with tp = 1: validate_args turns it off (with a warning).",
+                "drop --sequence-parallel, or use tp > 1",
+            )
         if a.has("--overlap-param-gather"):
             missing = [n for n in ("--use-distributed-optimizer", "--overlap-grad-reduce") if not a.has(n)]
             if "--use-distributed-optimizer" in missing and a.has("--use-megatron-fsdp"):
                 missing.remove("--use-distributed-optimizer")
             if missing:
-                self.add("MEG019", a.line("--overlap-param-gather"), f"--overlap-param-gather needs {' and '.join(missing)} (validate_args asserts it).", f"add {' '.join(missing)}")
+                self.add(
+                    "MEG019",
+                    a.line("--overlap-param-gather"),
+                    f"--overlap-param-gather needs {' and '.join(missing)} (validate_args asserts it).",
+                    f"add {' '.join(missing)}",
+                )
         self.recompute_rules()
         seq = a.int("--seq-length")
         if cp > 1 and seq is not None and seq % (2 * cp):
-            self.add("MEG021", self.line("--seq-length", "--context-parallel-size"), f"sequence length {seq} is not a multiple of 2 x cp = {2 * cp}.", f"use a sequence length divisible by {2 * cp}")
+            self.add(
+                "MEG021",
+                self.line("--seq-length", "--context-parallel-size"),
+                f"sequence length {seq} is not a multiple of 2 x cp = {2 * cp}.",
+                f"use a sequence length divisible by {2 * cp}",
+            )
         if (tp > 1 or cp > 1) and a.kind == "script" and a.env_value("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
             val = a.env_value("CUDA_DEVICE_MAX_CONNECTIONS")
             now = f"it is exported as {val!r}" if val is not None else "it is not exported"
@@ -462,7 +501,12 @@ class _Checker:
             )
         heads_pos = a.int("--max-position-embeddings")
         if seq is not None and heads_pos is not None and heads_pos < seq:
-            self.add("MEG024", self.line("--max-position-embeddings"), f"--max-position-embeddings {heads_pos} is shorter than --seq-length {seq} (validate_args asserts >=).", f"set --max-position-embeddings to at least {seq}")
+            self.add(
+                "MEG024",
+                self.line("--max-position-embeddings"),
+                f"--max-position-embeddings {heads_pos} is shorter than --seq-length {seq} (validate_args asserts >=).",
+                f"set --max-position-embeddings to at least {seq}",
+            )
         if a.has("--fp16") and a.has("--bf16"):
             self.add("MEG025", self.line("--fp16"), "--fp16 and --bf16 are both given; Megatron trains in one of them.", "keep one")
 
@@ -474,7 +518,12 @@ class _Checker:
         ln = self.line("--recompute-granularity", "--recompute-activations", "--recompute-method")
         if a.has("--recompute-activations"):
             if gran is not None and gran != "selective":
-                self.add("MEG020", ln, f"--recompute-activations means selective recomputation but --recompute-granularity is {gran!r} (validate_args overrides it to selective).", "drop one of them")
+                self.add(
+                    "MEG020",
+                    ln,
+                    f"--recompute-activations means selective recomputation but --recompute-granularity is {gran!r} (validate_args overrides it to selective).",
+                    "drop one of them",
+                )
             gran = "selective"
         if gran is not None and gran not in ("full", "selective"):
             self.add("MEG020", ln, f"--recompute-granularity {gran!r} is not 'full' or 'selective'.", "use full or selective")
@@ -484,13 +533,28 @@ class _Checker:
         if gran == "full":
             missing = [n for n, present in (("--recompute-method", method is not None), ("--recompute-num-layers", num is not None)) if not present]
             if missing:
-                self.add("MEG020", ln, f"full recomputation needs {' and '.join(missing)} (TransformerConfig raises ValueError).", "add --recompute-method uniform --recompute-num-layers 1")
+                self.add(
+                    "MEG020",
+                    ln,
+                    f"full recomputation needs {' and '.join(missing)} (TransformerConfig raises ValueError).",
+                    "add --recompute-method uniform --recompute-num-layers 1",
+                )
         elif gran == "selective":
             extra = [n for n, present in (("--recompute-method", method is not None), ("--recompute-num-layers", num is not None)) if present]
             if extra:
-                self.add("MEG020", ln, f"selective recomputation takes no {' or '.join(extra)} (validate_args / TransformerConfig refuse it).", f"drop {' '.join(extra)}")
+                self.add(
+                    "MEG020",
+                    ln,
+                    f"selective recomputation takes no {' or '.join(extra)} (validate_args / TransformerConfig refuse it).",
+                    f"drop {' '.join(extra)}",
+                )
         elif method is not None or num is not None:
-            self.add("MEG020", self.line("--recompute-method", "--recompute-num-layers"), "--recompute-method/--recompute-num-layers without --recompute-granularity full have no effect.", "add --recompute-granularity full, or drop them")
+            self.add(
+                "MEG020",
+                self.line("--recompute-method", "--recompute-num-layers"),
+                "--recompute-method/--recompute-num-layers without --recompute-granularity full have no effect.",
+                "add --recompute-granularity full, or drop them",
+            )
 
 
 def check_megatron_args(args: MegatronArgs, world_size: int | None = None) -> list[Finding]:

@@ -6,9 +6,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from planner import hardware
 from planner.engines import get_engine
@@ -25,8 +26,24 @@ from planner.solve.search import Context, Evaluation, Rejection, SearchOptions, 
 
 #: the SearchOptions fields that are the user's settings (recorded in plan.json); the others are search knobs
 RECORDED_SEARCH_FIELDS = (
-    "engine", "global_batch", "pp", "tp", "dp", "vp", "micro_batch", "schedule", "recompute", "zero", "mem_target", "optimizer",
-    "cp", "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather", "main_grads_dtype", "optimizer_state_dtype",
+    "engine",
+    "global_batch",
+    "pp",
+    "tp",
+    "dp",
+    "vp",
+    "micro_batch",
+    "schedule",
+    "recompute",
+    "zero",
+    "mem_target",
+    "optimizer",
+    "cp",
+    "tp_comm_overlap",
+    "overlap_grad_reduce",
+    "overlap_param_gather",
+    "main_grads_dtype",
+    "optimizer_state_dtype",
 )
 _KNOBS = frozenset(f.name for f in fields(SearchOptions)) - frozenset(RECORDED_SEARCH_FIELDS)
 
@@ -61,7 +78,7 @@ class PlanRequest(SearchOptions):
         return d
 
     @classmethod
-    def from_inputs(cls, inputs: dict[str, Any], **overrides: Any) -> "PlanRequest":
+    def from_inputs(cls, inputs: dict[str, Any], **overrides: Any) -> PlanRequest:
         """The request recorded in a plan.json's ``inputs`` (unknown keys ignored), with ``overrides`` applied."""
         known = {f.name for f in fields(cls)}
         values = {k: inputs[k] for k in known - _KNOBS if k in inputs}
@@ -204,9 +221,7 @@ def build_plan(costs: ModelCosts, cluster: Cluster, req: PlanRequest, result: Se
         "layouts_considered": result.considered,
         "layouts_priced": result.priced,
     }
-    ranks = [
-        RankMemory(r, {k: int(round(v)) for k, v in best.rank_memory[r].items()}, int(best.capacity[r])) for r in range(len(best.rank_memory))
-    ]
+    ranks = [RankMemory(r, {k: int(round(v)) for k, v in best.rank_memory[r].items()}, int(best.capacity[r])) for r in range(len(best.rank_memory))]
     return Plan(
         layout=best.layout,
         stages=_stage_plans(costs, best),
@@ -284,7 +299,9 @@ def _nothing_fits(costs: ModelCosts, cluster: Cluster, req: PlanRequest, result:
             if _fits(costs, bigger, loose):
                 hints.append(f"{bigger.world_size} GPUs ({spec}) would fit")
                 break
-    hint = ("Smallest change that fits: " + "; ".join(hints) + ".") if hints else "Try more GPUs, --recompute full, --micro-batch 1, or a device with more memory."
+    hint = (
+        ("Smallest change that fits: " + "; ".join(hints) + ".") if hints else "Try more GPUs, --recompute full, --micro-batch 1, or a device with more memory."
+    )
     if req.engine != "megatron" and costs.architecture:
         hint += " Megatron (--engine megatron) adds tensor parallelism, which divides weights and activations."
     return msg, hint

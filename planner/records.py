@@ -79,7 +79,7 @@ class Layer:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Layer":
+    def from_dict(cls, d: dict[str, Any]) -> Layer:
         d = dict(d)
         for k in ("modules",) + _OP_LISTS:
             d[k] = tuple(d.get(k, ()))
@@ -110,7 +110,7 @@ class TensorInfo:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TensorInfo":
+    def from_dict(cls, d: dict[str, Any]) -> TensorInfo:
         d = dict(d)
         d["shape"] = tuple(d["shape"])
         return cls(**d)
@@ -150,7 +150,7 @@ class Cut:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Cut":
+    def from_dict(cls, d: dict[str, Any]) -> Cut:
         return cls(index=d["index"], kind=d["kind"], tensors=tuple(TensorInfo.from_dict(t) for t in d["tensors"]))
 
 
@@ -217,7 +217,7 @@ class ModelCosts:
     def tokens_per_sample(self) -> int:
         return self.seq_len or 1
 
-    def scaled(self, micro_batch: int) -> "ModelCosts":
+    def scaled(self, micro_batch: int) -> ModelCosts:
         """The same model's costs for another micro-batch size (linear in the batch).
 
         Exact for FLOPs and for activations that grow with the batch; the few saved tensors that
@@ -243,7 +243,7 @@ class ModelCosts:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelCosts":
+    def from_dict(cls, d: dict[str, Any]) -> ModelCosts:
         return cls(
             layers=tuple(Layer.from_dict(x) for x in d["layers"]),
             cuts=tuple(Cut.from_dict(x) for x in d["cuts"]),
@@ -269,4 +269,3 @@ def _scale_tensor(t: TensorInfo, f: float) -> TensorInfo:
     shape = list(t.shape)
     shape[t.batch_dim] = int(round(shape[t.batch_dim] * f))
     return replace(t, shape=tuple(shape), bytes=int(round(t.bytes * f)))
-

@@ -12,10 +12,10 @@ alone. Text is deterministic: fixed number formats, plan order.
 from __future__ import annotations
 
 import re
-
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from rich import box
 from rich.console import Console
@@ -262,8 +262,7 @@ def print_summary(console: Console, plan: Plan, result=None) -> None:
     info = SCHEDULE_INFO.get(lay.schedule)
     console.print(
         f"{world} GPUs = pp {lay.pp} x tp {lay.tp} x dp {lay.dp}; global batch {lay.global_batch} = "
-        f"{lay.micro_batch} x {lay.num_microbatches} micro-batches x dp {lay.dp}"
-        + (f"; {lay.vp} stages per rank" if lay.vp > 1 else ""),
+        f"{lay.micro_batch} x {lay.num_microbatches} micro-batches x dp {lay.dp}" + (f"; {lay.vp} stages per rank" if lay.vp > 1 else ""),
         highlight=False,
     )
     console.print(overlaps_line(lay), highlight=False)

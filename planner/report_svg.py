@@ -14,9 +14,10 @@ ids, dates or host names are written. Torch-free.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
-from typing import Any, Sequence
+from typing import Any
 
 from planner.solve.plan import Plan
 from planner.solve.schedules import Action, build_schedule
@@ -323,8 +324,7 @@ def timeline_svg(plan: Plan, command: str | None = None, max_boxes: int = MAX_BO
         )
     if broken:
         notes.append(
-            f"{view.omitted:,} steady-state actions between the two panels are left out; "
-            f"each rank's first and last actions are drawn, one box per action"
+            f"{view.omitted:,} steady-state actions between the two panels are left out; each rank's first and last actions are drawn, one box per action"
         )
     for i, line in enumerate(notes):
         body.append(_text(left, 56 + 12 * i, line, size=10, fill="#A33333" if i == 0 and view.m != view.m_plan else "#444444"))
@@ -423,7 +423,11 @@ def timeline_svg(plan: Plan, command: str | None = None, max_boxes: int = MAX_BO
         body.append(f'<rect x="{_f(lx)}" y="{_f(ly - 10)}" width="12" height="12" fill="{fill}" stroke="#999999" stroke-width="0.5"/>')
         body.append(_text(lx + 17, ly, name, size=11))
         lx += 17 + len(name) * 5.9 + 22
-    note = "box label: micro-batch" if view.v <= 1 else "box label: micro-batch/stage (micro-batch alone when narrow); lighter shade = later model chunk on the rank"
+    note = (
+        "box label: micro-batch"
+        if view.v <= 1
+        else "box label: micro-batch/stage (micro-batch alone when narrow); lighter shade = later model chunk on the rank"
+    )
     body.append(_text(left, ly + 20, note + "; times simulated from the plan's per-stage times (plan.json).", size=10, fill="#555555"))
     height = ly + 34
     return _svg(width, height, body, title, command)
@@ -452,7 +456,9 @@ def memory_bars(plan: Plan) -> list[MemoryBar]:
     if plan.ranks:
         for r in sorted(plan.ranks, key=lambda r: r.rank):
             comps = {c: int(r.memory_bytes.get(c, 0)) for c in COMPONENTS}
-            bars.append(MemoryBar(r.rank, tuple(stages_of.get(r.rank, ())), comps, int(r.memory_bytes.get("total", sum(comps.values()))), int(r.capacity_bytes)))
+            bars.append(
+                MemoryBar(r.rank, tuple(stages_of.get(r.rank, ())), comps, int(r.memory_bytes.get("total", sum(comps.values()))), int(r.capacity_bytes))
+            )
     else:
         for rank, js in sorted(stages_of.items()):
             comps = {c: sum(int(plan.stages[j].memory_bytes.get(c, 0)) for j in js) for c in COMPONENTS}
@@ -516,7 +522,9 @@ def memory_svg(plan: Plan, command: str | None = None) -> str:
     for i, b in enumerate(bars):
         x0 = left + i * slot + (slot - bar_w) / 2
         acc = 0
-        body.append(f'<g data-bar="{b.rank}" data-rank="{b.rank}" data-stages="{",".join(map(str, b.stages))}" data-total-bytes="{b.total}" data-capacity-bytes="{b.capacity}">')
+        body.append(
+            f'<g data-bar="{b.rank}" data-rank="{b.rank}" data-stages="{",".join(map(str, b.stages))}" data-total-bytes="{b.total}" data-capacity-bytes="{b.capacity}">'
+        )
         for c in COMPONENTS:
             v = b.components[c]
             if v <= 0:
@@ -533,7 +541,9 @@ def memory_svg(plan: Plan, command: str | None = None) -> str:
         cx0, cx1 = left + i * slot + (0 if same else 2), left + (i + 1) * slot - (0 if same else 2)
         yc, yt = y(b.capacity / GiB), y(b.capacity * target / GiB)
         body.append(f'<line x1="{_f(cx0)}" y1="{_f(yc)}" x2="{_f(cx1)}" y2="{_f(yc)}" stroke="#B22222" stroke-width="2" data-line="capacity"/>')
-        body.append(f'<line x1="{_f(cx0)}" y1="{_f(yt)}" x2="{_f(cx1)}" y2="{_f(yt)}" stroke="#B22222" stroke-width="1.5" stroke-dasharray="5,3" data-line="target"/>')
+        body.append(
+            f'<line x1="{_f(cx0)}" y1="{_f(yt)}" x2="{_f(cx1)}" y2="{_f(yt)}" stroke="#B22222" stroke-width="1.5" stroke-dasharray="5,3" data-line="target"/>'
+        )
         frac = b.total / b.capacity if b.capacity else 0.0
         label = f"{b.total / GiB:.1f}" if slot < 44 else f"{b.total / GiB:.1f} ({frac:.0%})"
         body.append(_text(x0 + bar_w / 2, y(b.total / GiB) - 5, label, size=9 if slot < 44 else 10, anchor="middle", weight="bold" if i == worst else "normal"))

@@ -60,7 +60,7 @@ class PlannedModel:
         model = self.model_file.call("build_model")
         return model.to(dtype=dtype)
 
-    def for_run(self, model: nn.Module, device: torch.device | str) -> "PlannedModel":
+    def for_run(self, model: nn.Module, device: torch.device | str) -> PlannedModel:
         """This plan traced on ``model`` as it will train, for a run on ``device`` (fx-traced plans: unchanged).
 
         An export-traced plan is traced again on ``model`` (its weights, dtype and
@@ -78,9 +78,7 @@ class PlannedModel:
         with torch.random.fork_rng(devices=[]):
             example = self.model_file.inputs_meta(self.micro_batch)
         with FakeTensorMode(allow_non_fake_inputs=True):
-            inputs = tuple(
-                torch.empty(t.shape, dtype=dtype if t.is_floating_point() and dtype is not None else t.dtype, device=source) for t in example
-            )
+            inputs = tuple(torch.empty(t.shape, dtype=dtype if t.is_floating_point() and dtype is not None else t.dtype, device=source) for t in example)
             traced = build_layer_graph(model, inputs, None, **self.trace_options)
         lg = impose_pieces(self.layer_graph, traced, self.model_file.path.name)
         retarget(lg, source, device)
@@ -204,9 +202,7 @@ def impose_pieces(planned: LayerGraph, traced: LayerGraph, model_name: str) -> L
         starts.append(pos[first])
     starts[0] = 0
     bounds = starts + [len(compute)]
-    pieces = [
-        Piece(p.index, p.name, p.kind, p.block, compute[a:b], p.modules) for p, a, b in zip(planned.pieces, bounds, bounds[1:])
-    ]
+    pieces = [Piece(p.index, p.name, p.kind, p.block, compute[a:b], p.modules) for p, a, b in zip(planned.pieces, bounds, bounds[1:])]
     out_node = next(n for n in graph.nodes if n.op == "output")
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     end = len(compute)

@@ -1,6 +1,6 @@
 """Shared fixtures: model costs are traced once per test session (tracing a 7B model takes seconds)."""
 
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 
 
-@lru_cache(maxsize=None)
+@cache
 def costs_of(example: str, preset: str, micro_batch: int = 1, dtype: str = "bf16", **extra):
     """ModelCosts of examples/<example>.py with ``preset`` (cached for the session)."""
     from planner.model.analyze import analyze

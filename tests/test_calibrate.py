@@ -33,8 +33,22 @@ def cli(*args):
 
 def _run(name: str, model_args: dict, **pins) -> cal.Run:
     """A run of examples/gpt2.py on 2 CPU ranks (torch engine, fp32), pinned to the stage split the planner chose."""
-    req = PlanRequest(model_file=str(GPT2), model_args=model_args, gpus="2xcpu", engine="torch", dtype="fp32", cost_micro_batch=pins["micro_batch"],
-                      tp=1, vp=1, schedule="1f1b", recompute="none", zero=0, global_batch=16, mem_target=1.0, **pins)
+    req = PlanRequest(
+        model_file=str(GPT2),
+        model_args=model_args,
+        gpus="2xcpu",
+        engine="torch",
+        dtype="fp32",
+        cost_micro_batch=pins["micro_batch"],
+        tp=1,
+        vp=1,
+        schedule="1f1b",
+        recompute="none",
+        zero=0,
+        global_batch=16,
+        mem_target=1.0,
+        **pins,
+    )
     plan, analysis, _ = plan_model(req)
     bounds = tuple([s.pieces[0] for s in plan.stages] + [plan.stages[-1].pieces[1]])
     req = replace(req, bounds=bounds)
@@ -124,7 +138,9 @@ def test_deepspeed_lines_printed_by_deepspeed_itself(capsys):
     from deepspeed.utils.timer import ThroughputTimer
 
     lines = []
-    timer = ThroughputTimer(DeepSpeedThroughputTimerConfig(enabled=True, synchronized=False), batch_size=32, start_step=0, steps_per_output=1, logging_fn=lines.append)
+    timer = ThroughputTimer(
+        DeepSpeedThroughputTimerConfig(enabled=True, synchronized=False), batch_size=32, start_step=0, steps_per_output=1, logging_fn=lines.append
+    )
     for _ in range(3):
         timer.start()
         sum(range(200_000))
@@ -164,7 +180,25 @@ def test_log_without_timing_lines_is_refused(tmp_path):
 def _plan(tmp_path: Path, name: str, *extra: str, model_args=SMALL, gpus="2xcpu") -> Path:
     out = tmp_path / name
     margs = [x for k, v in model_args.items() for x in ("--model-arg", f"{k}={v}")]
-    r = cli("plan", GPT2, *margs, "--gpus", gpus, "--dtype", "fp32", "--global-batch", "16", "--schedule", "1f1b", "--recompute", "none", "--out", out, "--quiet", *extra)
+    r = cli(
+        "plan",
+        GPT2,
+        *margs,
+        "--gpus",
+        gpus,
+        "--dtype",
+        "fp32",
+        "--global-batch",
+        "16",
+        "--schedule",
+        "1f1b",
+        "--recompute",
+        "none",
+        "--out",
+        out,
+        "--quiet",
+        *extra,
+    )
     assert r.exit_code == 0, r.output
     return out
 
@@ -176,14 +210,27 @@ def _write_smoke(d: Path, step_s: float, per_rank: bool = False, ok: bool = True
     ranks = lay["pp"] * lay["dp"]
     pieces = [[s["pieces"] for s in plan["stages"] if s["rank"] == r // lay["dp"]] for r in range(ranks)]
     times = [step_s * 1.5] + [step_s] * 4
-    rows = [{"rank": r, "pipe_rank": r // lay["dp"], "dp_index": r % lay["dp"], "pieces": pieces[r], "step_times_s": times, "peak_memory_bytes": None} for r in range(ranks)]
+    rows = [
+        {"rank": r, "pipe_rank": r // lay["dp"], "dp_index": r % lay["dp"], "pieces": pieces[r], "step_times_s": times, "peak_memory_bytes": None}
+        for r in range(ranks)
+    ]
     doc = {
-        "plan_dir": str(d), "engine": lay["engine"], "device": "cpu", "ranks": ranks, "steps": 5, "scale_down": [], "layout": lay,
+        "plan_dir": str(d),
+        "engine": lay["engine"],
+        "device": "cpu",
+        "ranks": ranks,
+        "steps": 5,
+        "scale_down": [],
+        "layout": lay,
         "checks": [{"name": "ranks exit 0 within the timeout", "ok": ok, "detail": "2 ranks finished" if ok else "torchrun exited 1; failing rank 1"}],
-        "predicted": {"step_time_s": plan["predicted"]["step_time_s"]}, "trained": True, "ok": ok,
+        "predicted": {"step_time_s": plan["predicted"]["step_time_s"]},
+        "trained": True,
+        "ok": ok,
     }
     if per_rank:
-        doc["per_rank"] = [{"rank": r["rank"], "step_times_s": times[1:], "peak_allocated_bytes": 3 * 2**30, "peak_reserved_bytes": int(3.3 * 2**30)} for r in rows]
+        doc["per_rank"] = [
+            {"rank": r["rank"], "step_times_s": times[1:], "peak_allocated_bytes": 3 * 2**30, "peak_reserved_bytes": int(3.3 * 2**30)} for r in rows
+        ]
         doc["environment"] = {"device": "cpu", "world_size": ranks, "versions": {}}
     else:
         doc["ranks_stats"] = rows
@@ -202,8 +249,30 @@ def test_calibrated_profile_loads_and_plans_what_was_measured(tmp_path):
     assert prof.key == "cpu-lab" and prof.name == "cpu-lab"
     assert "planner calibrate" in prof.sources["efficiency.matmul"] and "residuals" in text
     # the same layout planned with the calibrated profile predicts the measured 0.25 s (4-digit rounding of the profile)
-    r = cli("plan", GPT2, *[x for k, v in SMALL.items() for x in ("--model-arg", f"{k}={v}")], "--gpus", "2xcpu-lab", "--hardware-profile", out, "--dtype", "fp32",
-            "--engine", "torch", "--pp", "2", "--micro-batch", "4", "--global-batch", "16", "--schedule", "1f1b", "--recompute", "none", "--json")
+    r = cli(
+        "plan",
+        GPT2,
+        *[x for k, v in SMALL.items() for x in ("--model-arg", f"{k}={v}")],
+        "--gpus",
+        "2xcpu-lab",
+        "--hardware-profile",
+        out,
+        "--dtype",
+        "fp32",
+        "--engine",
+        "torch",
+        "--pp",
+        "2",
+        "--micro-batch",
+        "4",
+        "--global-batch",
+        "16",
+        "--schedule",
+        "1f1b",
+        "--recompute",
+        "none",
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["predicted"]["step_time_s"] == pytest.approx(0.25, rel=0.01)
     # the same inputs give the same bytes
@@ -298,7 +367,9 @@ def test_megatron_log_paired_with_its_plan(tmp_path):
     r = cli("calibrate", "--log", LOGS / "megatron_pp2_dp2.log", other, "--name", "a100-meg", "--out", out)
     assert r.exit_code == 2 and "pipeline_model_parallel_size is 2, the plan's pp is 4" in r.output, r.output
     # and a different model (another hidden size) too
-    wide = _plan(tmp_path, "megw", "--engine", "megatron", "--pp", "2", "--dp", "2", "--tp", "1", "--micro-batch", "2", model_args={**tiny, "n_embd": 128}, gpus="4xa100")
+    wide = _plan(
+        tmp_path, "megw", "--engine", "megatron", "--pp", "2", "--dp", "2", "--tp", "1", "--micro-batch", "2", model_args={**tiny, "n_embd": 128}, gpus="4xa100"
+    )
     r = cli("calibrate", "--log", LOGS / "megatron_pp2_dp2.log", wide, "--name", "a100-meg", "--out", out)
     assert r.exit_code == 2 and "hidden_size = 64, the plan's 128" in r.output, r.output
     # a run on another device cannot be mixed into the same profile
@@ -330,11 +401,17 @@ def _fit_and_check(tmp_path: Path) -> dict:
     out = tmp_path / "cpu-e2e.yaml"
     r = cli("calibrate", d1, d1b, "--name", "cpu-e2e", "--out", out)
     assert r.exit_code == 0, r.output
-    d2c = _plan(tmp_path, "check-cal", "--engine", "torch", "--pp", "2", "--micro-batch", "4", "--hardware-profile", str(out), model_args=deeper, gpus="2xcpu-e2e")
+    d2c = _plan(
+        tmp_path, "check-cal", "--engine", "torch", "--pp", "2", "--micro-batch", "4", "--hardware-profile", str(out), model_args=deeper, gpus="2xcpu-e2e"
+    )
     ran, cal_plan = (json.loads((d / "plan.json").read_text()) for d in (d2, d2c))
     assert [s["pieces"] for s in ran["stages"]] == [s["pieces"] for s in cal_plan["stages"]]  # the same split is priced
-    return {"fitted_on": (_measured(d1), _measured(d1b)), "measured": _measured(d2),
-            "calibrated": cal_plan["predicted"]["step_time_s"], "uncalibrated": ran["predicted"]["step_time_s"]}
+    return {
+        "fitted_on": (_measured(d1), _measured(d1b)),
+        "measured": _measured(d2),
+        "calibrated": cal_plan["predicted"]["step_time_s"],
+        "uncalibrated": ran["predicted"]["step_time_s"],
+    }
 
 
 @pytest.mark.slow

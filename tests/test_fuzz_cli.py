@@ -78,10 +78,18 @@ _pin_value = st.one_of(st.integers(-(2**70), 2**70).map(str), st.sampled_from(["
 
 
 @FUZZ
-@given(gpus=GPUS, pins=st.lists(st.tuples(_PINS, _pin_value), max_size=4),
-       floats=st.lists(st.tuples(st.sampled_from(["--mem-target", "--inter-node-gbps", "--timeout"]),
-                                 st.one_of(st.floats(allow_nan=True, allow_infinity=True).map(repr), st.just("nan"))), max_size=2),
-       names=st.lists(st.tuples(st.sampled_from(["--schedule", "--recompute", "--engine", "--dtype", "--tracer"]), st.text(max_size=12)), max_size=2))
+@given(
+    gpus=GPUS,
+    pins=st.lists(st.tuples(_PINS, _pin_value), max_size=4),
+    floats=st.lists(
+        st.tuples(
+            st.sampled_from(["--mem-target", "--inter-node-gbps", "--timeout"]),
+            st.one_of(st.floats(allow_nan=True, allow_infinity=True).map(repr), st.just("nan")),
+        ),
+        max_size=2,
+    ),
+    names=st.lists(st.tuples(st.sampled_from(["--schedule", "--recompute", "--engine", "--dtype", "--tracer"]), st.text(max_size=12)), max_size=2),
+)
 def test_plan_flags(tmp_path, gpus, pins, floats, names):
     args = ["plan", str(tmp_path / "missing.py"), "--gpus", gpus]
     for flag, value in [*pins, *floats, *names]:
@@ -95,7 +103,9 @@ _literal = st.recursive(
     lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner, max_size=3)),
     max_leaves=8,
 )
-_arg_value = st.one_of(_literal.map(repr), st.text(max_size=30), st.sampled_from(["[" * 5000, "(" * 100 + ")" * 100, "1" * 5000, "-->" + "<script>", "x" * 5000]))
+_arg_value = st.one_of(
+    _literal.map(repr), st.text(max_size=30), st.sampled_from(["[" * 5000, "(" * 100 + ")" * 100, "1" * 5000, "-->" + "<script>", "x" * 5000])
+)
 
 
 @FUZZ
@@ -118,7 +128,9 @@ def plan_dir(tmp_path_factory):
     from planner.render import write_plan_dir
 
     d = tmp_path_factory.mktemp("fuzz") / "plan"
-    plan, _, _ = plan_model(PlanRequest(model_file=str(ROOT / "examples" / "gpt2.py"), model_args={"preset": "gpt2-tiny"}, gpus="4xA100", engine="deepspeed", pp=2))
+    plan, _, _ = plan_model(
+        PlanRequest(model_file=str(ROOT / "examples" / "gpt2.py"), model_args={"preset": "gpt2-tiny"}, gpus="4xA100", engine="deepspeed", pp=2)
+    )
     write_plan_dir(d, plan)
     return d
 
@@ -176,8 +188,20 @@ def test_plan_json_text(tmp_path, text):
     invoke(["explain", str(d)])
 
 
-_DS_KEYS = ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization", "bf16", "fp16",
-            "pipeline", "gradient_clipping", "optimizer", "steps_per_print", "wall_clock_breakdown", "fp16.loss_scale"]
+_DS_KEYS = [
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "zero_optimization",
+    "bf16",
+    "fp16",
+    "pipeline",
+    "gradient_clipping",
+    "optimizer",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "fp16.loss_scale",
+]
 
 
 @FUZZ
@@ -190,11 +214,41 @@ def test_ds_config(plan_dir, tmp_path, base, changes):
     invoke(["validate", str(f), "--pp", "2", "--gpus", "4xA100"])
 
 
-_shell_words = st.sampled_from([
-    "torchrun", "pretrain_gpt.py", "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "2", "4", "0", "-1",
-    "--micro-batch-size", "--global-batch-size", "--num-layers", "$A", "${B:-", "}", "\"", "'", "\\\n", "A=$A$A", "$(cmd)",
-    "&&", "|", ";", "\n", "*", "{1..99999999}", "--bf16", "--fp16", "<<EOF", "EOF", "${#A}", "$((1<<60))",
-])
+_shell_words = st.sampled_from(
+    [
+        "torchrun",
+        "pretrain_gpt.py",
+        "--tensor-model-parallel-size",
+        "--pipeline-model-parallel-size",
+        "2",
+        "4",
+        "0",
+        "-1",
+        "--micro-batch-size",
+        "--global-batch-size",
+        "--num-layers",
+        "$A",
+        "${B:-",
+        "}",
+        '"',
+        "'",
+        "\\\n",
+        "A=$A$A",
+        "$(cmd)",
+        "&&",
+        "|",
+        ";",
+        "\n",
+        "*",
+        "{1..99999999}",
+        "--bf16",
+        "--fp16",
+        "<<EOF",
+        "EOF",
+        "${#A}",
+        "$((1<<60))",
+    ]
+)
 
 
 @FUZZ

@@ -27,7 +27,7 @@ from planner.errors import UsageError
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
-TINY_MODEL = '''
+TINY_MODEL = """
 import torch
 import torch.nn as nn
 {prelude}
@@ -58,7 +58,7 @@ def build_model(dim=64, layers=4, note=""):
 
 def example_inputs(batch_size, dim=64, note=""):
     return (torch.randn(batch_size, dim),)
-'''
+"""
 
 
 def model_file(tmp: Path, name: str = "model.py", prelude: str = "", build: str = "pass") -> Path:
@@ -85,7 +85,9 @@ def cli(*args: str, cwd: Path | None = None):
 
 def run_planner(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """The real console entry point in a fresh process."""
-    return subprocess.run([PY, "-c", "from planner.cli import main; main()", *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [PY, "-c", "from planner.cli import main; main()", *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 # ----------------------------------------------------------------------------- 1. user code under a guard
@@ -679,7 +681,7 @@ def test_validate_and_explain_refuse_fifos_and_huge_files(tmp_path):
     "prelude, build",
     [
         ("def architecture():\n    return 'gpt'", "pass"),  # architecture() returning a string
-        ("", "m = Net(dim, layers); m.blocks.add_module(\"q'x\\n-->\", nn.Identity()); return m"),  # a submodule name with quotes and a newline
+        ("", 'm = Net(dim, layers); m.blocks.add_module("q\'x\\n-->", nn.Identity()); return m'),  # a submodule name with quotes and a newline
     ],
 )
 def test_failures_on_user_code_are_exit_2(tmp_path, prelude, build):

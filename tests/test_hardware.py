@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -13,16 +12,31 @@ import pytest
 import yaml
 
 from planner import hardware as hw
-from planner.hardware import profiles as hw_profiles
 from planner.errors import UsageError
+from planner.hardware import profiles as hw_profiles
 from planner.resources import hardware_profiles_dir
 
 GB = 1e9
 GIB = 2**30
 MIB = 2**20
 REQUIRED_KEYS = {
-    "v100-32gb", "a100-40gb", "a100-80gb", "a100-80gb-pcie", "h100-sxm", "h100-pcie", "h200", "b200",
-    "a10", "l4", "l40s", "rtx-3090", "rtx-4090", "rtx-a6000", "mi250x", "mi300x", "cpu",
+    "v100-32gb",
+    "a100-40gb",
+    "a100-80gb",
+    "a100-80gb-pcie",
+    "h100-sxm",
+    "h100-pcie",
+    "h200",
+    "b200",
+    "a10",
+    "l4",
+    "l40s",
+    "rtx-3090",
+    "rtx-4090",
+    "rtx-a6000",
+    "mi250x",
+    "mi300x",
+    "cpu",
 }
 
 
@@ -81,9 +95,22 @@ def test_every_bundled_profile_loads_with_sources(profiles):
 
 def test_dense_bf16_peaks_match_reference_table(profiles):
     # hardware.md section 1, dense column (no 2:4 sparsity); RTX 4090 with FP32 accumulate.
-    expected = {"a100-40gb": 312, "a100-80gb": 312, "a100-80gb-pcie": 312, "h100-sxm": 989.4, "h200": 989.4,
-                "h100-pcie": 756, "b200": 2250, "mi300x": 1307.4, "rtx-4090": 165.2, "rtx-3090": 71,
-                "l40s": 362, "l4": 121, "a10": 125, "rtx-a6000": 154.8}
+    expected = {
+        "a100-40gb": 312,
+        "a100-80gb": 312,
+        "a100-80gb-pcie": 312,
+        "h100-sxm": 989.4,
+        "h200": 989.4,
+        "h100-pcie": 756,
+        "b200": 2250,
+        "mi300x": 1307.4,
+        "rtx-4090": 165.2,
+        "rtx-3090": 71,
+        "l40s": 362,
+        "l4": 121,
+        "a10": 125,
+        "rtx-a6000": 154.8,
+    }
     for key, tflops in expected.items():
         assert profiles[key].flops("bf16") == pytest.approx(tflops * 1e12), key
     assert profiles["h100-sxm"].flops("fp8") == pytest.approx(1978.9e12)
@@ -149,6 +176,7 @@ def test_schema_missing_nested_field(tmp_path):
 def test_schema_unit_typo_suggests_the_right_name(tmp_path):
     def typo(d):
         d["memory_bandwidth_gbs"] = d.pop("memory_bandwidth_gbps")
+
     msg = schema_error(tmp_path, typo)
     assert "'memory_bandwidth_gbs'" in msg and "'memory_bandwidth_gbps'" in msg
 
@@ -156,6 +184,7 @@ def test_schema_unit_typo_suggests_the_right_name(tmp_path):
 def test_schema_unknown_nested_field_suggests(tmp_path):
     def typo(d):
         d["intra_node"]["bandwidth_gbps"] = d["intra_node"].pop("bandwidth_gbps_per_direction")
+
     msg = schema_error(tmp_path, typo)
     assert "intra_node.bandwidth_gbps" in msg and "bandwidth_gbps_per_direction" in msg
 
@@ -295,9 +324,14 @@ def test_bad_profile_on_env_path_names_its_file(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- name resolution
 
 
-@pytest.mark.parametrize("name,key", [
-    ("A100", "a100-80gb"), ("H100", "h100-sxm"), ("V100", "v100-32gb"),
-])
+@pytest.mark.parametrize(
+    "name,key",
+    [
+        ("A100", "a100-80gb"),
+        ("H100", "h100-sxm"),
+        ("V100", "v100-32gb"),
+    ],
+)
 def test_ambiguous_names_resolve_with_a_note(profiles, name, key):
     device, note = hw.resolve_device(name, profiles)
     assert device.key == key
@@ -309,13 +343,27 @@ def test_a100_note_names_the_40gb_part(profiles):
     assert "80GB" in note and "A100-40GB" in note
 
 
-@pytest.mark.parametrize("name,key", [
-    ("a100-80gb", "a100-80gb"), ("A100-40GB", "a100-40gb"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
-    ("A100 80GB PCIe", "a100-80gb-pcie"), ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("h100 pcie", "h100-pcie"),
-    ("Tesla V100-SXM2-32GB", "v100-32gb"), ("NVIDIA GeForce RTX 4090", "rtx-4090"), ("rtx4090", "rtx-4090"),
-    ("RTX A6000", "rtx-a6000"), ("MI300X", "mi300x"), ("b200", "b200"), ("L40S", "l40s"), ("A10", "a10"),
-    ("  h200 ", "h200"), ("CPU", "cpu"),
-])
+@pytest.mark.parametrize(
+    "name,key",
+    [
+        ("a100-80gb", "a100-80gb"),
+        ("A100-40GB", "a100-40gb"),
+        ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+        ("A100 80GB PCIe", "a100-80gb-pcie"),
+        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("h100 pcie", "h100-pcie"),
+        ("Tesla V100-SXM2-32GB", "v100-32gb"),
+        ("NVIDIA GeForce RTX 4090", "rtx-4090"),
+        ("rtx4090", "rtx-4090"),
+        ("RTX A6000", "rtx-a6000"),
+        ("MI300X", "mi300x"),
+        ("b200", "b200"),
+        ("L40S", "l40s"),
+        ("A10", "a10"),
+        ("  h200 ", "h200"),
+        ("CPU", "cpu"),
+    ],
+)
 def test_resolve_exact_names(profiles, name, key):
     device, note = hw.resolve_device(name, profiles)
     assert device.key == key
@@ -357,24 +405,27 @@ def shape(cluster):
     return [(g.device.key, g.nodes, g.gpus_per_node) for g in cluster.groups]
 
 
-@pytest.mark.parametrize("spec,expected", [
-    ("8xA100", [("a100-80gb", 1, 8)]),
-    ("4xA100", [("a100-80gb", 1, 4)]),
-    ("64xH100", [("h100-sxm", 8, 8)]),
-    ("4x8xA100-80GB", [("a100-80gb", 4, 8)]),
-    ("1x2xa100-40gb", [("a100-40gb", 1, 2)]),
-    ("A100", [("a100-80gb", 1, 1)]),
-    ("8xA100+8xV100", [("a100-80gb", 1, 8), ("v100-32gb", 1, 8)]),
-    ("2x8xH100+16xA100-40GB", [("h100-sxm", 2, 8), ("a100-40gb", 2, 8)]),
-    ("  2 X 8 x h100-sxm  +  4 x a100  ", [("h100-sxm", 2, 8), ("a100-80gb", 1, 4)]),
-    ("8xRTX 4090", [("rtx-4090", 1, 8)]),
-    ("8x4090", [("rtx-4090", 1, 8)]),
-    ("2x4x3090", [("rtx-3090", 2, 4)]),
-    ("16xMI300X", [("mi300x", 2, 8)]),
-    ("2x8xmi300x", [("mi300x", 2, 8)]),
-    ("8xrtx-a6000", [("rtx-a6000", 2, 4)]),
-    ("4xcpu", [("cpu", 1, 4)]),
-])
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        ("8xA100", [("a100-80gb", 1, 8)]),
+        ("4xA100", [("a100-80gb", 1, 4)]),
+        ("64xH100", [("h100-sxm", 8, 8)]),
+        ("4x8xA100-80GB", [("a100-80gb", 4, 8)]),
+        ("1x2xa100-40gb", [("a100-40gb", 1, 2)]),
+        ("A100", [("a100-80gb", 1, 1)]),
+        ("8xA100+8xV100", [("a100-80gb", 1, 8), ("v100-32gb", 1, 8)]),
+        ("2x8xH100+16xA100-40GB", [("h100-sxm", 2, 8), ("a100-40gb", 2, 8)]),
+        ("  2 X 8 x h100-sxm  +  4 x a100  ", [("h100-sxm", 2, 8), ("a100-80gb", 1, 4)]),
+        ("8xRTX 4090", [("rtx-4090", 1, 8)]),
+        ("8x4090", [("rtx-4090", 1, 8)]),
+        ("2x4x3090", [("rtx-3090", 2, 4)]),
+        ("16xMI300X", [("mi300x", 2, 8)]),
+        ("2x8xmi300x", [("mi300x", 2, 8)]),
+        ("8xrtx-a6000", [("rtx-a6000", 2, 4)]),
+        ("4xcpu", [("cpu", 1, 4)]),
+    ],
+)
 def test_gpus_grammar(profiles, spec, expected):
     cluster = hw.parse_gpus(spec, profiles=profiles)
     assert shape(cluster) == expected
@@ -398,8 +449,7 @@ def test_gpus_per_node_override(profiles):
     assert shape(hw.parse_gpus("16xA100", gpus_per_node=4, profiles=profiles)) == [("a100-80gb", 4, 4)]
     assert shape(hw.parse_gpus("12xA100", gpus_per_node=4, profiles=profiles)) == [("a100-80gb", 3, 4)]
     assert shape(hw.parse_gpus("2xA100", gpus_per_node=4, profiles=profiles)) == [("a100-80gb", 1, 2)]
-    assert shape(hw.parse_gpus("8xA100+8xV100", gpus_per_node=4, profiles=profiles)) == [
-        ("a100-80gb", 2, 4), ("v100-32gb", 2, 4)]
+    assert shape(hw.parse_gpus("8xA100+8xV100", gpus_per_node=4, profiles=profiles)) == [("a100-80gb", 2, 4), ("v100-32gb", 2, 4)]
     assert shape(hw.parse_gpus("2x4xA100", gpus_per_node=4, profiles=profiles)) == [("a100-80gb", 2, 4)]
     with pytest.raises(UsageError, match="--gpus-per-node"):
         hw.parse_gpus("2x8xA100", gpus_per_node=4, profiles=profiles)
@@ -418,23 +468,26 @@ def test_inter_node_gbps_override_is_gigabits(profiles):
             hw.parse_gpus("8xA100", inter_node_gbps=bad, profiles=profiles)
 
 
-@pytest.mark.parametrize("spec,words", [
-    ("", ["empty"]),
-    ("   ", ["empty"]),
-    ("0xA100", ["positive", "0"]),
-    ("-8xA100", ["positive", "-8"]),
-    ("2x0xA100", ["positive"]),
-    ("8.5xA100", ["whole", "8.5"]),
-    ("1.5x8xA100", ["whole"]),
-    ("12xA100", ["12", "divide evenly", "8"]),
-    ("8x", ["no device"]),
-    ("x8", ["malformed", "before the device"]),
-    ("A100x8", ["malformed", "before the device"]),
-    ("8xA100+", ["empty", "+"]),
-    ("+8xA100", ["empty"]),
-    ("8xA100++8xV100", ["empty"]),
-    ("2x4x8xA100", ["3 counts", "at most two"]),
-])
+@pytest.mark.parametrize(
+    "spec,words",
+    [
+        ("", ["empty"]),
+        ("   ", ["empty"]),
+        ("0xA100", ["positive", "0"]),
+        ("-8xA100", ["positive", "-8"]),
+        ("2x0xA100", ["positive"]),
+        ("8.5xA100", ["whole", "8.5"]),
+        ("1.5x8xA100", ["whole"]),
+        ("12xA100", ["12", "divide evenly", "8"]),
+        ("8x", ["no device"]),
+        ("x8", ["malformed", "before the device"]),
+        ("A100x8", ["malformed", "before the device"]),
+        ("8xA100+", ["empty", "+"]),
+        ("+8xA100", ["empty"]),
+        ("8xA100++8xV100", ["empty"]),
+        ("2x4x8xA100", ["3 counts", "at most two"]),
+    ],
+)
 def test_gpus_errors(profiles, spec, words):
     with pytest.raises(UsageError) as e:
         hw.parse_gpus(spec, profiles=profiles)
@@ -544,8 +597,7 @@ def test_cluster_to_dict_is_json(profiles):
     c = hw.parse_gpus("2x8xA100+8xV100", inter_node_gbps=200, profiles=profiles)
     d = json.loads(json.dumps(c.to_dict()))
     assert d["spec"] == "2x8xA100+8xV100" and d["world_size"] == 24 and d["num_nodes"] == 3
-    assert [(g["device"], g["nodes"], g["gpus_per_node"]) for g in d["groups"]] == [
-        ("a100-80gb", 2, 8), ("v100-32gb", 1, 8)]
+    assert [(g["device"], g["nodes"], g["gpus_per_node"]) for g in d["groups"]] == [("a100-80gb", 2, 8), ("v100-32gb", 1, 8)]
     assert d["groups"][0]["name"] == "NVIDIA A100 SXM4 80GB"
     assert d["groups"][1]["inter_node_bandwidth_bytes_per_s"] == 25e9
     assert len(d["notes"]) == 2
@@ -593,7 +645,7 @@ def test_size_curves_are_profile_data(tmp_path, profiles):
     data["efficiency"]["memory_size_scale"] = [[1e6, 0.25], [1e8, 1.0]]
     own = hw.load_profile(write_profile(tmp_path / "curved.yaml", data))
     assert hw.matmul_efficiency_at(1e9, own) == pytest.approx(eff_mm * 0.5)
-    assert hw.matmul_efficiency_at(10 ** 9.5, own) == pytest.approx(eff_mm * 0.75)  # halfway in log(FLOPs)
+    assert hw.matmul_efficiency_at(10**9.5, own) == pytest.approx(eff_mm * 0.75)  # halfway in log(FLOPs)
     assert hw.memory_efficiency_at(1e7, own) == pytest.approx(eff_mem * 0.625)
     assert hw.matmul_efficiency_at(1e9, profiles["a100-80gb"]) == pytest.approx(eff_mm * 0.6 / 0.95)
     rows = {r[0]: r for r in hw.describe_profile(own)}
@@ -624,8 +676,7 @@ def test_describe_profile(profiles):
     rows = hw.describe_profile(profiles["h100-sxm"])
     table = {field: (value, source) for field, value, source in rows}
     assert table["peak_tflops.bf16"][0] == "989.4 TFLOP/s dense" and "http" in table["peak_tflops.bf16"][1]
-    assert table["inter_node.bandwidth_gbps_per_direction"][0].startswith("50 GB/s") and "400 Gb/s" in table[
-        "inter_node.bandwidth_gbps_per_direction"][0]
+    assert table["inter_node.bandwidth_gbps_per_direction"][0].startswith("50 GB/s") and "400 Gb/s" in table["inter_node.bandwidth_gbps_per_direction"][0]
     assert table["intra_node.topology"][0] == "switch"
     assert "measured_at_runtime" not in table
     assert "measured_at_runtime" in {f for f, _, _ in hw.describe_profile(profiles["cpu"])}

@@ -97,7 +97,7 @@ def test_exponential_growth_and_output_floods_are_stopped():
 
 def test_stubs_never_run_what_they_are_given(tmp_path):
     marker = tmp_path / "ran"
-    cap = run_script(text=f"python -c 'open(\"{marker}\", \"w\")'\nsrun touch {marker}\nmpirun touch {marker}\ndeepspeed x.py\npython3 -V\n")
+    cap = run_script(text=f'python -c \'open("{marker}", "w")\'\nsrun touch {marker}\nmpirun touch {marker}\ndeepspeed x.py\npython3 -V\n')
     assert not marker.exists()
     assert [c.argv[0] for c in cap.calls] == ["python", "srun", "mpirun", "deepspeed", "python3"]
     assert cap.calls[1].argv == ("srun", "touch", str(marker))

@@ -17,8 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from planner.check.megatron_core import core_config as _core_config
+from planner.check.megatron_core import core_stage_layers as _core_stage_layers
 from planner.check.megatron_script import parse_megatron_args
-from planner.check.megatron_core import core_config as _core_config, core_stage_layers as _core_stage_layers
 from planner.megatron_args import (
     RULES,
     Flag,
@@ -28,7 +29,6 @@ from planner.megatron_args import (
     flag_table,
     layout_string,
     parse_layout,
-
     split_flags,
     stage_layers,
 )
@@ -133,7 +133,9 @@ def test_parse_args_file_one_per_line_or_space_separated():
 
 
 def test_parse_launch_variants():
-    a = parse_megatron_args("NODES=4\nCUDA_DEVICE_MAX_CONNECTIONS=1 python -m torch.distributed.run --nproc-per-node=8 --nnodes=$NODES x/pretrain_gpt.py --num-layers 2\n")
+    a = parse_megatron_args(
+        "NODES=4\nCUDA_DEVICE_MAX_CONNECTIONS=1 python -m torch.distributed.run --nproc-per-node=8 --nnodes=$NODES x/pretrain_gpt.py --num-layers 2\n"
+    )
     assert a.world_size == 32 and a.env_value("CUDA_DEVICE_MAX_CONNECTIONS") == "1" and a.value("--num-layers") == "2"
     b = parse_megatron_args("torchrun --nproc_per_node $(nvidia-smi -L 2>/dev/null | wc -l) pretrain_gpt.py --num-layers 2\n")
     assert b.world_size is None and b.value("--num-layers") == "2"  # no GPU here: not a usable count
@@ -265,7 +267,12 @@ RULE_CASES = {
     "MEG011": (_with({}, extra=[("--pipeline-model-parallel-layout", "Et*4|t*4L"), ("--decoder-first-pipeline-num-layers", "4")]), WORLD, True, True),
     "MEG012": (_with({}, extra=[("--num-layers-per-virtual-pipeline-stage", "2"), ("--num-virtual-stages-per-pipeline-rank", "2")]), WORLD, True, True),
     "MEG013": (_with({"--num-attention-heads": "5", "--hidden-size": "320"}), WORLD, True, True),
-    "MEG014": (_with({"--num-attention-heads": "6", "--hidden-size": "384"}, extra=[("--group-query-attention", None), ("--num-query-groups", "3")]), WORLD, True, True),
+    "MEG014": (
+        _with({"--num-attention-heads": "6", "--hidden-size": "384"}, extra=[("--group-query-attention", None), ("--num-query-groups", "3")]),
+        WORLD,
+        True,
+        True,
+    ),
     "MEG015": (_with({"--global-batch-size": "15"}), WORLD, True, False),  # asserted when the microbatch calculator is built
     "MEG016": (_with({"--global-batch-size": "6"}, extra=[("--num-virtual-stages-per-pipeline-rank", "2")]), WORLD, True, False),  # at run time
     "MEG017": (_with({}, extra=[("--num-virtual-stages-per-pipeline-rank", "2"), ("--no-overlap-p2p-communication", None)]), WORLD, True, True),
@@ -326,8 +333,13 @@ def test_world_size_argument_overrides_the_script():
 
 def test_uneven_and_interleaved_examples_pass():
     ok = [
-        _with({"--num-layers": "10", "--pipeline-model-parallel-size": "4"}, extra=[("--decoder-first-pipeline-num-layers", "1"), ("--decoder-last-pipeline-num-layers", "3")]),
-        _with({"--num-layers": "14", "--pipeline-model-parallel-size": "4"}, extra=[("--pipeline-model-parallel-layout", "Et|(tt|)*6,tL")]),  # engines.md's example
+        _with(
+            {"--num-layers": "10", "--pipeline-model-parallel-size": "4"},
+            extra=[("--decoder-first-pipeline-num-layers", "1"), ("--decoder-last-pipeline-num-layers", "3")],
+        ),
+        _with(
+            {"--num-layers": "14", "--pipeline-model-parallel-size": "4"}, extra=[("--pipeline-model-parallel-layout", "Et|(tt|)*6,tL")]
+        ),  # engines.md's example
         _with({"--num-layers": "16", "--pipeline-model-parallel-size": "4"}, extra=[("--num-virtual-stages-per-pipeline-rank", "2")]),
         _with({"--num-layers": "7"}, extra=[("--account-for-embedding-in-pipeline-split", None)]),
     ]
@@ -392,7 +404,14 @@ def test_layout_string_round_trips(case):
     core = PipelineParallelLayerLayout.parse_str_to_list(s)
     assert [[t.name for t in stage] for stage in core] == [[{"E": "embedding", "t": "decoder", "L": "loss"}[c] for c in stage] for stage in stages]
     PipelineParallelLayerLayout(s, pp).validate_layer_layout(num_layers=sum(counts), mtp_num_layers=None)
-    args = MegatronArgs("args", (Flag("--num-layers", (str(sum(counts)),), 1), Flag("--pipeline-model-parallel-size", (str(pp),), 2), Flag("--pipeline-model-parallel-layout", (s,), 3)))
+    args = MegatronArgs(
+        "args",
+        (
+            Flag("--num-layers", (str(sum(counts)),), 1),
+            Flag("--pipeline-model-parallel-size", (str(pp),), 2),
+            Flag("--pipeline-model-parallel-layout", (s,), 3),
+        ),
+    )
     assert not [f for f in check_megatron_args(args) if f.rule in ("MEG006", "MEG007", "MEG008", "MEG009", "MEG010", "MEG011")]
 
 
@@ -405,7 +424,9 @@ def _args(pairs) -> MegatronArgs:
 def test_split_flags_build_the_planned_split_in_megatron_core(case):
     pp, counts = case
     flags = split_flags(counts, pp)
-    args = _args([("--num-layers", str(sum(counts))), ("--hidden-size", "64"), ("--num-attention-heads", "4"), ("--pipeline-model-parallel-size", str(pp))] + flags)
+    args = _args(
+        [("--num-layers", str(sum(counts))), ("--hidden-size", "64"), ("--num-attention-heads", "4"), ("--pipeline-model-parallel-size", str(pp))] + flags
+    )
     assert stage_layers(args) == counts
     rules = {f.rule for f in check_megatron_args(args)} - {"MEG001"}
     assert not rules, rules
@@ -494,7 +515,21 @@ def test_rules_agree_with_megatron_lm():
 
 _SHELL_BITS = st.sampled_from(
     list("ab-= \t\n\\'\"$(){}[]@*#|&;<>`:+?!019")
-    + ["--num-layers", "--pipeline-model-parallel-size", "torchrun", "pretrain_gpt.py", "ARR=(", "${ARR[@]}", "<<EOF\n", "EOF", "$((", "))", "export ", "${X:-", "}"]
+    + [
+        "--num-layers",
+        "--pipeline-model-parallel-size",
+        "torchrun",
+        "pretrain_gpt.py",
+        "ARR=(",
+        "${ARR[@]}",
+        "<<EOF\n",
+        "EOF",
+        "$((",
+        "))",
+        "export ",
+        "${X:-",
+        "}",
+    ]
 )
 
 
@@ -516,7 +551,13 @@ def test_tensor_parallel_problems_match_the_rules(groups, per_group, ffn, tp):
     heads = groups * per_group
     arch = {"num_attention_heads": heads, "num_query_groups": groups, "ffn_hidden_size": ffn}
     args = _args(
-        [("--num-attention-heads", str(heads)), ("--group-query-attention", None), ("--num-query-groups", str(groups)), ("--ffn-hidden-size", str(ffn)), ("--tensor-model-parallel-size", str(tp))]
+        [
+            ("--num-attention-heads", str(heads)),
+            ("--group-query-attention", None),
+            ("--num-query-groups", str(groups)),
+            ("--ffn-hidden-size", str(ffn)),
+            ("--tensor-model-parallel-size", str(tp)),
+        ]
     )
     ruled = {f.rule for f in check_megatron_args(args)} & {"MEG013", "MEG014", "MEG030"}
     assert bool(tensor_parallel_problems(arch, tp)) == bool(ruled)

@@ -52,7 +52,17 @@ def _uniform(times, S, capacity=1e18, held=None, mem=None, allowed=None):
     pre = np.concatenate([[0.0], np.cumsum(times)])
     z = np.zeros(n + 1)
     mem = np.concatenate([[0.0], np.cumsum(mem if mem is not None else np.zeros(n))])
-    return PartitionProblem([pre], [0] * S, [z] * S, [z] * S, mem, np.zeros(n + 1), held or [1.0] * S, [capacity] * S, np.array(allowed if allowed is not None else [True] * (n + 1)))
+    return PartitionProblem(
+        [pre],
+        [0] * S,
+        [z] * S,
+        [z] * S,
+        mem,
+        np.zeros(n + 1),
+        held or [1.0] * S,
+        [capacity] * S,
+        np.array(allowed if allowed is not None else [True] * (n + 1)),
+    )
 
 
 def test_balanced_split_hits_lower_bound():

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from planner import hardware
+from planner.check.megatron_script import parse_megatron_args
 from planner.engines import get_engine
 from planner.engines.megatron import bucket_params, overlapped
 from planner.errors import UsageError
-from planner.megatron_args import check_megatron_args, parse_megatron_args
+from planner.megatron_args import check_megatron_args
 from planner.records import ModelCosts
 from planner.render.megatron import render_megatron
 from planner.report import overlaps_line
@@ -267,8 +268,14 @@ def test_rendered_feature_flags_pass_megatron_validation(changes):
 
     if lay.fp8 or lay.tp_comm_overlap:
         # TransformerConfig takes the FP8 recipe and the TP overlap as Megatron-LM passes them
-        fp8 = replace(cfg, fp8=args.value("--fp8-format"), fp8_recipe=args.value("--fp8-recipe"), fp8_amax_history_len=args.int("--fp8-amax-history-len", 1),
-                      fp8_amax_compute_algo=args.value("--fp8-amax-compute-algo") or "most_recent", tp_comm_overlap=args.has("--tp-comm-overlap"))
+        fp8 = replace(
+            cfg,
+            fp8=args.value("--fp8-format"),
+            fp8_recipe=args.value("--fp8-recipe"),
+            fp8_amax_history_len=args.int("--fp8-amax-history-len", 1),
+            fp8_amax_compute_algo=args.value("--fp8-amax-compute-algo") or "most_recent",
+            tp_comm_overlap=args.has("--tp-comm-overlap"),
+        )
         assert isinstance(fp8, TransformerConfig)
 
 

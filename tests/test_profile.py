@@ -10,10 +10,10 @@ import torch
 import yaml
 
 from planner import hardware
-from planner.errors import UsageError
-from planner.model.analyze import analyze
 from planner.engines import get_engine
+from planner.errors import UsageError
 from planner.hardware.calibrated import profile_to_hardware_yaml, suggested_hardware_key
+from planner.model.analyze import analyze
 from planner.model.device import calibrate_device
 from planner.model.profile import piece_signatures, profile_model, read_profile, write_profile
 from planner.model.profile_match import match_profile

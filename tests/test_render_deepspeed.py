@@ -25,8 +25,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 
-from planner.errors import UsageError  # noqa: E402
 from planner.engines.deepspeed import precision_config  # noqa: E402
+from planner.errors import UsageError  # noqa: E402
 from planner.render.deepspeed import CONFIG, SCRIPT, ds_config, render_deepspeed  # noqa: E402
 from planner.render.launch import model_path_for  # noqa: E402
 from planner.solve.plan import Plan  # noqa: E402
@@ -41,7 +41,7 @@ PLAN_ARGS = {
     "crossing_pp2": ["tests/fixtures/deepspeed/crossing.py", "--gpus", "2xcpu", "--pp", "2", "--zero", "1", "--dtype", "fp32"],
 }
 COMMAND = "planner plan examples/gpt2.py --model-arg preset=gpt2-tiny --gpus 4xcpu --engine deepspeed --pp 2 --out plans/gpt2"
-HOSTILE = "my model's \"dir\"/$(touch x)/model.py"
+HOSTILE = 'my model\'s "dir"/$(touch x)/model.py'
 HOSTILE_COMMAND = "planner plan 'my net.py' --out d\n$(touch x)\nimport os; os.system('touch x')"
 LR = 3e-3  # large enough that a missing tied-gradient sum moves step-3 losses by ~2e-4 (relative)
 
@@ -54,7 +54,10 @@ def plan_dict(name: str) -> dict:
     if UPDATE and name not in _regenerated:
         out = subprocess.run(
             [sys.executable, "-m", "planner", "plan", *PLAN_ARGS[name], "--engine", "deepspeed", "--json"],
-            cwd=ROOT, check=True, capture_output=True, text=True,
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
         ).stdout
         path.write_text(out)
         _regenerated.add(name)
@@ -133,13 +136,19 @@ def test_ds_config_batch_is_for_the_data_parallel_size_not_the_world(monkeypatch
 
 @pytest.mark.parametrize(
     "dtype,zero,wrapper,grad_bytes",
-    [("bf16", 1, "bf16", 4.0), ("bf16", 0, "bf16", 2.0), ("fp16", 0, "fp16", 2.0), ("fp16", 1, "zero_optimization", 2.0),
-     ("fp32", 0, None, 4.0), ("fp32", 1, "zero_optimization", 4.0)],
+    [
+        ("bf16", 1, "bf16", 4.0),
+        ("bf16", 0, "bf16", 2.0),
+        ("fp16", 0, "fp16", 2.0),
+        ("fp16", 1, "zero_optimization", 2.0),
+        ("fp32", 0, None, 4.0),
+        ("fp32", 1, "zero_optimization", 4.0),
+    ],
 )
 def test_deepspeed_picks_the_optimizer_wrapper_the_memory_model_assumes(dtype, zero, wrapper, grad_bytes, monkeypatch):
     """DeepSpeed's own choice (DeepSpeedEngine._do_optimizer_sanity_check) for the rendered config, and its gradient dtype."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
     import deepspeed.runtime.zero.utils as zero_utils
+    from deepspeed.runtime.engine import DeepSpeedEngine
 
     from planner.engines import get_engine
 
@@ -274,7 +283,7 @@ def test_hostile_model_path_arrives_as_one_argument(tmp_path):
     assert [c[0] for c in calls] == ["deepspeed", "torchrun", "torchrun"]
     for call in calls:
         args = call[1:]
-        assert args[args.index(SCRIPT):] == [SCRIPT, "--plan", "plan.json", "--model", expected, "--steps", "1"]
+        assert args[args.index(SCRIPT) :] == [SCRIPT, "--plan", "plan.json", "--model", expected, "--steps", "1"]
     assert not list(tmp_path.rglob("x")), "the model path was executed"
 
 
@@ -364,8 +373,23 @@ def train(plan: dict, tmp_path: Path, nprocs: int, steps: int = 3, extra: list[s
     t0 = time.perf_counter()
     torchrun(
         nprocs,
-        [SCRIPT, "--plan", "plan.json", "--model", model_path_for(Plan.from_dict(plan), out), "--steps", str(steps), "--lr", str(LR),
-         "--no-dropout", "--losses-out", "losses.json", "--stats-out", "stats_{rank}.json", *extra],
+        [
+            SCRIPT,
+            "--plan",
+            "plan.json",
+            "--model",
+            model_path_for(Plan.from_dict(plan), out),
+            "--steps",
+            str(steps),
+            "--lr",
+            str(LR),
+            "--no-dropout",
+            "--losses-out",
+            "losses.json",
+            "--stats-out",
+            "stats_{rank}.json",
+            *extra,
+        ],
         out,
         ext,
     )

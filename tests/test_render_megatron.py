@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from planner.errors import UsageError
 from planner.check.megatron_script import parse_megatron_args
+from planner.errors import UsageError
 from planner.megatron_args import check_megatron_args, stage_layers
 from planner.render.megatron import flag_groups, padded_vocab, planned_stage_layers, render_megatron, vocab_flags
 from planner.solve.plan import Plan
@@ -61,7 +61,10 @@ def restage(plan: Plan, counts: list[int]) -> Plan:
     bounds.append(n)
     template = d["stages"][0]
     pp = d["layout"]["pp"]
-    d["stages"] = [dict(template, index=j, rank=j % pp, pieces=[a, b], layers=[d["model"]["pieces"][a], d["model"]["pieces"][b - 1]]) for j, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    d["stages"] = [
+        dict(template, index=j, rank=j % pp, pieces=[a, b], layers=[d["model"]["pieces"][a], d["model"]["pieces"][b - 1]])
+        for j, (a, b) in enumerate(zip(bounds, bounds[1:]))
+    ]
     d["layout"]["vp"] = len(counts) // pp
     return Plan.from_dict(d)
 
@@ -262,7 +265,9 @@ def test_live_plan_renders(tmp_path):
     """The solver's current output for a small Llama on 8 GPUs (pp 2, tp 2) renders and passes the rules."""
     from planner.planning import PlanRequest, plan_model
 
-    plan, _, _ = plan_model(PlanRequest(model_file=str(REPO / "examples" / "llama.py"), model_args={"preset": "llama-tiny"}, gpus="8xA100", engine="megatron", pp=2, tp=2))
+    plan, _, _ = plan_model(
+        PlanRequest(model_file=str(REPO / "examples" / "llama.py"), model_args={"preset": "llama-tiny"}, gpus="8xA100", engine="megatron", pp=2, tp=2)
+    )
     args = parse_megatron_args(render_megatron(plan, "c", tmp_path)["pretrain_gpt.sh"])
     assert check_megatron_args(args) == [] and args.world_size == 8
     assert stage_layers(args) == planned_stage_layers(plan)
@@ -270,7 +275,7 @@ def test_live_plan_renders(tmp_path):
 
 # --------------------------------------------------------------------------- shell safety
 
-HOSTILE = "my model's \"dir\"/$(touch pwned)/`touch pwned2`/model.py"
+HOSTILE = 'my model\'s "dir"/$(touch pwned)/`touch pwned2`/model.py'
 
 FAKE_TORCHRUN = """#!{python}
 import json, os, sys

@@ -65,7 +65,10 @@ def fixture_plans() -> None:
     for name, args in PLANS.items():
         out = subprocess.run(
             [sys.executable, "-m", "planner", "plan", *shlex.split(args), "--engine", "torch", "--json"],
-            cwd=REPO, check=True, capture_output=True, text=True,
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            text=True,
         ).stdout
         doc = json.loads(out)
         doc["alternatives"] = []
@@ -135,7 +138,7 @@ def test_refuses_plans_torch_cannot_run(fixture_plans):
         render_torch(Plan.from_dict(doc), "planner plan", None)
 
 
-HOSTILE = "my model's \"dir\"/$(touch x)/model.py"
+HOSTILE = 'my model\'s "dir"/$(touch x)/model.py'
 
 
 def test_hostile_model_path_is_one_argument_and_never_runs(tmp_path, fixture_plans):
@@ -176,8 +179,13 @@ def test_hostile_model_path_is_one_argument_and_never_runs(tmp_path, fixture_pla
 def _stand_in(stage_index: int, num_stages: int, rank: int, p: int):
     # What the schedule constructors and check_schedule read of a stage; no process group, no module.
     return types.SimpleNamespace(
-        stage_index=stage_index, num_stages=num_stages, group_rank=rank, group_size=p, submod=None,
-        is_first=stage_index == 0, is_last=stage_index == num_stages - 1,
+        stage_index=stage_index,
+        num_stages=num_stages,
+        group_rank=rank,
+        group_size=p,
+        submod=None,
+        is_first=stage_index == 0,
+        is_last=stage_index == num_stages - 1,
         stage_index_to_group_rank={i: i % p for i in range(num_stages)},
     )
 
@@ -215,8 +223,18 @@ def test_stage_placement_follows_engine_rules(fixture_plans):
 
 @pytest.mark.parametrize(
     "schedule,pp,m,vp",
-    [("gpipe", 2, 2, 1), ("gpipe", 4, 6, 1), ("1f1b", 2, 2, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2),
-     ("interleaved", 4, 8, 2), ("zb-h1", 2, 2, 1), ("zb-h1", 4, 4, 1), ("zbv", 2, 2, 2), ("zbv", 4, 8, 2)],
+    [
+        ("gpipe", 2, 2, 1),
+        ("gpipe", 4, 6, 1),
+        ("1f1b", 2, 2, 1),
+        ("1f1b", 4, 8, 1),
+        ("interleaved", 2, 4, 2),
+        ("interleaved", 4, 8, 2),
+        ("zb-h1", 2, 2, 1),
+        ("zb-h1", 4, 4, 1),
+        ("zbv", 2, 2, 2),
+        ("zbv", 4, 8, 2),
+    ],
 )
 def test_check_schedule_accepts_torch_schedules(schedule, pp, m, vp):
     plan = _synthetic_plan(schedule, pp, m, vp)
@@ -305,8 +323,16 @@ def launch(d: Path, nprocs: int, args: list[str], timeout: float = 300) -> float
     port, t0 = _free_port(), time.perf_counter()
     procs, logs = [], []
     for r in range(nprocs):
-        env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        env = {
+            **os.environ,
+            "RANK": str(r),
+            "LOCAL_RANK": str(r),
+            "WORLD_SIZE": str(nprocs),
+            "LOCAL_WORLD_SIZE": str(nprocs),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
         logs.append(d / f"rank{r}.log")
         with open(logs[-1], "w") as log:
             procs.append(subprocess.Popen([sys.executable, "train_pipeline.py", *args], cwd=d, env=env, stdout=log, stderr=subprocess.STDOUT))
@@ -328,8 +354,11 @@ def launch(d: Path, nprocs: int, args: list[str], timeout: float = 300) -> float
 
 def run_and_compare(tmp_path: Path, name: str, nprocs: int, precision: str = "fp32", steps: int = 3) -> dict:
     d = write_plan_dir(tmp_path / name, name)
-    wall = launch(d, nprocs, ["--steps", str(steps), "--no-dropout", "--device", "cpu", "--precision", precision,
-                              "--losses-out", "losses.json", "--stats-out", "stats{rank}.json"])
+    wall = launch(
+        d,
+        nprocs,
+        ["--steps", str(steps), "--no-dropout", "--device", "cpu", "--precision", precision, "--losses-out", "losses.json", "--stats-out", "stats{rank}.json"],
+    )
     got = json.loads((d / "losses.json").read_text())["losses"]
     doc = json.loads((d / "plan.json").read_text())
     planned = load_planned_model(doc, doc["inputs"]["model_file"])
@@ -364,8 +393,16 @@ def test_real_run_interleaved_matches_reference(tmp_path, fixture_plans):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name,nprocs,precision",
-    [("gpt2_1f1b", 2, "fp32"), ("gpt2_gpipe", 2, "fp32"), ("gpt2_zbh1", 2, "fp32"), ("gpt2_pp2dp2", 4, "fp32"),
-     ("gpt2_zbv_recompute", 2, "fp32"), ("llama_1f1b", 2, "fp32"), ("resnet_fpn_zbv", 2, "fp32"), ("gpt2_1f1b", 2, "bf16")],
+    [
+        ("gpt2_1f1b", 2, "fp32"),
+        ("gpt2_gpipe", 2, "fp32"),
+        ("gpt2_zbh1", 2, "fp32"),
+        ("gpt2_pp2dp2", 4, "fp32"),
+        ("gpt2_zbv_recompute", 2, "fp32"),
+        ("llama_1f1b", 2, "fp32"),
+        ("resnet_fpn_zbv", 2, "fp32"),
+        ("gpt2_1f1b", 2, "bf16"),
+    ],
 )
 def test_real_run_matches_reference_slow(tmp_path, fixture_plans, name, nprocs, precision):
     run_and_compare(tmp_path, name, nprocs, precision)

@@ -132,7 +132,7 @@ def test_timeline_with_many_microbatches_draws_first_and_last_actions(planned):
         assert head > 0 and tail < len(names) - 1
         assert mine == set(names[:head]) | set(names[tail + 1 :])
     assert f"{view.omitted:,} steady-state actions" in svg
-    assert 'data-omitted="%d"' % view.omitted in svg
+    assert f'data-omitted="{view.omitted}"' in svg
 
 
 def test_timeline_marks_kinds_and_legend(planned):

@@ -60,10 +60,7 @@ def valid_config(draw, names=tuple(ALL), max_p=6, max_m=14):
 
 
 def test_module_is_torch_free():
-    code = (
-        "import sys, planner.solve.schedules, planner.solve.simulate; "
-        "assert 'torch' not in sys.modules, 'torch was imported'"
-    )
+    code = "import sys, planner.solve.schedules, planner.solve.simulate; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -177,9 +174,7 @@ def test_validate_schedule_reports_problems():
     assert any("needs one F and one B" in x for x in validate_schedule(missing))
     wrong_rank = Schedule("x", 2, 2, 2, good.stage_to_rank, (good.actions[1], good.actions[0]))
     assert any("belongs to rank" in x for x in validate_schedule(wrong_rank))
-    b_first = Schedule(
-        "x", 1, 1, 1, (0,), ((Action("B", 0, 0), Action("F", 0, 0)),)
-    )
+    b_first = Schedule("x", 1, 1, 1, (0,), ((Action("B", 0, 0), Action("F", 0, 0)),))
     assert any("backward before its forward" in x for x in validate_schedule(b_first))
 
 
@@ -233,6 +228,7 @@ def test_interleaved_equals_megatron_rules(p, m, v):
 
 
 # ------------------------------------------------------ torch's own orders
+
 
 @pytest.fixture(scope="module")
 def torch_sched():

@@ -1,8 +1,6 @@
 """Layout search and memory model: engine rules, pins, pruning, closed forms, published runs."""
 
-import math
 import re
-import pickle
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,10 +10,8 @@ import pytest
 from planner import hardware
 from planner.engines import get_engine
 from planner.errors import InfeasibleError, UsageError
-from planner.model.analyze import analyze
 from planner.planning import PlanRequest, plan_model
-from planner.solve import partition as part
-from planner.solve.memory import GiB, StateRecipe, activation_bytes_per_microbatch, state_recipe
+from planner.solve.memory import activation_bytes_per_microbatch, state_recipe
 from planner.solve.plan import Layout
 from planner.solve.rules import RejectKind
 from planner.solve.search import Context, Rejection, SearchOptions, _needs_no_less_memory, enumerate_layouts, evaluate_layout, search
@@ -73,8 +69,7 @@ def test_pins_fix_the_layout(llama7b):
     opts = SearchOptions(engine="torch", pp=4, dp=4, micro_batch=1, schedule="zbv", recompute="full", global_batch=64)
     res = search(llama7b, cl, opts, get_engine("torch"))
     assert res.ranked and all(
-        (e.layout.pp, e.layout.dp, e.layout.micro_batch, e.layout.schedule, e.layout.vp, e.layout.recompute) == (4, 4, 1, "zbv", 2, "full")
-        for e in res.ranked
+        (e.layout.pp, e.layout.dp, e.layout.micro_batch, e.layout.schedule, e.layout.vp, e.layout.recompute) == (4, 4, 1, "zbv", 2, "full") for e in res.ranked
     )
     assert res.best.layout.num_microbatches == 64 // (4 * 1)
 

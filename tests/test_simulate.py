@@ -158,8 +158,7 @@ def test_single_rank_has_no_bubble():
 @st.composite
 def case(draw):
     name = draw(st.sampled_from(list(SCHEDULES)))
-    v = draw(st.sampled_from({"zbv": [2], "dualpipev": [2], "interleaved": [2, 3], "interleaved-zb": [2, 3],
-                              "looped-bfs": [1, 2]}.get(name, [1])))
+    v = draw(st.sampled_from({"zbv": [2], "dualpipev": [2], "interleaved": [2, 3], "interleaved-zb": [2, 3], "looped-bfs": [1, 2]}.get(name, [1])))
     p = draw(st.integers(1, 5))
     m = draw(st.integers(1, 12))
     assume(not schedule_constraints(name, p, m, v))

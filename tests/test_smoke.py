@@ -6,10 +6,6 @@ Each run launches real processes with torchrun and gloo (15-25 s each on 2 cores
 import json
 import math
 import os
-import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -109,7 +105,24 @@ def test_edited_stage_boundary_is_refused(tmp_path):
 
 def test_megatron_smoke_checks_flags_without_training(tmp_path):
     out = tmp_path / "meg"
-    r = runner.invoke(app, ["plan", str(ROOT / "examples/llama.py"), "--model-arg", "preset=llama-tiny", "--gpus", "4xA100", "--engine", "megatron", "--out", str(out), "--quiet", "--micro-batch", "1"])
+    r = runner.invoke(
+        app,
+        [
+            "plan",
+            str(ROOT / "examples/llama.py"),
+            "--model-arg",
+            "preset=llama-tiny",
+            "--gpus",
+            "4xA100",
+            "--engine",
+            "megatron",
+            "--out",
+            str(out),
+            "--quiet",
+            "--micro-batch",
+            "1",
+        ],
+    )
     assert r.exit_code == 0, r.output
     r, doc = smoke(out, "--device", "cpu")
     assert r.exit_code == 0, r.output
@@ -131,7 +144,9 @@ def test_torch_two_ranks_matches_single_process(tmp_path, pins):
 def test_model_traced_with_torch_export_trains_in_a_pipeline(tmp_path):
     """A model only torch.export can trace (a root-level shape branch) runs pipelined and matches one process."""
     out = tmp_path / "export"
-    r = runner.invoke(app, ["plan", str(Path(__file__).parent / "models/shaperoot.py"), "--gpus", "2xcpu", "--engine", "torch", "--pp", "2", "--out", str(out), "--quiet"])
+    r = runner.invoke(
+        app, ["plan", str(Path(__file__).parent / "models/shaperoot.py"), "--gpus", "2xcpu", "--engine", "torch", "--pp", "2", "--out", str(out), "--quiet"]
+    )
     assert r.exit_code == 0, r.output
     assert json.loads((out / "plan.json").read_text())["inputs"]["tracer_used"] == "export"
     r, doc = smoke(out)
@@ -154,7 +169,9 @@ def test_transformers_model_trains_pipelined_like_one_process(tmp_path, model, e
     """A tiny transformers GPT-2 / Llama (export-traced, ModelOutput returned) on 2 CPU ranks equals one process."""
     pytest.importorskip("transformers")
     out = tmp_path / "plan"
-    r = runner.invoke(app, ["plan", str(Path(__file__).parent / "models" / model), "--gpus", "2xcpu", "--engine", engine, "--pp", "2", "--out", str(out), "--quiet"])
+    r = runner.invoke(
+        app, ["plan", str(Path(__file__).parent / "models" / model), "--gpus", "2xcpu", "--engine", engine, "--pp", "2", "--out", str(out), "--quiet"]
+    )
     assert r.exit_code == 0, r.output
     assert json.loads((out / "plan.json").read_text())["inputs"]["tracer_used"] == "export"
     r, doc = smoke(out)

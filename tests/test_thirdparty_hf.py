@@ -32,8 +32,15 @@ def _library_model(name: str):
     """The model as transformers itself builds it from the same config."""
     doc = _config(name)
     config = transformers.AutoConfig.for_model(doc.pop("model_type"), **doc)
-    cls = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
-           "bert": "BertModel", "t5": "T5ForConditionalGeneration", "vit": "ViTModel"}[name]
+    cls = {
+        "gpt2": "GPT2LMHeadModel",
+        "llama": "LlamaForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "mixtral": "MixtralForCausalLM",
+        "bert": "BertModel",
+        "t5": "T5ForConditionalGeneration",
+        "vit": "ViTModel",
+    }[name]
     with torch.device("meta"):
         return getattr(transformers, cls)(config), config
 
@@ -142,7 +149,12 @@ def test_architecture_from_the_config_is_accepted_by_megatron_rules(name):
     assert arch["num_layers"] == c.get("num_hidden_layers", c.get("n_layer"))
     assert arch["vocab_size"] == c["vocab_size"]
     if name == "gpt2":
-        assert (arch["normalization"], arch["activation"], arch["position_embedding"], arch["tied_embeddings"]) == ("LayerNorm", "gelu", "learned_absolute", True)
+        assert (arch["normalization"], arch["activation"], arch["position_embedding"], arch["tied_embeddings"]) == (
+            "LayerNorm",
+            "gelu",
+            "learned_absolute",
+            True,
+        )
     else:
         assert (arch["normalization"], arch["activation"], arch["position_embedding"]) == ("RMSNorm", "swiglu", "rope")
         assert arch["num_query_groups"] == c["num_key_value_heads"] and arch["ffn_hidden_size"] == c["intermediate_size"]

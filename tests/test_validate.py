@@ -183,7 +183,11 @@ def test_batch_verdicts_agree_with_deepspeed_config(monkeypatch, ds_mode):
         for tbs in values["tbs"]:
             for micro in values["micro"]:
                 for gas in values["gas"]:
-                    cfg = {k: v for k, v in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", gas)) if v is not None}
+                    cfg = {
+                        k: v
+                        for k, v in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", gas))
+                        if v is not None
+                    }
                     with monkeypatch.context() as m:  # DeepSpeedConfig itself, independently of planner.check
                         m.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)
                         m.setattr(ds_config.dist, "get_world_size", lambda *a, _w=world, **k: _w)
@@ -195,11 +199,15 @@ def test_batch_verdicts_agree_with_deepspeed_config(monkeypatch, ds_mode):
                     ours_findings = check_ds_config(json.dumps(cfg), DSContext("c.json", world_size=world, pp=1, pp_source="test")).findings
                     ours_error = any(f.rule == "DS001" for f in ours_findings)
                     try:
-                        ours = deepspeed_engine.batch_values(cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu"), cfg.get("gradient_accumulation_steps"), world)
+                        ours = deepspeed_engine.batch_values(
+                            cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu"), cfg.get("gradient_accumulation_steps"), world
+                        )
                     except BatchError:
                         ours = None
                     try:
-                        vendored = vendored_batch(cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu"), cfg.get("gradient_accumulation_steps"), world)
+                        vendored = vendored_batch(
+                            cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu"), cfg.get("gradient_accumulation_steps"), world
+                        )
                     except BatchError:
                         vendored = None
                     checked += 1
@@ -300,7 +308,7 @@ def test_changed_model_file_fails_and_asks_to_replan(tmp_path):
 def test_drift_reads_the_escaped_command_back_from_the_headers(tmp_path, monkeypatch):
     """A hostile model path and a command with quotes, $(...), a newline and backslashes survive the round trip."""
     monkeypatch.chdir(tmp_path)
-    model = Path("my model's \"dir\"/$(touch x)/model.py")
+    model = Path('my model\'s "dir"/$(touch x)/model.py')
     model.parent.mkdir(parents=True)
     shutil.copy(ROOT / "examples" / "gpt2.py", model)
     command = f"planner plan {model} --out 'dir'\nrm -rf / \\ end"
@@ -364,7 +372,9 @@ def test_rendered_plans_validate_clean(tmp_path_factory, engine, preset, gpus, p
     model = str(ROOT / "examples" / f"{preset[0]}.py")
     if engine != "torch":
         schedule = None
-    req = PlanRequest(model_file=model, model_args={"preset": preset[1]}, gpus=gpus, engine=engine, pp=pp, micro_batch=micro_batch, recompute=recompute, schedule=schedule)
+    req = PlanRequest(
+        model_file=model, model_args={"preset": preset[1]}, gpus=gpus, engine=engine, pp=pp, micro_batch=micro_batch, recompute=recompute, schedule=schedule
+    )
     try:
         plan = plan_model(req)[0]
     except PlannerError:
@@ -497,8 +507,18 @@ def test_every_refusal_is_reported_once_and_explained_ones_are_not_repeated(tmp_
     cfg = {**BATCH, "zero_optimization": {"stage": 1.5, "reduce_bucket_size": -5, "stagee": 2}, "pipeline": "x", "amp": {"enabled": True}}
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(cfg, indent=2))
-    found = sorted((f.rule, f.message.split(" at ")[1].split(":")[0] if f.rule == "DS016" else "") for f in validate([path], Options(gpus="4xA100", pp=2)).findings if f.severity == "error")
-    assert found == [("DS004", ""), ("DS010", ""), ("DS016", "pipeline"), ("DS016", "zero_optimization.reduce_bucket_size"), ("DS016", "zero_optimization.stage")]
+    found = sorted(
+        (f.rule, f.message.split(" at ")[1].split(":")[0] if f.rule == "DS016" else "")
+        for f in validate([path], Options(gpus="4xA100", pp=2)).findings
+        if f.severity == "error"
+    )
+    assert found == [
+        ("DS004", ""),
+        ("DS010", ""),
+        ("DS016", "pipeline"),
+        ("DS016", "zero_optimization.reduce_bucket_size"),
+        ("DS016", "zero_optimization.stage"),
+    ]
 
 
 def test_type_checks_without_deepspeed_never_refuse_what_deepspeed_accepts():
@@ -536,11 +556,21 @@ def test_deep_or_broken_configs_are_findings_not_crashes(tmp_path):
 def test_key_lines_follow_the_structure_not_the_first_match():
     from planner.check.json_doc import key_lines, parse_json
 
-    text = r'{' + '\n' + r' "a": {"x": {"b": 1}, "l": [1, {"q": "s\"b:"}, [2, {"r": 3}]]},' + '\n' + r' "b": 2,' + '\n' + r' "k\u0041": {"z": "}"}' + '\n}'
+    text = r"{" + "\n" + r' "a": {"x": {"b": 1}, "l": [1, {"q": "s\"b:"}, [2, {"r": 3}]]},' + "\n" + r' "b": 2,' + "\n" + r' "k\u0041": {"z": "}"}' + "\n}"
     doc = parse_json(text)
     assert doc.value["a"]["l"][1]["q"] == 's"b:'
     assert doc.value["kA"] == {"z": "}"}
-    assert doc.lines == {("a",): 2, ("a", "x"): 2, ("a", "x", "b"): 2, ("a", "l"): 2, ("a", "l", 1, "q"): 2, ("a", "l", 2, 1, "r"): 2, ("b",): 3, ("kA",): 4, ("kA", "z"): 4}
+    assert doc.lines == {
+        ("a",): 2,
+        ("a", "x"): 2,
+        ("a", "x", "b"): 2,
+        ("a", "l"): 2,
+        ("a", "l", 1, "q"): 2,
+        ("a", "l", 2, 1, "r"): 2,
+        ("b",): 3,
+        ("kA",): 4,
+        ("kA", "z"): 4,
+    }
     assert key_lines('{"a": {"b": 1},\n"a": {"b": 2}}')[1] == [(("a",), 2, 1)]  # the parent, not its children again
 
 
@@ -551,8 +581,14 @@ def test_json_output_stays_valid_when_deepspeed_logs(tmp_path):
 
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps({**BATCH, "zero_optimization": True}))  # a deprecated form DeepSpeed warns about
-    out = subprocess.run([sys.executable, "-m", "planner", "validate", str(path), "--gpus", "4xA100", "--pp", "2", "--format", "json"],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=300, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "planner", "validate", str(path), "--gpus", "4xA100", "--pp", "2", "--format", "json"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+        check=False,
+    )
     assert out.returncode in (0, 1), out.stderr
     json.loads(out.stdout)
 
@@ -624,7 +660,10 @@ def test_validate_never_imports_the_model_file_plan_json_names(tmp_path, ds_plan
     shutil.copytree(ds_plan_dir, d)
     marker = tmp_path / "imported"
     evil = tmp_path / "evil.py"
-    evil.write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n" + Path(json.loads((d / "plan.json").read_text())["inputs"]["model_file"]).read_text())
+    evil.write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+        + Path(json.loads((d / "plan.json").read_text())["inputs"]["model_file"]).read_text()
+    )
     data = json.loads((d / "plan.json").read_text())
     data["inputs"]["model_file"] = str(evil)
     (d / "plan.json").write_text(json.dumps(data, indent=2))

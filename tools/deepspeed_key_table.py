@@ -82,7 +82,6 @@ def _clean(text: str) -> str:
     return " ".join(str(text).split())
 
 
-
 class _Recording(dict):
     """A dict that records every key looked up in it."""
 
@@ -185,13 +184,19 @@ def _ast_keys_of(tree: ast.AST, names: set[str], func: str | None = None) -> set
     for root in roots:
         for node in ast.walk(root):
             if (
-                isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant) and isinstance(node.left.value, str)
-                and any(isinstance(op, ast.In) for op in node.ops) and any(isinstance(c, ast.Name) and c.id in names for c in node.comparators)
+                isinstance(node, ast.Compare)
+                and isinstance(node.left, ast.Constant)
+                and isinstance(node.left.value, str)
+                and any(isinstance(op, ast.In) for op in node.ops)
+                and any(isinstance(c, ast.Name) and c.id in names for c in node.comparators)
             ):
                 out.add(node.left.value)
             if (
-                isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in names
-                and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)
+                isinstance(node, ast.Subscript)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in names
+                and isinstance(node.slice, ast.Constant)
+                and isinstance(node.slice.value, str)
             ):
                 out.add(node.slice.value)
     return out
@@ -213,7 +218,10 @@ def _pipeline_keys(ds_root: Path) -> tuple[set[str], set[str]]:
             if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
                 target, key = node.value, node.slice.value
             elif (
-                isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" and node.args
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "get"
+                and node.args
                 and isinstance(node.args[0], ast.Constant)
             ):
                 target, key = node.func.value, node.args[0].value
@@ -241,8 +249,12 @@ def _engine_optimizer_keys(ds_root: Path) -> tuple[set[str], set[str]]:
     popped: set[str] = set()
     for node in ast.walk(tree):
         if (
-            isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "pop" and node.args
-            and ast.unparse(node.func.value) == "optimizer_parameters" and name_of(node.args[0])
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "pop"
+            and node.args
+            and ast.unparse(node.func.value) == "optimizer_parameters"
+            and name_of(node.args[0])
         ):
             popped.add(name_of(node.args[0]))  # type: ignore[arg-type]
     passed: set[str] = set()
@@ -378,7 +390,6 @@ def _optimizer_and_scheduler_params(table: KeyTable, ds_root: Path) -> None:
             table.add(sec, k, KeyInfo(VALUE))
 
 
-
 def main(argv: list[str] | None = None) -> int:
     """Print, write (``--write``) or check (``--check``) the key table of the installed DeepSpeed."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -386,7 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     import deepspeed
 
     if deepspeed.__version__ != DEEPSPEED_VERSION:
-        sys.stderr.write(f"DeepSpeed {deepspeed.__version__} is installed; the table is for {DEEPSPEED_VERSION} (DEEPSPEED_VERSION in planner/check/deepspeed_rules.py).\n")
+        sys.stderr.write(
+            f"DeepSpeed {deepspeed.__version__} is installed; the table is for {DEEPSPEED_VERSION} (DEEPSPEED_VERSION in planner/check/deepspeed_rules.py).\n"
+        )
         return 2
     text = format_table(extract_key_table())
     path = table_path()

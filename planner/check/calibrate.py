@@ -31,9 +31,10 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import yaml
@@ -77,10 +78,7 @@ PARAMS = (
 BY_ATTR = {p.attr: p for p in PARAMS}
 #: what the time model has no parameter for (so no run can fit it)
 NOT_MODELLED = (
-    (
-        "per-micro-batch overhead (the time model has none: kernel launches, Python and framework work per micro-batch "
-        "end up in the fitted compute rates)"
-    ),
+    ("per-micro-batch overhead (the time model has none: kernel launches, Python and framework work per micro-batch end up in the fitted compute rates)"),
 )
 
 
@@ -120,8 +118,9 @@ class Run:
         res = evaluate_pinned(self.costs, cluster, req)
         if res.best is None:
             reason = res.rejected[0].reason if res.rejected else "no reason recorded"
-            raise UsageError(f"run {self.name}: the planner cannot price the layout that ran ({reason}).",
-                             "Check that the plan directory is the one the run used.")
+            raise UsageError(
+                f"run {self.name}: the planner cannot price the layout that ran ({reason}).", "Check that the plan directory is the one the run used."
+            )
         return res.best
 
 
@@ -132,8 +131,10 @@ def _model_path(plan: Plan, plan_dir: Path) -> str:
 
 
 def _mismatch(plan_dir: Path, what: str, source: str) -> UsageError:
-    return UsageError(f"{source} does not belong to the plan in {plan_dir}: {what}.",
-                      "Pair each log with the plan directory that produced the run (the one whose configs were launched).")
+    return UsageError(
+        f"{source} does not belong to the plan in {plan_dir}: {what}.",
+        "Pair each log with the plan directory that produced the run (the one whose configs were launched).",
+    )
 
 
 def _bounds_from_stats(rows: list[dict]) -> tuple[int, ...] | None:
@@ -161,10 +162,12 @@ def _smoke_model_args(doc: dict) -> dict[str, Any]:
         return dict(doc["model_args"])
     for note in doc.get("scale_down") or []:
         if note.startswith("model arguments "):
-            pairs = [part.split(" -> ", 1) for part in note[len("model arguments "):].split(", ")]
+            pairs = [part.split(" -> ", 1) for part in note[len("model arguments ") :].split(", ")]
             if not all(len(p) == 2 for p in pairs):
-                raise UsageError(f"cannot read the scaled model arguments of the smoke run from its note {note!r}.",
-                                 "Re-run `planner smoke` without --model-arg, or calibrate from an engine log.")
+                raise UsageError(
+                    f"cannot read the scaled model arguments of the smoke run from its note {note!r}.",
+                    "Re-run `planner smoke` without --model-arg, or calibrate from an engine log.",
+                )
             return parse_model_args([f"{old.split('=', 1)[0]}={new}" for old, new in pairs])
     return {}
 
@@ -188,14 +191,19 @@ def _finish_run(name: str, plan_dir: Path, plan: Plan, req: PlanRequest, m: RunM
     a = analyses.get(req)
     want = plan.inputs.get("model_file_sha256")
     if want and a.model_file.sha256 != want:
-        raise _mismatch(plan_dir, f"the model file {req.model_file} changed since the plan was made (sha256 {a.model_file.sha256[:12]}..., "
-                        f"plan.json recorded {want[:12]}...)", m.source)
+        raise _mismatch(
+            plan_dir,
+            f"the model file {req.model_file} changed since the plan was made (sha256 {a.model_file.sha256[:12]}..., plan.json recorded {want[:12]}...)",
+            m.source,
+        )
     profiles = hardware.available_profiles(req.hardware_profiles)
     cluster = hardware.parse_gpus(req.gpus, gpus_per_node=req.gpus_per_node, inter_node_gbps=req.inter_node_gbps, profiles=profiles)
     keys = {g.device.key for g in cluster.groups}
     if len(keys) != 1:
-        raise UsageError(f"run {name} ran on several kinds of device ({', '.join(sorted(keys))}); a profile describes one.",
-                         "Calibrate each device from runs on that device alone.")
+        raise UsageError(
+            f"run {name} ran on several kinds of device ({', '.join(sorted(keys))}); a profile describes one.",
+            "Calibrate each device from runs on that device alone.",
+        )
     return Run(name, str(plan_dir), req, a.costs, keys.pop(), profiles, m, m.step_time(req.global_batch), notes)
 
 
@@ -214,7 +222,9 @@ def run_from_smoke(plan_dir: str | Path, analyses: _Analyses | None = None) -> R
     ran = doc.get("layout") or {}
     for key in ("pp", "dp", "tp", "vp", "micro_batch", "schedule", "recompute", "zero", "global_batch"):
         if key in ran and ran[key] != getattr(req, key):
-            raise _mismatch(plan_dir, f"smoke.json ran {key} = {ran[key]}, the plan scales to {getattr(req, key)} (was the plan changed after the run?)", m.source)
+            raise _mismatch(
+                plan_dir, f"smoke.json ran {key} = {ran[key]}, the plan scales to {getattr(req, key)} (was the plan changed after the run?)", m.source
+            )
     rows = doc.get("per_rank") or doc.get("ranks_stats") or []
     bounds_ran = _bounds_from_stats(rows) or req.bounds
     notes = []
@@ -227,8 +237,12 @@ def run_from_smoke(plan_dir: str | Path, analyses: _Analyses | None = None) -> R
     if recorded:
         again = run.price(run.profiles[run.device_key]).predicted.step_time_s
         if abs(again - recorded) > 1e-4 * recorded:
-            raise _mismatch(plan_dir, f"re-pricing the layout that ran gives {again:.6g} s, smoke.json recorded {recorded:.6g} s "
-                            "(the plan, the model file or the hardware profile changed since the run)", m.source)
+            raise _mismatch(
+                plan_dir,
+                f"re-pricing the layout that ran gives {again:.6g} s, smoke.json recorded {recorded:.6g} s "
+                "(the plan, the model file or the hardware profile changed since the run)",
+                m.source,
+            )
     return run
 
 
@@ -236,12 +250,29 @@ def _plan_request(plan: Plan, plan_dir: Path) -> PlanRequest:
     lay = plan.layout
     bounds_ = tuple([s.pieces[0] for s in plan.stages] + [plan.stages[-1].pieces[1]])
     return PlanRequest.from_inputs(
-        plan.inputs, model_file=_model_path(plan, plan_dir), pp=lay.pp, tp=lay.tp, dp=lay.dp, vp=lay.vp, micro_batch=lay.micro_batch,
-        global_batch=lay.global_batch, schedule=lay.schedule, recompute=lay.recompute, zero=lay.zero, mem_target=1.0, profile=None, bounds=bounds_,
+        plan.inputs,
+        model_file=_model_path(plan, plan_dir),
+        pp=lay.pp,
+        tp=lay.tp,
+        dp=lay.dp,
+        vp=lay.vp,
+        micro_batch=lay.micro_batch,
+        global_batch=lay.global_batch,
+        schedule=lay.schedule,
+        recompute=lay.recompute,
+        zero=lay.zero,
+        mem_target=1.0,
+        profile=None,
+        bounds=bounds_,
     )
 
 
-_MEGATRON_LAYOUT = (("pipeline_model_parallel_size", "pp"), ("tensor_model_parallel_size", "tp"), ("data_parallel_size", "dp"), ("micro_batch_size", "micro_batch"))
+_MEGATRON_LAYOUT = (
+    ("pipeline_model_parallel_size", "pp"),
+    ("tensor_model_parallel_size", "tp"),
+    ("data_parallel_size", "dp"),
+    ("micro_batch_size", "micro_batch"),
+)
 _MEGATRON_MODEL = (("num_layers", "num_layers"), ("hidden_size", "hidden_size"), ("num_attention_heads", "num_attention_heads"), ("seq_length", "seq_len"))
 
 
@@ -368,8 +399,10 @@ def fit_step_times(runs: Sequence[Run], base: hardware.DeviceProfile) -> Fit:
     sens = {a: float(np.max(np.abs(J0[:, j]))) for j, a in enumerate(attrs)}
     sensitive = [j for j, a in enumerate(attrs) if sens[a] >= SENSITIVITY]
     if not sensitive:
-        raise UsageError("too few runs to identify anything: no profile parameter changes the predicted step time of these runs by 1% or more.",
-                         "Calibrate from runs that train a model (at least two steps each).")
+        raise UsageError(
+            "too few runs to identify anything: no profile parameter changes the predicted step time of these runs by 1% or more.",
+            "Calibrate from runs that train a model (at least two steps each).",
+        )
     # the pipeline's critical path makes the cost non-convex (a transfer hidden behind compute in one regime is
     # exposed in another): start from the base and from each sensitive parameter 10x lower and higher, keep the
     # lowest cost, and among equal costs the point nearest the base (nothing moves that need not)
@@ -377,8 +410,11 @@ def fit_step_times(runs: Sequence[Run], base: hardware.DeviceProfile) -> Fit:
     best = None
     for u_start in starts:
         got = _levenberg(runs, base, attrs, u_start, lo, hi, sensitive, y)
-        if best is None or got[2] < best[2] * (1 - 1e-6) - 1e-14 or (
-                got[2] <= best[2] * (1 + 1e-6) + 1e-14 and np.linalg.norm(got[0] - u) < np.linalg.norm(best[0] - u)):
+        if (
+            best is None
+            or got[2] < best[2] * (1 - 1e-6) - 1e-14
+            or (got[2] <= best[2] * (1 + 1e-6) + 1e-14 and np.linalg.norm(got[0] - u) < np.linalg.norm(best[0] - u))
+        ):
             best = got
     u, f, _, at_bound, it = best
     status: dict[str, str] = {a: "not identified" for a in attrs}
@@ -470,20 +506,30 @@ def profile_document(name: str, fit: Fit, runs: Sequence[Run], dtypes: Sequence[
     fitted = [p for p in PARAMS if fit.status[p.attr] != "not identified"]
     for p in fitted:
         v0, v1 = getattr(b, p.attr), getattr(d, p.attr)
-        how = {"fitted": "fitted", "at bound": "fitted (held at its bound)"}.get(fit.status[p.attr], f"fitted {fit.status[p.attr].replace('jointly: ', 'jointly with ')} (the runs fix only their combination)")
-        sources[p.field] = (f"{how} by `planner calibrate` to the step times of {len(runs)} run(s) [{run_list}]: "
-                            f"{_unit(p, v1)} (base profile {b.key}: {_unit(p, v0)}).")
+        how = {"fitted": "fitted", "at bound": "fitted (held at its bound)"}.get(
+            fit.status[p.attr], f"fitted {fit.status[p.attr].replace('jointly: ', 'jointly with ')} (the runs fix only their combination)"
+        )
+        sources[p.field] = (
+            f"{how} by `planner calibrate` to the step times of {len(runs)} run(s) [{run_list}]: {_unit(p, v1)} (base profile {b.key}: {_unit(p, v0)})."
+        )
     if mm_eff > 1.0:
         for dt in dtypes:
             if dt in b.peak_flops:
-                sources[f"peak_tflops.{dt}"] = (f"achieved large-GEMM rate fitted by `planner calibrate` ({_round(b.peak_flops[dt] * mm_eff / 1e12)} TFLOP/s "
-                                                f"= placeholder peak x fitted efficiency {mm_eff:.4g}), written with efficiency.matmul 1.0")
+                sources[f"peak_tflops.{dt}"] = (
+                    f"achieved large-GEMM rate fitted by `planner calibrate` ({_round(b.peak_flops[dt] * mm_eff / 1e12)} TFLOP/s "
+                    f"= placeholder peak x fitted efficiency {mm_eff:.4g}), written with efficiency.matmul 1.0"
+                )
         for dt in b.peak_flops:
             if f"peak_tflops.{dt}" not in sources:
-                sources[f"peak_tflops.{dt}"] = (sources.get("peak_tflops") or "") + f" (rescaled so its achieved rate is unchanged with efficiency.matmul {mm_out:g})"
+                sources[f"peak_tflops.{dt}"] = (
+                    sources.get("peak_tflops") or ""
+                ) + f" (rescaled so its achieved rate is unchanged with efficiency.matmul {mm_out:g})"
     if mem_eff > 1.0:
-        sources["memory_bandwidth_gbps"] = (f"achieved rate fitted by `planner calibrate` (placeholder {b.memory_bandwidth / 1e9:g} GB/s x fitted efficiency "
-                                            f"{mem_eff:.4g}), written with efficiency.memory 1.0")
+        sources["memory_bandwidth_gbps"] = (
+            f"achieved rate fitted by `planner calibrate` (placeholder {b.memory_bandwidth / 1e9:g} GB/s x fitted efficiency "
+            f"{mem_eff:.4g}), written with efficiency.memory 1.0"
+        )
+
     def eff(attr: str, out: float | None = None) -> float:
         return _round(out if out is not None else getattr(d, attr))
 
@@ -495,13 +541,24 @@ def profile_document(name: str, fit: Fit, runs: Sequence[Run], dtypes: Sequence[
         "usable_memory_bytes": b.memory_bytes,
         "peak_tflops": peaks,
         "memory_bandwidth_gbps": bandwidth,
-        "intra_node": {"topology": b.intra_topology, "bandwidth_gbps_per_direction": _round(d.intra_bandwidth / 1e9), "latency_us": _round(d.intra_latency * 1e6)},
+        "intra_node": {
+            "topology": b.intra_topology,
+            "bandwidth_gbps_per_direction": _round(d.intra_bandwidth / 1e9),
+            "latency_us": _round(d.intra_latency * 1e6),
+        },
         "pcie_gbps_per_direction": _round(b.pcie_bandwidth / 1e9),
-        "inter_node": {"bandwidth_gbps_per_direction": _round(d.inter_bandwidth / 1e9), "latency_us": _round(d.inter_latency * 1e6),
-                       "fabric": b.inter_fabric or f"as in the base profile {b.key}"},
+        "inter_node": {
+            "bandwidth_gbps_per_direction": _round(d.inter_bandwidth / 1e9),
+            "latency_us": _round(d.inter_latency * 1e6),
+            "fabric": b.inter_fabric or f"as in the base profile {b.key}",
+        },
         "gpus_per_node": b.gpus_per_node,
-        "efficiency": {"matmul": eff("matmul_efficiency", mm_out), "memory": eff("memory_efficiency", mem_out),
-                       "allreduce_intra": eff("allreduce_efficiency_intra"), "allreduce_inter": eff("allreduce_efficiency_inter")},
+        "efficiency": {
+            "matmul": eff("matmul_efficiency", mm_out),
+            "memory": eff("memory_efficiency", mem_out),
+            "allreduce_intra": eff("allreduce_efficiency_intra"),
+            "allreduce_inter": eff("allreduce_efficiency_inter"),
+        },
         "sources": sources,
     }
 
@@ -553,23 +610,28 @@ def parse_run_args(items: Sequence[str]) -> tuple[list[str], list[tuple[str, str
         a = items[i]
         if a == "--log":
             if len(items) - i < 3:
-                raise UsageError("--log needs two values: the log file and the plan directory of that run.",
-                                 "Write --log train.log plans/llama-7b (repeat --log for more runs).")
+                raise UsageError(
+                    "--log needs two values: the log file and the plan directory of that run.",
+                    "Write --log train.log plans/llama-7b (repeat --log for more runs).",
+                )
             logs.append((items[i + 1], items[i + 2]))
             i += 3
             continue
         if a.startswith("--"):
             from planner.errors import did_you_mean
 
-            raise UsageError(f"unknown option {a!r}.{did_you_mean(a, ['--log', '--name', '--out', '--base'])}",
-                             "planner calibrate RUN_DIR... [--log FILE PLAN_DIR]... --name NAME --out FILE.yaml [--base PROFILE]")
+            raise UsageError(
+                f"unknown option {a!r}.{did_you_mean(a, ['--log', '--name', '--out', '--base'])}",
+                "planner calibrate RUN_DIR... [--log FILE PLAN_DIR]... --name NAME --out FILE.yaml [--base PROFILE]",
+            )
         runs.append(a)
         i += 1
     return runs, logs
 
 
-def calibrate(run_dirs: Sequence[str], logs: Sequence[tuple[str, str]], name: str, out: str | Path, base: str | None = None,
-              hardware_profiles: Sequence[str] = ()) -> Calibration:
+def calibrate(
+    run_dirs: Sequence[str], logs: Sequence[tuple[str, str]], name: str, out: str | Path, base: str | None = None, hardware_profiles: Sequence[str] = ()
+) -> Calibration:
     """Fit a hardware profile named ``name`` to the runs and write it to ``out`` (atomically)."""
     from planner.fileio import write_text_atomic
 
@@ -584,8 +646,7 @@ def calibrate(run_dirs: Sequence[str], logs: Sequence[tuple[str, str]], name: st
     runs = [run_from_smoke(d, analyses) for d in run_dirs] + [run_from_log(f, d, analyses) for f, d in logs]
     keys = sorted({r.device_key for r in runs})
     if len(keys) > 1:
-        raise UsageError(f"the runs ran on different devices ({', '.join(keys)}); a profile describes one device.",
-                         "Calibrate each device from its own runs.")
+        raise UsageError(f"the runs ran on different devices ({', '.join(keys)}); a profile describes one device.", "Calibrate each device from its own runs.")
     profiles = hardware.available_profiles(hardware_profiles)
     if base is not None:
         base_dev, _ = hardware.resolve_device(base, profiles)
@@ -597,8 +658,10 @@ def calibrate(run_dirs: Sequence[str], logs: Sequence[tuple[str, str]], name: st
     doc = profile_document(name, fit, runs, dtypes)
     written = hardware.profile_from_dict(yaml.safe_load(yaml.safe_dump(doc, sort_keys=False)), out)
     after_evs = [r.price(written) for r in runs]
-    rows = [RunRow(r.name, e.layout.short(), r.measurement.source, r.step_time_s, b.predicted.step_time_s, e.predicted.step_time_s)
-            for r, b, e in zip(runs, before_evs, after_evs)]
+    rows = [
+        RunRow(r.name, e.layout.short(), r.measurement.source, r.step_time_s, b.predicted.step_time_s, e.predicted.step_time_s)
+        for r, b, e in zip(runs, before_evs, after_evs)
+    ]
     mem = memory_rows(runs, before_evs)
     frag = measured_fragmentation(mem)
     kept = [f"{p.field} ({p.what}): no run's step time depends on it by {SENSITIVITY:.0%} or more" for p in PARAMS if fit.status[p.attr] == "not identified"]
@@ -606,8 +669,10 @@ def calibrate(run_dirs: Sequence[str], logs: Sequence[tuple[str, str]], name: st
     if frag is None:
         kept.append("memory reserve: no run recorded both peak allocated and peak reserved memory")
     else:
-        notes.append(f"measured allocator reserve {frag:.1%} of allocated bytes (reserved / allocated - 1, median over ranks) against the planner's "
-                     f"{RuntimeOverhead().fragmentation:.0%} (RuntimeOverhead.fragmentation, not a profile field: reported, not applied)")
+        notes.append(
+            f"measured allocator reserve {frag:.1%} of allocated bytes (reserved / allocated - 1, median over ranks) against the planner's "
+            f"{RuntimeOverhead().fragmentation:.0%} (RuntimeOverhead.fragmentation, not a profile field: reported, not applied)"
+        )
     doc["notes"] = _notes_text(fit, rows, kept, notes)
     text = _header(name, out, rows, mem, fit) + yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, width=10_000)
     hardware.profile_from_dict(yaml.safe_load(text), out)  # the schema check, before anything is written
@@ -629,29 +694,37 @@ def _check_name_resolves(name: str, out: Path, text: str, extra: Sequence[str]) 
         except UsageError as e:
             raise UsageError(f"--name {name!r} would be ambiguous: {e.message}", f"Choose another name, or name the file {name}.yaml.") from None
         if dev.key != out.stem:
-            raise UsageError(f"--name {name!r} already means the profile {dev.key}: `--gpus 8x{name}` would not find the calibrated one.",
-                             f"Choose another name, or name the file {name}.yaml (the file stem is the key).")
+            raise UsageError(
+                f"--name {name!r} already means the profile {dev.key}: `--gpus 8x{name}` would not find the calibrated one.",
+                f"Choose another name, or name the file {name}.yaml (the file stem is the key).",
+            )
 
 
 def _notes_text(fit: Fit, rows: Sequence[RunRow], kept: Sequence[str], notes: Sequence[str]) -> str:
     fitted = [f"{BY_ATTR[a].field} {fit.status[a]}" for a in fit.status if fit.status[a] != "not identified"]
     res = ", ".join(f"{r.run} {r.after_s / r.measured_s - 1:+.1%}" for r in rows)
-    parts = [f"Calibrated by `planner calibrate` from {len(rows)} run(s) on base profile {fit.base.key}.",
-             "Fitted: " + "; ".join(fitted) + ".",
-             f"Step-time residuals after the fit (predicted / measured - 1): {res}.",
-             "Kept at the base profile's values: " + "; ".join(kept) + ".",
-             "Not in the time model, so not fitted: " + "; ".join(NOT_MODELLED) + "."]
+    parts = [
+        f"Calibrated by `planner calibrate` from {len(rows)} run(s) on base profile {fit.base.key}.",
+        "Fitted: " + "; ".join(fitted) + ".",
+        f"Step-time residuals after the fit (predicted / measured - 1): {res}.",
+        "Kept at the base profile's values: " + "; ".join(kept) + ".",
+        "Not in the time model, so not fitted: " + "; ".join(NOT_MODELLED) + ".",
+    ]
     parts += list(notes)
     return " ".join(parts)
 
 
 def _header(name: str, out: Path, rows: Sequence[RunRow], mem: Sequence[MemoryRow], fit: Fit) -> str:
-    lines = [f"# Hardware profile {name}, calibrated by `planner calibrate` from measured runs (base profile {fit.base.key}).",
-             f"# Use it with: planner plan MODEL.py --hardware-profile {out.name} --gpus 8x{name}",
-             "# step time per run: measured | predicted by the base profile | predicted by this profile"]
+    lines = [
+        f"# Hardware profile {name}, calibrated by `planner calibrate` from measured runs (base profile {fit.base.key}).",
+        f"# Use it with: planner plan MODEL.py --hardware-profile {out.name} --gpus 8x{name}",
+        "# step time per run: measured | predicted by the base profile | predicted by this profile",
+    ]
     for r in rows:
-        lines.append(f"#   {r.run} ({r.layout}): {r.measured_s:.4g} s | {r.before_s:.4g} s ({r.before_s / r.measured_s - 1:+.1%}) | "
-                     f"{r.after_s:.4g} s ({r.after_s / r.measured_s - 1:+.1%})")
+        lines.append(
+            f"#   {r.run} ({r.layout}): {r.measured_s:.4g} s | {r.before_s:.4g} s ({r.before_s / r.measured_s - 1:+.1%}) | "
+            f"{r.after_s:.4g} s ({r.after_s / r.measured_s - 1:+.1%})"
+        )
     if mem:
         lines.append("# peak memory per pipeline rank: measured allocated / reserved | predicted tensors / with the runtime reserve (GiB)")
         for m in mem:

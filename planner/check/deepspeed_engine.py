@@ -271,16 +271,23 @@ _NONE = type(None)
 #: non-object values DeepSpeed 0.19.8 accepts for a section (zero_optimization's deprecated boolean form; timers is
 #: only iterated; null means "absent" for some; expert_parallel is read with a truthiness test first)
 NON_OBJECT_OK: dict[str, tuple[type, ...]] = {
-    "zero_optimization": (bool,), "timers": (str, list), "aio": (_NONE,), "bf16": (_NONE,), "expert_parallel": (list, _NONE, int, float, bool),
+    "zero_optimization": (bool,),
+    "timers": (str, list),
+    "aio": (_NONE,),
+    "bf16": (_NONE,),
+    "expert_parallel": (list, _NONE, int, float, bool),
 }
 #: zero_optimization integer fields DeepSpeedZeroConfig bounds below (pydantic gt/ge): (field and alias, bound, strict)
 ZERO_BOUNDS = (
-    (("reduce_bucket_size",), 0, True), (("allgather_bucket_size",), 0, False), (("sub_group_size",), 0, False),
+    (("reduce_bucket_size",), 0, True),
+    (("allgather_bucket_size",), 0, False),
+    (("sub_group_size",), 0, False),
     (("prefetch_bucket_size", "stage3_prefetch_bucket_size"), 0, False),
     (("param_persistence_threshold", "stage3_param_persistence_threshold"), 0, False),
     (("model_persistence_threshold", "stage3_model_persistence_threshold"), 0, False),
     (("max_live_parameters", "stage3_max_live_parameters"), 0, False),
-    (("max_reuse_distance", "stage3_max_reuse_distance"), 0, False), (("zero_hpz_partition_size",), 0, False),
+    (("max_reuse_distance", "stage3_max_reuse_distance"), 0, False),
+    (("zero_hpz_partition_size",), 0, False),
 )
 
 
@@ -322,7 +329,12 @@ def type_problems(cfg: dict, sections: tuple[str, ...]) -> list[tuple[tuple, str
                 v = zero[name]
                 x = float(v) if isinstance(v, bool) else _number(v, integer=True)  # pydantic reads a bool as 0 / 1
                 if x is None or not math.isfinite(x) or not x.is_integer() or (x <= bound if strict else x < bound):
-                    out.append((("zero_optimization", name), f"zero_optimization.{name} is {v!r}; DeepSpeedZeroConfig needs an integer {'>' if strict else '>='} {bound}"))
+                    out.append(
+                        (
+                            ("zero_optimization", name),
+                            f"zero_optimization.{name} is {v!r}; DeepSpeedZeroConfig needs an integer {'>' if strict else '>='} {bound}",
+                        )
+                    )
     fp16 = cfg.get("fp16")
     if isinstance(fp16, dict) and "loss_scale" in fp16:
         v = fp16["loss_scale"]

@@ -33,11 +33,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from planner.engines.deepspeed import ENGINE as DEEPSPEED
 from planner.check import deepspeed_engine
 from planner.check.deepspeed_engine import BatchError
 from planner.check.findings import Finding
 from planner.check.json_doc import JsonDoc, JsonError, parse_json
+from planner.engines.deepspeed import ENGINE as DEEPSPEED
 from planner.errors import close_matches
 
 # --------------------------------------------------------------------------- known keys (data)
@@ -50,6 +50,7 @@ VALUE, SECTION, UNREAD, DEPRECATED, REMOVED = "value", "section", "unread", "dep
 #: section policies: DeepSpeed refuses unknown keys (pydantic extra="forbid"), silently ignores them,
 #: or passes them as keyword arguments to a constructor (TypeError at deepspeed.initialize)
 FORBID, IGNORE, KWARGS = "forbid", "ignore", "kwargs"
+
 
 @dataclass(frozen=True)
 class KeyInfo:
@@ -243,7 +244,8 @@ class _Checker:
                 if self._explained(path):
                     continue
                 self.add(
-                    "DS016", path,
+                    "DS016",
+                    path,
                     f"{message} (type and range checks of DeepSpeed {deepspeed_engine.VENDORED_VERSION}'s DeepSpeedConfig; "
                     "deepspeed is not installed here, so DeepSpeedConfig itself was not run).",
                     "give it a value of the type and range DeepSpeed documents",
@@ -300,7 +302,10 @@ class _Checker:
         for path, line, first in self.doc.duplicates:
             self.out.append(
                 Finding(
-                    "DS014", "error", self.ctx.file, line,
+                    "DS014",
+                    "error",
+                    self.ctx.file,
+                    line,
                     f"{_dotted(path)} is given twice (first on line {first}); DeepSpeed's loader refuses duplicate keys (dict_raise_error_on_duplicate_keys).",
                     "keep one of them",
                 )
@@ -324,8 +329,11 @@ class _Checker:
                 self.add("DS010", here, f"{_dotted(here)}: {info.note}", f"remove {key!r}")
             elif info.kind == DEPRECATED:
                 self.add(
-                    "DS009", here,
-                    f"{_dotted(here)} is deprecated in DeepSpeed {DEEPSPEED_VERSION}" + (f"; it is replaced by {info.note!r}" if info.note else "") + " (DeepSpeed logs a warning).",
+                    "DS009",
+                    here,
+                    f"{_dotted(here)} is deprecated in DeepSpeed {DEEPSPEED_VERSION}"
+                    + (f"; it is replaced by {info.note!r}" if info.note else "")
+                    + " (DeepSpeed logs a warning).",
                     f"use {info.note!r} instead" if info.note else "remove it",
                 )
             elif info.kind == UNREAD:
@@ -341,7 +349,8 @@ class _Checker:
         if policy == FORBID:
             hits = close_matches(key, candidates)
             self.add(
-                "DS004", here,
+                "DS004",
+                here,
                 f"{_dotted(here)} is not a key of {where} in DeepSpeed {DEEPSPEED_VERSION}; DeepSpeed refuses the config at start-up "
                 "(pydantic: 'Extra inputs are not permitted').",
                 f"did you mean {' or '.join(repr(h) for h in hits)}?" if hits else f"remove it; known keys: {', '.join(sorted(candidates)[:12])}",
@@ -350,7 +359,8 @@ class _Checker:
         module_args = self.table.sections.get("pipeline:module_args", {})
         if section == "pipeline" and key in module_args:
             self.add(
-                "DS007", here,
+                "DS007",
+                here,
                 f"pipeline.{key} is an argument of deepspeed.pipe.PipelineModule, not a config key: DeepSpeed never reads it from the config.",
                 f"pass {key}=... to PipelineModule(...) in the training script, and remove it here",
             )
@@ -358,7 +368,8 @@ class _Checker:
         best = difflib.get_close_matches(key, candidates, n=1, cutoff=MISSPELLING_RATIO)
         if best:
             self.add(
-                "DS005", here,
+                "DS005",
+                here,
                 f"{_dotted(here)} is not a key of {where} in DeepSpeed {DEEPSPEED_VERSION}; DeepSpeed silently ignores it, so the setting has no effect. "
                 f"Did you mean {best[0]!r}?",
                 f"rename it to {best[0]!r}",
@@ -366,7 +377,8 @@ class _Checker:
             return
         hits = close_matches(key, candidates)
         self.add(
-            "DS006", here,
+            "DS006",
+            here,
             f"{_dotted(here)} is not a key of {where} in DeepSpeed {DEEPSPEED_VERSION}; DeepSpeed silently ignores it."
             + (f" Closest known: {', '.join(repr(h) for h in hits)}." if hits else ""),
             "remove it (or keep it if your own code reads it)",
@@ -376,7 +388,8 @@ class _Checker:
         module_args = self.table.sections.get("pipeline:module_args", {})
         arg = difflib.get_close_matches(key, list(module_args), n=1, cutoff=0.6) if here[0] == "pipeline" else []
         self.add(
-            "DS007", here,
+            "DS007",
+            here,
             f"{_dotted(here)} is accepted but never read by DeepSpeed {DEEPSPEED_VERSION}'s pipeline engine: it has no effect."
             + (f" The PipelineModule argument {arg[0]!r} is what sets it." if arg else ""),
             (f"pass {arg[0]}=... to PipelineModule(...) and remove it here" if arg else "remove it"),
@@ -391,11 +404,16 @@ class _Checker:
             return
         if here[0] == "optimizer" and kind.lower() in self.table.sections.get("optimizer:types", {}):
             kind = kind.lower()
-        if self.table.sections.get(f"{here[0]}.params:{kind}") is None and here[0] == "optimizer" and kind not in self.table.sections.get("optimizer:types", {}):
+        if (
+            self.table.sections.get(f"{here[0]}.params:{kind}") is None
+            and here[0] == "optimizer"
+            and kind not in self.table.sections.get("optimizer:types", {})
+        ):
             return  # an unknown type is reported once, by optimizer_type()
         if here[0] == "optimizer" and "max_grad_norm" in val:
             self.add(
-                "DS015", here + ("max_grad_norm",),
+                "DS015",
+                here + ("max_grad_norm",),
                 "optimizer.params.max_grad_norm: DeepSpeedEngine raises ValueError ('max_grad_norm' is not supported as an optimizer parameter).",
                 "use the top-level 'gradient_clipping' instead",
             )
@@ -407,7 +425,8 @@ class _Checker:
                 continue
             hits = close_matches(key, known)
             self.add(
-                "DS015", here + (key,),
+                "DS015",
+                here + (key,),
                 f"{_dotted(here + (key,))} is not an argument of the {kind!r} {here[0]} DeepSpeed builds from this config "
                 f"(it calls the class with **params): deepspeed.initialize fails with TypeError (unless the script passes its own {here[0]}).",
                 f"did you mean {' or '.join(repr(h) for h in hits)}?" if hits else "remove it",
@@ -424,7 +443,8 @@ class _Checker:
             return
         hits = close_matches(kind, sorted(types) + sorted(torch_names))
         self.add(
-            "DS015", ("optimizer", "type"),
+            "DS015",
+            ("optimizer", "type"),
             f"optimizer.type {kind!r} is neither one of DeepSpeed's optimizers ({', '.join(sorted(types))}) nor a torch.optim class: "
             "DeepSpeedEngine asserts it 'is not a supported DeepSpeed Optimizer' (unless the script passes its own optimizer).",
             f"did you mean {' or '.join(repr(h) for h in hits)}?" if hits else "use a supported type",
@@ -437,7 +457,12 @@ class _Checker:
         bf16 = self.cfg.get(bkey) if isinstance(self.cfg.get(bkey), dict) else {}
         on16, onbf = _truthy(fp16.get("enabled")), _truthy(bf16.get("enabled"))
         if on16 and onbf:
-            self.add("DS003", (bkey, "enabled"), "fp16 and bf16 are both enabled; DeepSpeedConfig asserts 'bfloat16 and fp16 modes cannot be simultaneously enabled'.", "enable one of them")
+            self.add(
+                "DS003",
+                (bkey, "enabled"),
+                "fp16 and bf16 are both enabled; DeepSpeedConfig asserts 'bfloat16 and fp16 modes cannot be simultaneously enabled'.",
+                "enable one of them",
+            )
             return None
         if "auto" in (fp16.get("enabled"), bf16.get("enabled")):
             return None
@@ -456,7 +481,8 @@ class _Checker:
             because = f"pipeline parallelism (pp = {self.ctx.pp}, from {self.ctx.pp_source})" if known_pp else "a pipeline section (pipeline parallelism)"
             reason = DEEPSPEED.zero_problems(stage, self.ctx.pp if known_pp else 2)
             self.add(
-                "DS002", ("zero_optimization", "stage"),
+                "DS002",
+                ("zero_optimization", "stage"),
                 f"ZeRO stage {stage} with {because}: {reason[0] if reason else 'refused by PipelineEngine'}. DeepSpeedConfig alone accepts it, "
                 "so the job fails only at launch, in PipelineEngine.__init__ (deepspeed/runtime/pipe/engine.py).",
                 "use zero_optimization.stage 0 or 1 with a pipeline (stage 1 partitions the optimizer state)",
@@ -470,14 +496,17 @@ class _Checker:
         line_key = next((n for n, v in zip(names, vals) if v is not None), names[0])
         if any(v == "auto" for v in vals):
             self.add(
-                "DS013", (line_key,),
+                "DS013",
+                (line_key,),
                 "batch values are 'auto': Hugging Face's Trainer fills them before DeepSpeed sees the config, so they are not checked here.",
                 "give numbers to check the batch arithmetic",
             )
             return
         bad = [n for n, v in zip(names, vals) if v is not None and not _num(v)]
         if bad:
-            self.add("DS001", (bad[0],), f"{bad[0]} is {self.cfg.get(bad[0])!r}, not a number; DeepSpeed's batch arithmetic fails on it.", "write a positive integer")
+            self.add(
+                "DS001", (bad[0],), f"{bad[0]} is {self.cfg.get(bad[0])!r}, not a number; DeepSpeed's batch arithmetic fails on it.", "write a positive integer"
+            )
             return
         ctx = self.ctx
         tbs, mb, gas = vals
@@ -491,7 +520,8 @@ class _Checker:
                 result.train_batch, result.micro_batch, result.grad_acc = deepspeed_engine.batch_values(tbs, mb, gas, dp)
             except BatchError as e:
                 self.add(
-                    "DS001", (line_key if tbs is None else "train_batch_size",),
+                    "DS001",
+                    (line_key if tbs is None else "train_batch_size",),
                     f"DeepSpeedConfig fails: {e} (data-parallel size {dp} = {world} GPUs [{ctx.world_source}] / (pp {ctx.pp} [{ctx.pp_source}] x model-parallel {ctx.mp})).",
                     self.batch_fix(dp),
                 )
@@ -506,7 +536,8 @@ class _Checker:
             need = tbs / (mb * gas)
             if need != int(need):
                 self.add(
-                    "DS001", ("train_batch_size",),
+                    "DS001",
+                    ("train_batch_size",),
                     f"train_batch_size {tbs} is not a multiple of micro {mb} x gas {gas} = {mb * gas}: no data-parallel size satisfies DeepSpeed's "
                     "train_batch_size == micro x gas x data-parallel size.",
                     f"use a multiple of {mb * gas} (e.g. {mb * gas * max(1, round(need))})",
@@ -517,32 +548,41 @@ class _Checker:
                 options = sorted(world // (k * ctx.mp) for k in range(1, world + 1) if world % (k * ctx.mp) == 0)
                 if need not in options:
                     self.add(
-                        "DS001", ("train_batch_size",),
+                        "DS001",
+                        ("train_batch_size",),
                         f"train_batch_size {tbs} = micro {mb} x gas {gas} x {need} needs a data-parallel size of {need}, which no pipeline depth "
                         f"gives on {world} GPUs [{ctx.world_source}] (possible data-parallel sizes: {', '.join(map(str, options))}).",
                         f"make train_batch_size = {mb * gas} x the data-parallel size",
                     )
                     return
                 self.add(
-                    "DS013", ("train_batch_size",),
+                    "DS013",
+                    ("train_batch_size",),
                     f"the pipeline depth is unknown; the batch sizes hold only with a data-parallel size of {need} "
                     f"(pp x model-parallel = {world // need} on {world} GPUs).",
                     "pass --pp, or validate the plan directory with its plan.json",
                 )
                 return
             self.add(
-                "DS013", ("train_batch_size",),
+                "DS013",
+                ("train_batch_size",),
                 f"the number of GPUs is unknown; the batch sizes hold only with a data-parallel size of {need}.",
                 "pass --gpus (and --pp), or validate the plan directory with its plan.json",
             )
             return
         missing = [n for n, v in zip(names, vals) if v is None]
         if tbs is None and mb is None:
-            self.add("DS001", (line_key,), "DeepSpeedConfig fails: either train_batch_size or train_micro_batch_size_per_gpu needs to be provided.", "give train_batch_size and train_micro_batch_size_per_gpu")
+            self.add(
+                "DS001",
+                (line_key,),
+                "DeepSpeedConfig fails: either train_batch_size or train_micro_batch_size_per_gpu needs to be provided.",
+                "give train_batch_size and train_micro_batch_size_per_gpu",
+            )
             return
         what = "the number of GPUs" if world is None else "the pipeline depth"
         self.add(
-            "DS013", (line_key,),
+            "DS013",
+            (line_key,),
             f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} filled by DeepSpeed from the data-parallel size, and {what} is unknown: "
             "the batch arithmetic is not checked.",
             "pass --gpus and --pp, or validate the plan directory with its plan.json",
@@ -564,7 +604,8 @@ class _Checker:
         problems = DEEPSPEED.schedule_problems("1f1b", pp, gas, 1)
         if problems:
             self.add(
-                "DS011", line,
+                "DS011",
+                line,
                 f"gradient_accumulation_steps = {gas} micro-batches per step for {pp} pipeline stages [{self.ctx.pp_source}]: " + "; ".join(problems) + ".",
                 f"use at least {pp} micro-batches (gradient_accumulation_steps >= {pp}), ideally several times more",
             )
@@ -572,7 +613,8 @@ class _Checker:
         frac = bubble_1f1b(pp, gas)
         if frac > BUBBLE_WARNING and self.ctx.planned != (pp, gas):
             self.add(
-                "DS012", line,
+                "DS012",
+                line,
                 f"with {pp} stages and {gas} micro-batches the 1F1B pipeline idles (p - 1) / (m + p - 1) = {frac:.0%} of each step "
                 f"(warning above {BUBBLE_WARNING:.0%}).",
                 f"raise gradient_accumulation_steps (e.g. {4 * pp} gives {bubble_1f1b(pp, 4 * pp):.0%}) with a smaller micro-batch, or use fewer stages",
@@ -584,7 +626,8 @@ class _Checker:
             return
         seen = f"none of {', '.join(self.ctx.scripts)} does" if self.ctx.scripts else "no training script beside it does"
         self.add(
-            "DS008", ("activation_checkpointing",),
+            "DS008",
+            ("activation_checkpointing",),
             "the activation_checkpointing section only takes effect if the training script calls "
             f"deepspeed.checkpointing.configure(..., deepspeed_config=...) (and checkpoints with deepspeed.checkpointing.checkpoint); {seen}.",
             "call deepspeed.checkpointing.configure in the script, or use pipeline.activation_checkpoint_interval with PipelineModule, or remove the section",
@@ -600,7 +643,9 @@ def check_ds_config(text: str, ctx: DSContext) -> DSConfig:
         result.findings.append(Finding("DS014", "error", ctx.file, e.line, f"{e}; DeepSpeed cannot load it.", "fix the JSON syntax"))
         return result
     if not isinstance(doc.value, dict):
-        result.findings.append(Finding("DS014", "error", ctx.file, 1, "the file is JSON but not an object; a DeepSpeed config is a JSON object.", "write the config as {...}"))
+        result.findings.append(
+            Finding("DS014", "error", ctx.file, 1, "the file is JSON but not an object; a DeepSpeed config is a JSON object.", "write the config as {...}")
+        )
         return result
     c = _Checker(doc, ctx, known_keys())
     if doc.duplicates:  # DeepSpeed's loader raises before reading anything: nothing else applies
@@ -628,5 +673,15 @@ def check_ds_config(text: str, ctx: DSContext) -> DSConfig:
 
 def looks_like_ds_config(value: Any) -> bool:
     """A JSON object with at least one of DeepSpeed's characteristic top-level keys."""
-    keys = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization", "pipeline", "fp16", "bf16", "optimizer", "steps_per_print"}
+    keys = {
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "zero_optimization",
+        "pipeline",
+        "fp16",
+        "bf16",
+        "optimizer",
+        "steps_per_print",
+    }
     return isinstance(value, dict) and "schema_version" not in value and bool(keys & set(value))

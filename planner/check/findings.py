@@ -11,8 +11,9 @@ planner.check.deepspeed_rules, ``PLAN*``/``MEM*``/``DRIFT*`` from planner.check.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Iterable, Literal
+from typing import Literal
 
 Severity = Literal["error", "warning", "info"]
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}

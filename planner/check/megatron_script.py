@@ -14,8 +14,9 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Literal
 
 from torch.distributed.run import get_args_parser
 

@@ -108,8 +108,10 @@ def read_smoke(path: str | Path) -> RunMeasurement:
             "Fix the run (`planner smoke` prints why it failed) and calibrate from a run that passed.",
         )
     if doc.get("trained") is False:
-        raise UsageError(f"{path} records no training run (engine {doc.get('engine')}: flags were only checked).",
-                         "Calibrate a Megatron-LM plan from its training log: --log LOGFILE PLAN_DIR.")
+        raise UsageError(
+            f"{path} records no training run (engine {doc.get('engine')}: flags were only checked).",
+            "Calibrate a Megatron-LM plan from its training log: --log LOGFILE PLAN_DIR.",
+        )
     per_rank = doc.get("per_rank")
     rows = per_rank if isinstance(per_rank, list) and per_rank else doc.get("ranks_stats") or []
     already_steady = rows is per_rank
@@ -132,8 +134,10 @@ def read_smoke(path: str | Path) -> RunMeasurement:
         if isinstance(r, (int, float)) and r > 0:
             reserved[rank] = int(r)
     if not times:
-        raise UsageError(f"{path} holds no step times (no per-rank stats).",
-                         "Re-run `planner smoke PLAN_DIR --steps 3` or more: calibration needs at least two steps (one is warm-up).")
+        raise UsageError(
+            f"{path} holds no step times (no per-rank stats).",
+            "Re-run `planner smoke PLAN_DIR --steps 3` or more: calibration needs at least two steps (one is warm-up).",
+        )
     env = doc.get("environment") if isinstance(doc.get("environment"), dict) else {}
     lay = doc.get("layout") or {}
     return RunMeasurement(
@@ -172,8 +176,10 @@ _MEG_ARG = re.compile(r"^\s+(\w+) \.+ (.*)$")
 
 # DeepSpeed
 _DS_PIPE_STEP = re.compile(r"\bsteps: (\d+) loss: (\S+) .*?iter time \(s\): ([^\s]+) samples/sec: ([^\s]+)")
-_DS_TPUT = re.compile(r"epoch=(\d+)/micro_step=(\d+)/global_step=(\d+), RunningAvgSamplesPerSec=([^,]+), CurrSamplesPerSec=([^,]+), "
-                      r"MemAllocated=([^G]+)GB, MaxMemAllocated=([^G]+)GB")
+_DS_TPUT = re.compile(
+    r"epoch=(\d+)/micro_step=(\d+)/global_step=(\d+), RunningAvgSamplesPerSec=([^,]+), CurrSamplesPerSec=([^,]+), "
+    r"MemAllocated=([^G]+)GB, MaxMemAllocated=([^G]+)GB"
+)
 _DS_SEE_MEM = re.compile(r"\bMA ([^\s]+) GB\s+Max_MA ([^\s]+) GB\s+CA ([^\s]+) GB\s+Max_CA ([^\s]+) GB")
 _DS_STAGE = re.compile(r"RANK=(\d+) STAGE=(\d+) LAYERS=(\d+) \[(\d+), (\d+)\) STAGE_PARAMS=(\d+) .*?UNIQUE_PARAMS=(\d+)")
 _DS_CONFIG = re.compile(r"CONFIG: micro_batches=(\d+) micro_batch_size=(\d+)")
@@ -183,10 +189,14 @@ def _num(path: str, lineno: int, text: str, what: str) -> float:
     try:
         x = float(text)
     except ValueError:
-        raise _bad(f"{path}:{lineno}", f"{what} {text!r} is not a number.", "The log line is damaged or was written by a different version; fix or drop that line.") from None
+        raise _bad(
+            f"{path}:{lineno}", f"{what} {text!r} is not a number.", "The log line is damaged or was written by a different version; fix or drop that line."
+        ) from None
     if not math.isfinite(x):
-        raise UsageError(f"{path}:{lineno}: {what} is {text}: the run failed (a non-finite value), so it measures nothing to calibrate from.",
-                         "Calibrate from a run that trained normally.")
+        raise UsageError(
+            f"{path}:{lineno}: {what} is {text}: the run failed (a non-finite value), so it measures nothing to calibrate from.",
+            "Calibrate from a run that trained normally.",
+        )
     return x
 
 
@@ -194,8 +204,10 @@ def _check_failed(path: str, lines: list[str]) -> None:
     for i, line in enumerate(lines, 1):
         for pat, what in _FAILURES:
             if pat.search(line):
-                raise UsageError(f"{path}:{i}: the log shows {what} ({line.strip()[:120]}): the run failed, so it measures nothing to calibrate from.",
-                                 "Calibrate from the log of a run that finished.")
+                raise UsageError(
+                    f"{path}:{i}: the log shows {what} ({line.strip()[:120]}): the run failed, so it measures nothing to calibrate from.",
+                    "Calibrate from the log of a run that finished.",
+                )
 
 
 def read_log(path: str | Path) -> RunMeasurement:
@@ -243,16 +255,21 @@ def parse_megatron(lines: list[str], path: str = "<log>") -> RunMeasurement:
         if _MEG_ITER.search(line) or "elapsed time per iteration" in line:
             e = _MEG_ELAPSED.search(line)
             if not _MEG_ITER.search(line) or not e:
-                raise _bad(f"{path}:{i}", f"is a damaged Megatron-LM iteration line: {s[:160]!r}.",
-                           "Expected 'iteration N/M | ... | elapsed time per iteration (ms): X | ...' "
-                           "(megatron/training/training.py training_log); fix or drop that line.")
+                raise _bad(
+                    f"{path}:{i}",
+                    f"is a damaged Megatron-LM iteration line: {s[:160]!r}.",
+                    "Expected 'iteration N/M | ... | elapsed time per iteration (ms): X | ...' "
+                    "(megatron/training/training.py training_log); fix or drop that line.",
+                )
             ms = _num(path, i, e.group(1), "elapsed time per iteration (ms)")
             if ms <= 0:
                 raise _bad(f"{path}:{i}", f"elapsed time per iteration is {ms} ms.", "Fix or drop that line.")
             nan = _MEG_NAN.search(line)
             if nan and int(nan.group(1)) > 0:
-                raise UsageError(f"{path}:{i}: {nan.group(1)} NaN iterations: the run failed, so it measures nothing to calibrate from.",
-                                 "Calibrate from a run that trained normally.")
+                raise UsageError(
+                    f"{path}:{i}: {nan.group(1)} NaN iterations: the run failed, so it measures nothing to calibrate from.",
+                    "Calibrate from a run that trained normally.",
+                )
             g = _MEG_GBS.search(line)
             if g:
                 gbs.add(int(g.group(1)))
@@ -262,18 +279,25 @@ def parse_megatron(lines: list[str], path: str = "<log>") -> RunMeasurement:
         if m:
             fields = {k: _num(path, i, v, k) for k, v in _MEG_MEM_FIELD.findall(m.group(3))}
             if "max allocated" not in fields or "max reserved" not in fields:
-                raise _bad(f"{path}:{i}", f"is a damaged Megatron-LM memory report: {s[:160]!r}.",
-                           "Expected '[Rank R] (after N iterations) memory (MB) | allocated: A | max allocated: B | reserved: C | max reserved: D' "
-                           "(megatron/training/utils.py report_memory).")
+                raise _bad(
+                    f"{path}:{i}",
+                    f"is a damaged Megatron-LM memory report: {s[:160]!r}.",
+                    "Expected '[Rank R] (after N iterations) memory (MB) | allocated: A | max allocated: B | reserved: C | max reserved: D' "
+                    "(megatron/training/utils.py report_memory).",
+                )
             rank = int(m.group(1))
             alloc[rank] = max(alloc.get(rank, 0), int(fields["max allocated"] * MIB))
             reserved[rank] = max(reserved.get(rank, 0), int(fields["max reserved"] * MIB))
     if not times:
-        raise UsageError(f"{path} has no Megatron-LM iteration lines with 'elapsed time per iteration (ms)'.",
-                         "Run more iterations than --log-interval, and pass the log of the last pipeline rank (it prints them).")
+        raise UsageError(
+            f"{path} has no Megatron-LM iteration lines with 'elapsed time per iteration (ms)'.",
+            "Run more iterations than --log-interval, and pass the log of the last pipeline rank (it prints them).",
+        )
     if len(gbs) > 1:
-        raise UsageError(f"{path}: the global batch size changes during the run ({', '.join(map(str, sorted(gbs)))}; batch-size ramp-up).",
-                         "Calibrate from a run with a fixed global batch (no --rampup-batch-size).")
+        raise UsageError(
+            f"{path}: the global batch size changes during the run ({', '.join(map(str, sorted(gbs)))}; batch-size ramp-up).",
+            "Calibrate from a run with a fixed global batch (no --rampup-batch-size).",
+        )
     return RunMeasurement(
         source=path,
         kind="megatron",
@@ -316,8 +340,11 @@ def parse_deepspeed(lines: list[str], path: str = "<log>") -> RunMeasurement:
             batches.add(round(t * rate))
             continue
         if "iter time (s)" in line and s.startswith("steps:"):
-            raise _bad(f"{path}:{i}", f"is a damaged DeepSpeed step line: {s[:160]!r}.",
-                       "Expected 'steps: N loss: L iter time (s): T samples/sec: R' (deepspeed/runtime/pipe/engine.py train_batch).")
+            raise _bad(
+                f"{path}:{i}",
+                f"is a damaged DeepSpeed step line: {s[:160]!r}.",
+                "Expected 'steps: N loss: L iter time (s): T samples/sec: R' (deepspeed/runtime/pipe/engine.py train_batch).",
+            )
         m = _DS_TPUT.search(line)
         if m:
             rate = _num(path, i, m.group(5), "CurrSamplesPerSec")
@@ -329,9 +356,12 @@ def parse_deepspeed(lines: list[str], path: str = "<log>") -> RunMeasurement:
                 alloc[0] = max(alloc.get(0, 0), int(peak * GIB))
             continue
         if "CurrSamplesPerSec" in line:
-            raise _bad(f"{path}:{i}", f"is a damaged DeepSpeed throughput line: {s[:160]!r}.",
-                       "Expected 'epoch=E/micro_step=M/global_step=G, RunningAvgSamplesPerSec=..., CurrSamplesPerSec=..., "
-                       "MemAllocated=...GB, MaxMemAllocated=...GB' (deepspeed/utils/timer.py ThroughputTimer).")
+            raise _bad(
+                f"{path}:{i}",
+                f"is a damaged DeepSpeed throughput line: {s[:160]!r}.",
+                "Expected 'epoch=E/micro_step=M/global_step=G, RunningAvgSamplesPerSec=..., CurrSamplesPerSec=..., "
+                "MemAllocated=...GB, MaxMemAllocated=...GB' (deepspeed/utils/timer.py ThroughputTimer).",
+            )
         m = _DS_SEE_MEM.search(line)
         if m:
             alloc[0] = max(alloc.get(0, 0), int(_num(path, i, m.group(2), "Max_MA") * GIB))

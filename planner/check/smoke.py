@@ -32,13 +32,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from planner.errors import InfeasibleError, UsageError
 from planner.fileio import dumps_json, write_text_atomic
+from planner.model_ref import ref_exists, resolve_ref
 from planner.solve.plan import Plan, load_plan
 
 SCRIPTS = {"deepspeed": "train_deepspeed.py", "torch": "train_pipeline.py"}
@@ -125,9 +127,9 @@ def scaled_request(plan: Plan, plan_dir: Path, ranks: int, device: str, model_ar
     lay = plan.layout
     notes: list[str] = []
     inputs = dict(plan.inputs)
-    model_file = plan_dir / inputs["model_file"] if not Path(inputs["model_file"]).is_absolute() else Path(inputs["model_file"])
-    if not model_file.is_file():
-        model_file = Path(inputs["model_file"])  # recorded relative to where `planner plan` ran
+    model_file = resolve_ref(str(inputs["model_file"]), plan_dir)
+    if not ref_exists(model_file):
+        model_file = resolve_ref(str(inputs["model_file"]), Path.cwd())  # recorded relative to where `planner plan` ran
     if lay.tp > 1:
         raise UsageError(f"smoke runs tp = 1 plans only (this one has tp = {lay.tp}): tensor parallelism runs inside Megatron-LM.")
     pp, dp = lay.pp, lay.dp
@@ -306,7 +308,9 @@ def _kill_group(proc: subprocess.Popen) -> bool:
     return not any(_alive(p) for p in pids)
 
 
-def launch(run_dir: Path, script: str, ranks: int, args: list[str], env: dict[str, str], timeout: float, log_dir: Path) -> tuple[int | None, dict[int, str], bool]:
+def launch(
+    run_dir: Path, script: str, ranks: int, args: list[str], env: dict[str, str], timeout: float, log_dir: Path
+) -> tuple[int | None, dict[int, str], bool]:
     """Run ``script`` in ``run_dir`` with torchrun on ``ranks`` local processes, logs in ``log_dir``;
     returns (exit code, or None on timeout; per-rank logs; whether nothing was left running)."""
     shutil.rmtree(log_dir, ignore_errors=True)
@@ -396,7 +400,9 @@ def smoke(
             try:
                 small, _, _ = plan_model(req)
             except InfeasibleError as e:
-                raise UsageError(f"The scaled-down plan does not fit this machine: {e.message}", "Shrink the model with --model-arg (e.g. a smaller hidden size).") from e
+                raise UsageError(
+                    f"The scaled-down plan does not fit this machine: {e.message}", "Shrink the model with --model-arg (e.g. a smaller hidden size)."
+                ) from e
             run_dir = work / "plan"
             write_plan_dir(run_dir, small, command="planner smoke " + str(plan_dir))
             notes.append("ran a re-rendered copy of the scaled plan (the committed scripts need the plan's own cluster)")
@@ -410,7 +416,20 @@ def smoke(
     return result
 
 
-def _run(plan_dir: Path, small: Plan, req, notes: list[str], run_dir: Path, work: Path, engine: str, device: str, steps: int, seed: int, timeout: float, tolerance: float) -> SmokeResult:
+def _run(
+    plan_dir: Path,
+    small: Plan,
+    req,
+    notes: list[str],
+    run_dir: Path,
+    work: Path,
+    engine: str,
+    device: str,
+    steps: int,
+    seed: int,
+    timeout: float,
+    tolerance: float,
+) -> SmokeResult:
     """Launch the plan in ``run_dir`` (outputs and logs go to ``work``) and check it (see the module docstring)."""
     lay = small.layout
     ranks_used = lay.pp * lay.dp
@@ -431,7 +450,7 @@ def _run(plan_dir: Path, small: Plan, req, notes: list[str], run_dir: Path, work
         "--plan",
         "plan.json",
         "--model",
-        str(Path(req.model_file).resolve()),
+        resolve_ref(req.model_file, Path.cwd()),
         "--steps",
         str(steps),
         "--seed",
@@ -452,7 +471,9 @@ def _run(plan_dir: Path, small: Plan, req, notes: list[str], run_dir: Path, work
     finished = {int(f.stem.split("-")[1]) for f in work.glob("stats-*.json")}
     if code is None:
         hung = sorted(set(range(ranks_used)) - finished)
-        detail = f"no result within {timeout:.0f} s; ranks {hung or 'all'} did not finish; process group killed" + ("" if clean else " (some processes survived)")
+        detail = f"no result within {timeout:.0f} s; ranks {hung or 'all'} did not finish; process group killed" + (
+            "" if clean else " (some processes survived)"
+        )
         for r in hung[:2]:
             detail += f"\n--- rank {r} log (tail) ---\n{_tail(logs.get(r) or '(no output)')}"
         result.checks.append(Check("ranks exit 0 within the timeout", False, detail))
@@ -490,9 +511,7 @@ def _loss_checks(result: SmokeResult, work: Path, small: Plan, req, steps: int, 
         Check(
             "losses equal a single-process run",
             ok,
-            f"max relative difference {max(diffs) if diffs else float('nan'):.2e} (tolerance {tol:.0e}; reference "
-            + ", ".join(f"{x:.6g}" for x in ref)
-            + ")",
+            f"max relative difference {max(diffs) if diffs else float('nan'):.2e} (tolerance {tol:.0e}; reference " + ", ".join(f"{x:.6g}" for x in ref) + ")",
         )
     )
 
@@ -535,6 +554,7 @@ def per_rank_record(stats: dict[str, Any], warmup: int = WARMUP_STEPS) -> dict[s
 
 def environment(stats: list[dict[str, Any]], engine: str, device: str, world: int) -> dict[str, Any]:
     """What the measurements were taken on: device name, world size, library versions, threads per rank."""
+
     def ver(name: str) -> str | None:
         try:
             return version(name)
@@ -620,7 +640,8 @@ def _megatron_smoke(plan: Plan, plan_dir: Path, device: str, megatron_path: str 
             Check(
                 "training run",
                 True,
-                "no training was run: Megatron-LM's schedules need CUDA" + ("" if device == "cuda" else " (this machine has none)")
+                "no training was run: Megatron-LM's schedules need CUDA"
+                + ("" if device == "cuda" else " (this machine has none)")
                 + ("" if megatron_path else "; pass --megatron-path with a Megatron-LM checkout on a GPU machine to run pretrain_gpt.py"),
             )
         )

@@ -29,16 +29,17 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from planner.engines import ENGINES
 from planner.check.deepspeed_engine import partition_balanced
 from planner.check.deepspeed_rules import DSConfig, DSContext, check_ds_config, looks_like_ds_config
 from planner.check.findings import Finding, exit_code, format_findings, from_megatron, sort_findings
 from planner.check.json_doc import JsonError, parse_json
 from planner.check.plan_fields import plan_problems
+from planner.engines import ENGINES
 from planner.errors import PlannerError, UsageError
 
 GiB = 1024**3
@@ -310,7 +311,9 @@ def _unit_context(run: _Run, u: Unit) -> _Ctx:
         if planned_world is not None and planned_world != ctx.world:
             text = (u.directory / "plan.json").read_text()
             run.add(
-                "PLAN004", ctx.plan_file, _json_line(text, "gpus") or 1,
+                "PLAN004",
+                ctx.plan_file,
+                _json_line(text, "gpus") or 1,
                 f"--gpus {opts.gpus} is {ctx.world} GPUs but plan.json was planned for {planned_world} "
                 f"({ctx.plan.inputs.get('gpus', '?')}: pp {lay.pp} x tp {lay.tp} x dp {lay.dp}).",
                 "re-plan for this cluster, or pass the --gpus the plan was made for",
@@ -340,8 +343,11 @@ def _check_plan(run: _Run, ctx: _Ctx) -> None:
     if ctx.unit.whole:
         _check_engine_files(run, ctx)
     if lay.micro_batch * lay.num_microbatches * lay.dp != lay.global_batch:
-        bad("global_batch", f"micro_batch {lay.micro_batch} x num_microbatches {lay.num_microbatches} x dp {lay.dp} = "
-            f"{lay.micro_batch * lay.num_microbatches * lay.dp}, not global_batch {lay.global_batch}.")
+        bad(
+            "global_batch",
+            f"micro_batch {lay.micro_batch} x num_microbatches {lay.num_microbatches} x dp {lay.dp} = "
+            f"{lay.micro_batch * lay.num_microbatches * lay.dp}, not global_batch {lay.global_batch}.",
+        )
     cluster_world = sum(int(g.get("nodes", 0)) * int(g.get("gpus_per_node", 0)) for g in plan.cluster.get("groups", [])) or None
     if cluster_world is not None and lay.world > cluster_world:
         bad("pp", f"pp {lay.pp} x tp {lay.tp} x cp {lay.cp} x dp {lay.dp} = {lay.world} GPUs, more than the {cluster_world} of the planned cluster.")
@@ -359,7 +365,10 @@ def _check_plan(run: _Run, ctx: _Ctx) -> None:
         for s in stages:
             a, b = s.pieces
             if a != pos or b <= a:
-                bad("stages", f"stage {s.index} covers pieces [{a}, {b}); the stages must cover the pieces in order without gaps (expected it to start at {pos}).")
+                bad(
+                    "stages",
+                    f"stage {s.index} covers pieces [{a}, {b}); the stages must cover the pieces in order without gaps (expected it to start at {pos}).",
+                )
                 break
             pos = b
         else:
@@ -380,7 +389,9 @@ def _check_engine_files(run: _Run, ctx: _Ctx) -> None:
     if need is None or any(kind in need[0] for _, kind in ctx.unit.files):
         return
     run.add(
-        "PLAN006", ctx.plan_file, 1,
+        "PLAN006",
+        ctx.plan_file,
+        1,
         f"plan.json plans for {ctx.plan.layout.engine} but {display(ctx.unit.directory)} holds no {need[1]}: it was deleted or moved, "
         "so the plan cannot be launched and its config was not checked.",
         f"restore it (git checkout), or re-run `planner plan ... --engine {ctx.plan.layout.engine} --out DIR`",
@@ -415,11 +426,20 @@ def _check_deepspeed(run: _Run, ctx: _Ctx, path: Path) -> None:
     world, world_source = ctx.world, (ctx.cluster_source if run.opts.gpus else "plan.json")
     if world is not None and pp is not None and world % (pp * mp):
         if plan is None or opts.pp is not None:
-            raise UsageError(f"--pp {pp} (x model-parallel {mp}) does not divide the {world} GPUs of {world_source}.", "Pass a --pp that divides the GPU count.")
+            raise UsageError(
+                f"--pp {pp} (x model-parallel {mp}) does not divide the {world} GPUs of {world_source}.", "Pass a --pp that divides the GPU count."
+            )
     scripts, applies = _scripts(path.parent)
     dsctx = DSContext(
-        file=rel, world_size=world, world_source=world_source, pp=pp, pp_source=pp_source, mp=mp,
-        scripts=scripts, applies_checkpointing=applies, planned=planned,
+        file=rel,
+        world_size=world,
+        world_source=world_source,
+        pp=pp,
+        pp_source=pp_source,
+        mp=mp,
+        scripts=scripts,
+        applies_checkpointing=applies,
+        planned=planned,
     )
     cfg = check_ds_config(text, dsctx)
     run.findings.extend(cfg.findings)
@@ -447,7 +467,9 @@ def _compare_ds_plan(run: _Run, rel: str, cfg: DSConfig, plan) -> None:
         where = f"layout.{name}" if name != "dtype" else "inputs.dtype"
         shown = f"{want} (recompute={lay.recompute})" if name == "recompute" else want
         run.add(
-            "PLAN001", rel, doc.line(*path) or 1,
+            "PLAN001",
+            rel,
+            doc.line(*path) or 1,
             f"{'.'.join(path) if name != 'dtype' else 'precision'} is {have} here but plan.json has {where} = {shown}: the config no longer is the plan.",
             "re-run `planner plan` to regenerate both, or put back the planned value",
         )
@@ -461,10 +483,22 @@ def _memory_deepspeed(run: _Run, ctx: _Ctx, rel: str, cfg: DSConfig, pp: int | N
         run.add("MEM003", rel, line, "memory not checked: no hardware known (no --gpus, no plan.json beside the config).", "pass --gpus SPEC")
         return
     if pp is None:
-        run.add("MEM003", rel, line, "memory not checked: the pipeline depth is unknown (it is set in the training script).", "pass --pp N, or keep plan.json beside the config")
+        run.add(
+            "MEM003",
+            rel,
+            line,
+            "memory not checked: the pipeline depth is unknown (it is set in the training script).",
+            "pass --pp N, or keep plan.json beside the config",
+        )
         return
     if cfg.micro_batch is None or cfg.grad_acc is None or cfg.zero is None:
-        run.add("MEM003", rel, line, "memory not checked: the batch sizes or the ZeRO stage could not be determined (see the other findings).", "fix the batch values")
+        run.add(
+            "MEM003",
+            rel,
+            line,
+            "memory not checked: the batch sizes or the ZeRO stage could not be determined (see the other findings).",
+            "fix the batch values",
+        )
         return
     world = ctx.world
     dp = world // (pp * mp)
@@ -516,8 +550,13 @@ def _compare_megatron_plan(run: _Run, rel: str, args, plan) -> None:
     first = args.launch_line or 1
 
     def differ(flag: str | None, message: str) -> None:
-        run.add("PLAN002", rel, (args.line(flag) if flag else None) or first, message + " The script no longer is the plan.",
-                "re-run `planner plan` to regenerate both, or put back the planned value")
+        run.add(
+            "PLAN002",
+            rel,
+            (args.line(flag) if flag else None) or first,
+            message + " The script no longer is the plan.",
+            "re-run `planner plan` to regenerate both, or put back the planned value",
+        )
 
     for flag, want, name in (
         ("--tensor-model-parallel-size", lay.tp, "tp"),
@@ -532,7 +571,10 @@ def _compare_megatron_plan(run: _Run, rel: str, args, plan) -> None:
         differ(None, f"torchrun starts {args.world_size} processes but plan.json places pp {lay.pp} x tp {lay.tp} x dp {lay.dp} = {lay.pp * lay.tp * lay.dp}.")
     rc = _megatron_recompute(args)
     if rc != lay.recompute:
-        differ("--recompute-granularity" if args.has("--recompute-granularity") else None, f"the flags recompute {rc!r} but plan.json has layout.recompute = {lay.recompute!r}.")
+        differ(
+            "--recompute-granularity" if args.has("--recompute-granularity") else None,
+            f"the flags recompute {rc!r} but plan.json has layout.recompute = {lay.recompute!r}.",
+        )
     dist = args.has("--use-distributed-optimizer")
     if dist != (lay.zero >= 1):
         differ("--use-distributed-optimizer", f"the distributed optimizer is {'on' if dist else 'off'} but plan.json has layout.zero = {lay.zero}.")
@@ -547,8 +589,20 @@ def _compare_megatron_plan(run: _Run, rel: str, args, plan) -> None:
     except PlannerError:
         want = None
     if built is not None and want is not None and built != want:
-        flag = next((f for f in ("--pipeline-model-parallel-layout", "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
-                                 "--num-virtual-stages-per-pipeline-rank", "--num-layers") if args.has(f)), None)
+        flag = next(
+            (
+                f
+                for f in (
+                    "--pipeline-model-parallel-layout",
+                    "--decoder-first-pipeline-num-layers",
+                    "--decoder-last-pipeline-num-layers",
+                    "--num-virtual-stages-per-pipeline-rank",
+                    "--num-layers",
+                )
+                if args.has(f)
+            ),
+            None,
+        )
         differ(flag, f"the flags build {built} decoder layers per stage but plan.json splits them {want}.")
 
 
@@ -564,16 +618,41 @@ def _memory_megatron(run: _Run, ctx: _Ctx, rel: str, args, world: int | None) ->
     mb, gb = args.int("--micro-batch-size"), args.int("--global-batch-size")
     counts = stage_layers(args)
     world = ctx.world or ctx.cluster.world_size
-    if None in (tp, pp, cp, mb, gb) or counts is None or not tp or not pp or not cp or not mb or world % (tp * pp * cp) or gb % (mb * (world // (tp * pp * cp))):
-        run.add("MEM003", rel, line, "memory not checked: the parallel sizes, batch sizes or layer split are not consistent (see the MEG findings).", "fix the flags first")
+    if (
+        None in (tp, pp, cp, mb, gb)
+        or counts is None
+        or not tp
+        or not pp
+        or not cp
+        or not mb
+        or world % (tp * pp * cp)
+        or gb % (mb * (world // (tp * pp * cp)))
+    ):
+        run.add(
+            "MEM003",
+            rel,
+            line,
+            "memory not checked: the parallel sizes, batch sizes or layer split are not consistent (see the MEG findings).",
+            "fix the flags first",
+        )
         return
     dp = world // (tp * pp * cp)
     vp = len(counts) // pp
     m = gb // (mb * dp)
     dtype = "bf16" if args.has("--bf16") else "fp16" if args.has("--fp16") else "fp32"
     layout = Layout(
-        "megatron", pp, tp, dp, vp, mb, m, gb, "interleaved" if vp > 1 else "1f1b", _megatron_recompute(args),
-        1 if args.has("--use-distributed-optimizer") else 0, bool(args.has("--sequence-parallel") and tp > 1),
+        "megatron",
+        pp,
+        tp,
+        dp,
+        vp,
+        mb,
+        m,
+        gb,
+        "interleaved" if vp > 1 else "1f1b",
+        _megatron_recompute(args),
+        1 if args.has("--use-distributed-optimizer") else 0,
+        bool(args.has("--sequence-parallel") and tp > 1),
         cp=cp,
         tp_comm_overlap=args.has("--tp-comm-overlap"),
         overlap_grad_reduce=args.has("--overlap-grad-reduce"),
@@ -589,8 +668,13 @@ def _memory_megatron(run: _Run, ctx: _Ctx, rel: str, args, world: int | None) ->
     blocks = [l.block for l in costs.layers]
     order = list(dict.fromkeys(b for b in blocks if b is not None))
     if len(order) != sum(counts):
-        run.add("MEM003", rel, line, f"memory not checked: the model file has {len(order)} transformer layers, the flags build {sum(counts)}.",
-                "pass the model file (and --model-arg values) that the flags describe")
+        run.add(
+            "MEM003",
+            rel,
+            line,
+            f"memory not checked: the model file has {len(order)} transformer layers, the flags build {sum(counts)}.",
+            "pass the model file (and --model-arg values) that the flags describe",
+        )
         return
     first_piece = {b: blocks.index(b) for b in order}
     bounds, done = [0], 0
@@ -681,18 +765,20 @@ def _memory(run: _Run, ctx: _Ctx, rel: str, line: int, layout, bounds: tuple, sp
         js = [j for j in range(len(ev.stage_rank)) if ev.stage_rank[j] == r]
         where = "; ".join(f"stage {j}: pieces [{ev.bounds[j]}, {ev.bounds[j + 1]}) {names[ev.bounds[j]]} .. {names[ev.bounds[j + 1] - 1]}" for j in js)
         parts = ", ".join(f"{k} {mem[k] / GiB:.2f}" for k in ("weights", "grads", "optimizer", "activations", "buffers", "overhead") if k in mem)
-        head = (
-            f"pipeline rank {r} ({where}) of {layout.short()} on {ev.devices[r]} [{ctx.cluster_source}] needs {total / GiB:.2f} GiB"
-        )
+        head = f"pipeline rank {r} ({where}) of {layout.short()} on {ev.devices[r]} [{ctx.cluster_source}] needs {total / GiB:.2f} GiB"
         if total > cap:
             run.add(
-                "MEM001", rel, line,
+                "MEM001",
+                rel,
+                line,
                 f"{head}, {(total - cap) / GiB:.2f} GiB more than the {cap / GiB:.2f} GiB of the GPU (GiB: {parts}). Split: {split}.",
                 _memory_fix(layout),
             )
         elif total > cap * target:
             run.add(
-                "MEM002", rel, line,
+                "MEM002",
+                rel,
+                line,
                 f"{head}, above the {target:.0%} memory target ({cap * target / GiB:.2f} of {cap / GiB:.2f} GiB; GiB: {parts}). Split: {split}.",
                 "leave headroom for the allocator and fragmentation: a smaller micro-batch or recomputation",
             )
@@ -784,7 +870,9 @@ def _check_drift(run: _Run, ctx: _Ctx) -> None:
     recorded_sha = inputs.get("model_file_sha256")
     if recorded_sha and recorded_sha != sha:
         run.add(
-            "DRIFT002", rel_plan, _json_line(text, "model_file_sha256") or 1,
+            "DRIFT002",
+            rel_plan,
+            _json_line(text, "model_file_sha256") or 1,
             f"{display(model)} has sha256 {sha[:12]}… but the plan was made from {recorded_sha[:12]}…: the model changed since it was planned.",
             f"re-plan: {_command_hint(u.directory)}",
         )
@@ -805,7 +893,9 @@ def _check_drift(run: _Run, ctx: _Ctx) -> None:
     try:
         new_plan, _, _ = plan_model(PlanRequest(**kw))
     except PlannerError as e:
-        run.add("DRIFT003", rel_plan, 1, f"re-planning from plan.json's inputs with {display(model)} fails: {e.message}", e.hint or "re-plan and commit the result")
+        run.add(
+            "DRIFT003", rel_plan, 1, f"re-planning from plan.json's inputs with {display(model)} fails: {e.message}", e.hint or "re-plan and commit the result"
+        )
         return
     version, command = read_command(u.directory)
     masked = command is None
@@ -814,7 +904,9 @@ def _check_drift(run: _Run, ctx: _Ctx) -> None:
 
     note = f" (the files were generated by planner {version}; this is {__version__})" if version and version != __version__ else ""
     if masked:
-        run.add("DRIFT004", rel_plan, 1, "no 'Generated by planner' header found: files are compared with their header lines masked.", "keep the generated headers")
+        run.add(
+            "DRIFT004", rel_plan, 1, "no 'Generated by planner' header found: files are compared with their header lines masked.", "keep the generated headers"
+        )
     for rel in sorted(files):
         if rel == MARKER:
             continue
@@ -827,7 +919,9 @@ def _check_drift(run: _Run, ctx: _Ctx) -> None:
         diff, line = _diff(display(path), old, new)
         what = "is missing" if old is None else "differs from what `planner plan` renders now from plan.json's inputs"
         run.add(
-            "DRIFT001", display(path), line if old is not None else None,
+            "DRIFT001",
+            display(path),
+            line if old is not None else None,
             f"{rel} {what}{note}; edited by hand, or planned with other inputs or another planner version.",
             f"re-plan: {_command_hint(u.directory)} (or revert the hand edit)",
             detail=diff,
@@ -836,8 +930,13 @@ def _check_drift(run: _Run, ctx: _Ctx) -> None:
         if path.is_file() and path.name not in files and not path.name.startswith("."):
             head = "\n".join((_read(path) or "").splitlines()[:6])
             if "Generated by planner" in head:
-                run.add("DRIFT001", display(path), 1, f"{path.name} was generated by planner but the current plan does not render it.",
-                        f"delete it, or re-plan: {_command_hint(u.directory)}")
+                run.add(
+                    "DRIFT001",
+                    display(path),
+                    1,
+                    f"{path.name} was generated by planner but the current plan does not render it.",
+                    f"delete it, or re-plan: {_command_hint(u.directory)}",
+                )
 
 
 def _command_hint(directory: Path) -> str:

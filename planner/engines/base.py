@@ -12,7 +12,8 @@ them branches on an engine's name. Its renderer lives in planner/render/<name>.p
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -51,7 +52,9 @@ class Engine(ABC):
     def state_recipe(self, precision: str, zero: int, optimizer: str = "adam", layout: Layout | None = None) -> StateRecipe:
         """Model-state bytes per parameter as this engine allocates them (``layout``: its precision options)."""
 
-    def exposed_dp_time(self, layout: Layout, reduce_s: float, gather_s: float, backward_s: Sequence[float], forward_s: Sequence[float], params: float) -> float:
+    def exposed_dp_time(
+        self, layout: Layout, reduce_s: float, gather_s: float, backward_s: Sequence[float], forward_s: Sequence[float], params: float
+    ) -> float:
         """Seconds of the data-parallel exchange not hidden: the gradient reduction ``reduce_s`` and the parameter
         all-gather ``gather_s`` (0 without a sharded optimizer) both exposed unless the engine overlaps them."""
         return reduce_s + gather_s

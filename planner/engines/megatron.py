@@ -27,7 +27,8 @@ FP8 runs Transformer Engine's FP8 GEMMs (``--fp8-format``, ``--fp8-recipe``).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -76,7 +77,9 @@ class MegatronEngine(Engine):
         fp8 = layout is not None and layout.fp8
         return state_recipe(precision, optimizer, grad_bytes=grad, zero=1 if zero >= 1 else 0, state_dtype=states, fp8=fp8)
 
-    def exposed_dp_time(self, layout: Layout, reduce_s: float, gather_s: float, backward_s: Sequence[float], forward_s: Sequence[float], params: float) -> float:
+    def exposed_dp_time(
+        self, layout: Layout, reduce_s: float, gather_s: float, backward_s: Sequence[float], forward_s: Sequence[float], params: float
+    ) -> float:
         share = bucket_params(layout.dp * layout.cp) / params if params > 0 else 1.0
         reduce = overlapped(reduce_s, sum(backward_s), share) if layout.overlap_grad_reduce else reduce_s
         gather = overlapped(gather_s, sum(forward_s), share) if layout.overlap_param_gather else gather_s

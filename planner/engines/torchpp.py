@@ -41,10 +41,7 @@ class TorchEngine(Engine):
         if schedule == "1f1b" and m < pp:
             out.append(f"torch Schedule1F1B needs m >= number of stages (m >= p = {pp}), got m={m}")
         if schedule == "zb-h1" and m % rounds != 0:
-            out.append(
-                f"torch ScheduleInterleavedZeroBubble needs m to be a multiple of its number of rounds "
-                f"max(1, m // p) = {rounds} (got m={m}, p={pp})"
-            )
+            out.append(f"torch ScheduleInterleavedZeroBubble needs m to be a multiple of its number of rounds max(1, m // p) = {rounds} (got m={m}, p={pp})")
         return out
 
 

@@ -6,13 +6,13 @@ Torch-free: it reads the calibration record of a profile.json and the bundled pr
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import yaml
 
 from planner import hardware
 from planner.errors import UsageError
-
 
 _PLACEHOLDER_GPU = {
     "intra_node": {"topology": "pcie", "bandwidth_gbps_per_direction": 25, "latency_us": 10},
@@ -59,7 +59,9 @@ def profile_to_hardware_yaml(profile: Mapping[str, Any], base_profiles: Mapping[
     for dt, m in sorted(cal["matmul"].items(), key=lambda kv: hardware.DTYPES.index(kv[0]) if kv[0] in hardware.DTYPES else 99):
         scale = hardware.size_scale(m["flops_per_op"], hardware.MATMUL_SIZE_SCALE)  # the written profile keeps the default curves
         peak[dt] = _round(m["flops_per_s"] / scale / 1e12)
-        peak_src.append(f"{dt}: {m['flops_per_s'] / 1e12:.4g} TFLOP/s achieved by a {m['n']}x{m['n']} matmul, / size factor {scale:.3f} at {m['flops_per_op']:.3g} FLOP")
+        peak_src.append(
+            f"{dt}: {m['flops_per_s'] / 1e12:.4g} TFLOP/s achieved by a {m['n']}x{m['n']} matmul, / size factor {scale:.3f} at {m['flops_per_op']:.3g} FLOP"
+        )
     moved = 2.0 * cal["copy"]["bytes"]
     mem_scale = hardware.size_scale(moved, hardware.MEMORY_SIZE_SCALE)
     bw = _round(cal["copy"]["bytes_per_s"] / mem_scale / 1e9)
@@ -82,9 +84,17 @@ def profile_to_hardware_yaml(profile: Mapping[str, Any], base_profiles: Mapping[
 
     if base is not None:
         _, link_src = from_base("intra_node")
-        intra = {"topology": base.intra_topology, "bandwidth_gbps_per_direction": _round(base.intra_bandwidth / 1e9), "latency_us": _round(base.intra_latency * 1e6)}
+        intra = {
+            "topology": base.intra_topology,
+            "bandwidth_gbps_per_direction": _round(base.intra_bandwidth / 1e9),
+            "latency_us": _round(base.intra_latency * 1e6),
+        }
         pcie = _round(base.pcie_bandwidth / 1e9)
-        inter = {"bandwidth_gbps_per_direction": _round(base.inter_bandwidth / 1e9), "latency_us": _round(base.inter_latency * 1e6), "fabric": base.inter_fabric or "as in " + base.key}
+        inter = {
+            "bandwidth_gbps_per_direction": _round(base.inter_bandwidth / 1e9),
+            "latency_us": _round(base.inter_latency * 1e6),
+            "fabric": base.inter_fabric or "as in " + base.key,
+        }
         gpn = base.gpus_per_node
         ar = (base.allreduce_efficiency_intra, base.allreduce_efficiency_inter)
         srcs = {k: from_base(k)[1] for k in ("intra_node", "pcie_gbps_per_direction", "inter_node", "gpus_per_node")}

@@ -6,14 +6,13 @@ Torch-free. Collective costs follow the NCCL bus-bandwidth convention (see plann
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
 
 import numpy as np
 
 from planner.hardware.profiles import GB, DeviceProfile
-
 
 # ------------------------------------------------------------------ clusters
 
@@ -267,5 +266,3 @@ class Cluster:
 def _check_bytes(nbytes: float) -> None:
     if not nbytes >= 0:  # also rejects NaN
         raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
-
-

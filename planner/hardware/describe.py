@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from planner.hardware.profiles import GB, GIB, DeviceProfile
 
@@ -35,17 +35,19 @@ def profiles_table_rows(profiles: Mapping[str, DeviceProfile] | Iterable[DeviceP
     rows = []
     for p in sorted(items, key=lambda p: p.key):
         bf16 = p.peak_flops.get("bf16")
-        rows.append({
-            "key": p.key,
-            "name": p.name,
-            "usable_memory_gib": round(p.memory_bytes / GIB, 1),
-            "bf16_tflops": None if bf16 is None else bf16 / 1e12,
-            "memory_bandwidth_gbps": p.memory_bandwidth / GB,
-            "intra_link": intra_link_text(p),
-            "inter_node_gbps_per_gpu": p.inter_bandwidth / GB,
-            "gpus_per_node": p.gpus_per_node,
-            "measured_at_runtime": p.measured_at_runtime,
-        })
+        rows.append(
+            {
+                "key": p.key,
+                "name": p.name,
+                "usable_memory_gib": round(p.memory_bytes / GIB, 1),
+                "bf16_tflops": None if bf16 is None else bf16 / 1e12,
+                "memory_bandwidth_gbps": p.memory_bandwidth / GB,
+                "intra_link": intra_link_text(p),
+                "inter_node_gbps_per_gpu": p.inter_bandwidth / GB,
+                "gpus_per_node": p.gpus_per_node,
+                "measured_at_runtime": p.measured_at_runtime,
+            }
+        )
     return rows
 
 
@@ -67,13 +69,14 @@ def describe_profile(profile: DeviceProfile) -> list[tuple[str, str, str]]:
     rows += [
         ("memory_bandwidth_gbps", f"{_g(p.memory_bandwidth / GB)} GB/s", s("memory_bandwidth_gbps")),
         ("intra_node.topology", p.intra_topology, s("intra_node")),
-        ("intra_node.bandwidth_gbps_per_direction", f"{_g(p.intra_bandwidth / GB)} GB/s per direction",
-         s("intra_node", "bandwidth_gbps_per_direction")),
+        ("intra_node.bandwidth_gbps_per_direction", f"{_g(p.intra_bandwidth / GB)} GB/s per direction", s("intra_node", "bandwidth_gbps_per_direction")),
         ("intra_node.latency_us", f"{_g(p.intra_latency * 1e6)} us", s("intra_node", "latency_us")),
         ("pcie_gbps_per_direction", f"{_g(p.pcie_bandwidth / GB)} GB/s per direction", s("pcie_gbps_per_direction")),
-        ("inter_node.bandwidth_gbps_per_direction",
-         f"{_g(p.inter_bandwidth / GB)} GB/s per GPU per direction ({_g(p.inter_bandwidth * 8 / 1e9)} Gb/s)",
-         s("inter_node", "bandwidth_gbps_per_direction")),
+        (
+            "inter_node.bandwidth_gbps_per_direction",
+            f"{_g(p.inter_bandwidth / GB)} GB/s per GPU per direction ({_g(p.inter_bandwidth * 8 / 1e9)} Gb/s)",
+            s("inter_node", "bandwidth_gbps_per_direction"),
+        ),
         ("inter_node.latency_us", f"{_g(p.inter_latency * 1e6)} us", s("inter_node", "latency_us")),
         ("inter_node.fabric", p.inter_fabric or "-", s("inter_node")),
         ("gpus_per_node", str(p.gpus_per_node), s("gpus_per_node")),

@@ -9,6 +9,7 @@ from planner.hardware.profiles import MATMUL_SIZE_SCALE, MEMORY_SIZE_SCALE, Devi
 
 __all__ = ["MATMUL_SIZE_SCALE", "MEMORY_SIZE_SCALE", "matmul_efficiency_at", "matmul_time", "memory_efficiency_at", "memory_time", "size_scale"]
 
+
 def matmul_efficiency_at(flops_per_op: float, device: DeviceProfile) -> float:
     """Fraction of dense peak that one matmul of ``flops_per_op`` FLOPs reaches on ``device``."""
     return device.matmul_efficiency * size_scale(flops_per_op, device.matmul_size_scale)
@@ -54,5 +55,3 @@ def memory_time(nbytes: float, device: DeviceProfile, bytes_per_op: float | None
     _check_bytes(nbytes)
     eff = device.memory_efficiency if bytes_per_op is None else memory_efficiency_at(bytes_per_op, device)
     return nbytes / (device.memory_bandwidth * eff)
-
-

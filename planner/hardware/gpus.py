@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 from planner.errors import UsageError
 from planner.hardware.cluster import Cluster, NodeGroup
@@ -12,8 +12,10 @@ from planner.hardware.profiles import DeviceProfile, available_profiles, resolve
 
 # ------------------------------------------------------------------ --gpus grammar
 
-GPUS_FORMS = ("8xA100 (8 GPUs in one node), 64xH100 (8 nodes of 8), 4x8xA100-80GB (nodes x GPUs per node), "
-              "8xA100+8xV100 (groups of different devices, each on its own nodes), A100 (1 GPU)")
+GPUS_FORMS = (
+    "8xA100 (8 GPUs in one node), 64xH100 (8 nodes of 8), 4x8xA100-80GB (nodes x GPUs per node), "
+    "8xA100+8xV100 (groups of different devices, each on its own nodes), A100 (1 GPU)"
+)
 _COUNT = re.compile(r"^([+-]?(?:\d+(?:\.\d*)?|\.\d+))\s*[x×]\s*", re.IGNORECASE)
 
 
@@ -41,7 +43,7 @@ def _split_term(spec: str, term: str) -> tuple[list[int], str]:
     rest, counts = term.strip(), []
     while (m := _COUNT.match(rest)) is not None:
         counts.append(m.group(1))
-        rest = rest[m.end():].strip()
+        rest = rest[m.end() :].strip()
     if not term.strip():
         raise _gpus_error(spec, "a group is empty (check for a stray '+').")
     if len(counts) > 2:
@@ -70,13 +72,13 @@ def parse_gpus(
     if not isinstance(spec, str) or not spec.strip():
         raise _gpus_error(str(spec or ""), "the GPU spec is empty.")
     if gpus_per_node is not None and (isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node <= 0):
-        raise UsageError(f"--gpus-per-node must be a positive whole number, got {gpus_per_node!r}.",
-                         hint="For example --gpus-per-node 8.")
+        raise UsageError(f"--gpus-per-node must be a positive whole number, got {gpus_per_node!r}.", hint="For example --gpus-per-node 8.")
     if inter_node_gbps is not None:
-        if isinstance(inter_node_gbps, bool) or not isinstance(inter_node_gbps, (int, float)) \
-                or not math.isfinite(inter_node_gbps) or inter_node_gbps <= 0:
-            raise UsageError(f"--inter-node-gbps must be a positive number of Gb/s per GPU, got {inter_node_gbps!r}.",
-                             hint="For example 200 for one HDR InfiniBand NIC per GPU (25 GB/s).")
+        if isinstance(inter_node_gbps, bool) or not isinstance(inter_node_gbps, (int, float)) or not math.isfinite(inter_node_gbps) or inter_node_gbps <= 0:
+            raise UsageError(
+                f"--inter-node-gbps must be a positive number of Gb/s per GPU, got {inter_node_gbps!r}.",
+                hint="For example 200 for one HDR InfiniBand NIC per GPU (25 GB/s).",
+            )
     profiles = available_profiles() if profiles is None else profiles
     spec = spec.strip()
     groups: list[NodeGroup] = []
@@ -92,8 +94,11 @@ def parse_gpus(
         if len(counts) == 2:
             nodes, per_node = counts
             if gpus_per_node is not None and gpus_per_node != per_node:
-                raise _gpus_error(spec, f"{term.strip()!r} puts {per_node} GPUs in a node but --gpus-per-node says {gpus_per_node}.",
-                                  hint="Drop --gpus-per-node or make the two agree.")
+                raise _gpus_error(
+                    spec,
+                    f"{term.strip()!r} puts {per_node} GPUs in a node but --gpus-per-node says {gpus_per_node}.",
+                    hint="Drop --gpus-per-node or make the two agree.",
+                )
         else:
             total = counts[0] if counts else 1
             per_node = gpus_per_node or device.gpus_per_node
@@ -105,7 +110,7 @@ def parse_gpus(
                     spec,
                     f"{total} GPUs do not divide evenly into nodes of {per_node} ({source}).",
                     hint=f"Write NODESxGPUS_PER_NODExDEVICE, e.g. {math.ceil(total / per_node)}x{per_node}x{name.strip()} "
-                         "or pass --gpus-per-node with a divisor of the count.",
+                    "or pass --gpus-per-node with a divisor of the count.",
                 )
             else:
                 nodes = total // per_node
@@ -113,8 +118,9 @@ def parse_gpus(
         groups.append(NodeGroup(device=device, nodes=nodes, gpus_per_node=per_node, inter_bandwidth=inter))
     world = sum(g.size for g in groups)
     if world > MAX_WORLD_SIZE:
-        raise _gpus_error(spec, f"{world:,} GPUs is more than the {MAX_WORLD_SIZE:,} the planner plans for.",
-                          hint="Plan one pipeline-parallel replica group at a time, or a smaller cluster.")
+        raise _gpus_error(
+            spec,
+            f"{world:,} GPUs is more than the {MAX_WORLD_SIZE:,} the planner plans for.",
+            hint="Plan one pipeline-parallel replica group at a time, or a smaller cluster.",
+        )
     return Cluster(groups=tuple(groups), spec=spec, notes=tuple(notes))
-
-

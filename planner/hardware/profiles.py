@@ -10,9 +10,10 @@ import os
 import re
 import reprlib
 import stat
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import yaml
 
@@ -118,12 +119,26 @@ class DeviceProfile:
 
 
 _DTYPE_ALIASES = {
-    "float32": "fp32", "float": "fp32", "f32": "fp32", "fp32": "fp32",
-    "tf32": "tf32", "tensorfloat32": "tf32",
-    "bfloat16": "bf16", "bf16": "bf16",
-    "float16": "fp16", "half": "fp16", "f16": "fp16", "fp16": "fp16",
-    "fp8": "fp8", "float8": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
-    "e4m3": "fp8", "e5m2": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8",
+    "float32": "fp32",
+    "float": "fp32",
+    "f32": "fp32",
+    "fp32": "fp32",
+    "tf32": "tf32",
+    "tensorfloat32": "tf32",
+    "bfloat16": "bf16",
+    "bf16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "f16": "fp16",
+    "fp16": "fp16",
+    "fp8": "fp8",
+    "float8": "fp8",
+    "float8_e4m3fn": "fp8",
+    "float8_e5m2": "fp8",
+    "e4m3": "fp8",
+    "e5m2": "fp8",
+    "fp8_e4m3": "fp8",
+    "fp8_e5m2": "fp8",
 }
 
 
@@ -131,7 +146,7 @@ def normalize_dtype(dtype: Any) -> str:
     """Map a dtype spelling (``torch.bfloat16``, ``"half"``, ``"bf16"``) to a profile key."""
     s = str(dtype).strip().lower()
     if s.startswith("torch."):
-        s = s[len("torch."):]
+        s = s[len("torch.") :]
     return _DTYPE_ALIASES.get(s, s)
 
 
@@ -184,8 +199,15 @@ _SUB = {
 _SUB_OPTIONAL = {"matmul_size_scale", "memory_size_scale"}
 # Every numeric field group needs sources[group] (or sources["group.sub"] for each sub-field).
 _NUMERIC_GROUPS = (
-    "memory_gib", "usable_memory_bytes", "peak_tflops", "memory_bandwidth_gbps", "intra_node",
-    "pcie_gbps_per_direction", "inter_node", "gpus_per_node", "efficiency",
+    "memory_gib",
+    "usable_memory_bytes",
+    "peak_tflops",
+    "memory_bandwidth_gbps",
+    "intra_node",
+    "pcie_gbps_per_direction",
+    "inter_node",
+    "gpus_per_node",
+    "efficiency",
 )
 _NUMERIC_SUBS = {
     "peak_tflops": DTYPES,
@@ -284,9 +306,15 @@ class _Checker:
                 out[k] = self.value(f"{field}.{k}", sk, sexp, m[k])
             return out
         if kind == "curve":
-            ok = isinstance(v, list) and len(v) >= 2 and all(
-                isinstance(pt, list) and len(pt) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in pt)
-                for pt in v
+            ok = (
+                isinstance(v, list)
+                and len(v) >= 2
+                and all(
+                    isinstance(pt, list)
+                    and len(pt) == 2
+                    and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in pt)
+                    for pt in v
+                )
             )
             if not ok or any(a[0] >= b[0] for a, b in zip(v, v[1:])) or any(pt[1] > 1 for pt in v):
                 self.fail(field, f"must be {expected}: at least two [size, fraction] pairs, sizes increasing, fractions in (0, 1], {got}.")
@@ -320,8 +348,7 @@ class _Checker:
                 continue
             self.fail(
                 f"sources.{group}",
-                f"is missing: '{group}' holds numbers, and every number needs a source "
-                "(a URL, or a note saying it is derived or assumed and how).",
+                f"is missing: '{group}' holds numbers, and every number needs a source (a URL, or a note saying it is derived or assumed and how).",
             )
 
 
@@ -331,7 +358,13 @@ _UPPER = {
     "usable_memory_bytes": 2.0**50,
     "memory_gib": 2.0**20,
     "gpus_per_node": 4096,
-    "bf16": 1e5, "fp16": 1e5, "fp32": 1e5, "tf32": 1e5, "fp8": 1e5, "fp64": 1e5, "int8": 1e5,  # TFLOP/s
+    "bf16": 1e5,
+    "fp16": 1e5,
+    "fp32": 1e5,
+    "tf32": 1e5,
+    "fp8": 1e5,
+    "fp64": 1e5,
+    "int8": 1e5,  # TFLOP/s
 }
 #: largest profile file read (bytes) and deepest nesting of its YAML
 MAX_PROFILE_BYTES = 1 << 20
@@ -352,18 +385,21 @@ def _check_yaml_shape(text: str, path: Path) -> None:
     try:
         for ev in yaml.parse(text, Loader=_YAML_LOADER):
             if isinstance(ev, yaml.AliasEvent):
-                raise UsageError(f"hardware profile {path} uses a YAML alias (*name); profiles must spell every value out.",
-                                 hint="Replace the alias with the value it refers to.")
+                raise UsageError(
+                    f"hardware profile {path} uses a YAML alias (*name); profiles must spell every value out.",
+                    hint="Replace the alias with the value it refers to.",
+                )
             if isinstance(ev, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
                 depth += 1
                 if depth > MAX_YAML_DEPTH:
-                    raise UsageError(f"hardware profile {path} nests deeper than {MAX_YAML_DEPTH} levels.",
-                                     hint=f"See {hardware_profiles_dir() / 'a100-80gb.yaml'} for the shape of a profile.")
+                    raise UsageError(
+                        f"hardware profile {path} nests deeper than {MAX_YAML_DEPTH} levels.",
+                        hint=f"See {hardware_profiles_dir() / 'a100-80gb.yaml'} for the shape of a profile.",
+                    )
             elif isinstance(ev, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
                 depth -= 1
     except yaml.YAMLError as e:
-        raise UsageError(f"hardware profile {path} is not valid YAML: {e}".rstrip(),
-                         hint="Fix the YAML syntax (indentation, colons, brackets).") from None
+        raise UsageError(f"hardware profile {path} is not valid YAML: {e}".rstrip(), hint="Fix the YAML syntax (indentation, colons, brackets).") from None
 
 
 def _read_yaml(path: Path) -> Any:
@@ -372,20 +408,22 @@ def _read_yaml(path: Path) -> Any:
         if not stat.S_ISREG(st.st_mode):
             raise UsageError(f"hardware profile {path} is not a regular file.", hint="Point at a *.yaml file or a folder of them.")
         if st.st_size > MAX_PROFILE_BYTES:
-            raise UsageError(f"hardware profile {path} is {st.st_size:,} bytes; a profile is a few kB (limit {MAX_PROFILE_BYTES:,}).",
-                             hint="Point at the profile YAML itself.")
+            raise UsageError(
+                f"hardware profile {path} is {st.st_size:,} bytes; a profile is a few kB (limit {MAX_PROFILE_BYTES:,}).",
+                hint="Point at the profile YAML itself.",
+            )
         text = path.read_bytes().decode("utf-8")
     except OSError as e:
-        raise UsageError(f"cannot read hardware profile {path}: {e.strerror or e}.",
-                         hint=f"Check the path; bundled profiles are in {hardware_profiles_dir()}.") from None
+        raise UsageError(
+            f"cannot read hardware profile {path}: {e.strerror or e}.", hint=f"Check the path; bundled profiles are in {hardware_profiles_dir()}."
+        ) from None
     except UnicodeDecodeError as e:
         raise UsageError(f"hardware profile {path} is not UTF-8 text ({e.reason} at byte {e.start}).") from None
     _check_yaml_shape(text, path)
     try:
         return yaml.load(text, Loader=_YAML_LOADER)
     except yaml.YAMLError as e:
-        raise UsageError(f"hardware profile {path} is not valid YAML: {e}".rstrip(),
-                         hint="Fix the YAML syntax (indentation, colons, brackets).") from None
+        raise UsageError(f"hardware profile {path} is not valid YAML: {e}".rstrip(), hint="Fix the YAML syntax (indentation, colons, brackets).") from None
 
 
 def profile_from_dict(data: Any, path: str | Path) -> DeviceProfile:
@@ -393,8 +431,10 @@ def profile_from_dict(data: Any, path: str | Path) -> DeviceProfile:
     path = Path(path)
     c = _Checker(path)
     if not isinstance(data, dict):
-        raise UsageError(f"hardware profile {path} must be a YAML mapping of fields, got {type(data).__name__}.",
-                         hint=f"See {hardware_profiles_dir() / 'a100-80gb.yaml'} for a complete example.")
+        raise UsageError(
+            f"hardware profile {path} must be a YAML mapping of fields, got {type(data).__name__}.",
+            hint=f"See {hardware_profiles_dir() / 'a100-80gb.yaml'} for a complete example.",
+        )
     for k in data:
         if k not in _TOP:
             c.unknown(str(k), _TOP)
@@ -408,9 +448,11 @@ def profile_from_dict(data: Any, path: str | Path) -> DeviceProfile:
     c.sources(data, v["sources"])
     cap = v["memory_gib"] * GIB
     if not 0.5 * cap <= v["usable_memory_bytes"] <= 1.1 * cap:
-        c.fail("usable_memory_bytes",
-               f"is {v['usable_memory_bytes']} bytes, not within 50-110% of memory_gib "
-               f"({v['memory_gib']:g} GiB = {cap:.0f} bytes): it is in bytes, not GiB or GB.")
+        c.fail(
+            "usable_memory_bytes",
+            f"is {v['usable_memory_bytes']} bytes, not within 50-110% of memory_gib "
+            f"({v['memory_gib']:g} GiB = {cap:.0f} bytes): it is in bytes, not GiB or GB.",
+        )
     intra, inter, eff = v["intra_node"], v["inter_node"], v["efficiency"]
     return DeviceProfile(
         key=path.stem,
@@ -494,8 +536,10 @@ def _profile_files(entry: Path, origin: str) -> list[Path]:
         return _folder_files(entry)[0]
     if entry.exists():
         return [entry]
-    raise UsageError(f"hardware profile path {entry} ({origin}) does not exist.",
-                     hint=f"Point {ENV_VAR} or the extra path at a folder of *.yaml profiles or at one profile file.")
+    raise UsageError(
+        f"hardware profile path {entry} ({origin}) does not exist.",
+        hint=f"Point {ENV_VAR} or the extra path at a folder of *.yaml profiles or at one profile file.",
+    )
 
 
 def _profile_entries(extra_paths: Sequence[str | os.PathLike]) -> list[tuple[Path, str]]:
@@ -563,8 +607,9 @@ def resolve_device(name: str, profiles: Mapping[str, DeviceProfile] | None = Non
         key, note = AMBIGUOUS_DEFAULTS[wanted]
         return profiles[key], note
     if matches:
-        raise UsageError(f"device name {name!r} matches several profiles: {', '.join(matches)}.",
-                         hint="Write the profile key instead, e.g. " + matches[0] + ".")
+        raise UsageError(
+            f"device name {name!r} matches several profiles: {', '.join(matches)}.", hint="Write the profile key instead, e.g. " + matches[0] + "."
+        )
     candidates = sorted({*profiles, *(n for p in profiles.values() for n in (p.name, *p.aliases))})
     close = close_matches(name, candidates, n=5)
     suggestion = (" Closest names: " + ", ".join(repr(c) for c in close) + ".") if close else ""
@@ -572,5 +617,3 @@ def resolve_device(name: str, profiles: Mapping[str, DeviceProfile] | None = Non
         f"unknown device {name!r}.{suggestion} Known devices: {', '.join(profiles)}.",
         hint=f"`planner hardware list` shows every profile; add your own YAML in a folder on ${ENV_VAR}.",
     )
-
-

@@ -61,7 +61,9 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
         bias = attn_mask
         if bias.dtype == torch.bool:
             bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device).masked_fill(~bias, float("-inf"))
-        out = _aten._scaled_dot_product_efficient_attention(query, key, value, bias.expand(query.size(0), query.size(1), query.size(2), key.size(2)), True, dropout_p, is_causal, scale=scale)
+        out = _aten._scaled_dot_product_efficient_attention(
+            query, key, value, bias.expand(query.size(0), query.size(1), query.size(2), key.size(2)), True, dropout_p, is_causal, scale=scale
+        )
         return out[0]
     out = _aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False, scale=scale)
     return out[0]
@@ -280,7 +282,7 @@ def piece_structure(mod, block: str | None) -> tuple:
 
     def norm(name: str) -> str:
         if block and (name == block or name.startswith(block + ".")):
-            return "#" + name[len(block):]
+            return "#" + name[len(block) :]
         return name
 
     gm = mod.gm
@@ -372,12 +374,7 @@ def cost_layers(
             param_owner.setdefault(pid, []).append(i)
             param_info[pid] = (n, p.numel())
         n_params = sum(p.numel() for _, p in params.values())
-        shardable = sum(
-            p.numel()
-            for name, m in mod.gm.named_modules()
-            if isinstance(m, (nn.Linear, nn.Embedding))
-            for p in m.parameters(recurse=False)
-        )
+        shardable = sum(p.numel() for name, m in mod.gm.named_modules() if isinstance(m, (nn.Linear, nn.Embedding)) for p in m.parameters(recurse=False))
         if not any(True for _ in mod.gm.modules() if isinstance(_, (nn.Linear, nn.Embedding))):
             shardable = 0
         out_bytes = sum(t.bytes for t in lg.cut_tensors(i + 1) if t.name in {v.name for v in piece.nodes})
@@ -414,11 +411,7 @@ def cost_layers(
         )
         if progress:
             progress(i + 1, lg.n)
-    tied = tuple(
-        TiedGroup(param_info[pid][0], param_info[pid][1], tuple(owners))
-        for pid, owners in param_owner.items()
-        if len(owners) > 1
-    )
+    tied = tuple(TiedGroup(param_info[pid][0], param_info[pid][1], tuple(owners)) for pid, owners in param_owner.items() if len(owners) > 1)
     cuts = tuple(Cut(k, lg.cut_kinds[k], lg.cut_tensors(k)) for k in range(lg.n + 1))
     return ModelCosts(
         layers=tuple(layers),
@@ -428,7 +421,8 @@ def cost_layers(
         seq_len=seq_len,
         tied=tied,
         architecture=architecture,
-        notes=tuple(lg.notes) + tuple(
+        notes=tuple(lg.notes)
+        + tuple(
             f"{op} (in {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) has no FLOP formula: its arithmetic is "
             "not counted, only its memory traffic; the compute time of these pieces is underestimated"
             for op, names in sorted(uncounted.items())

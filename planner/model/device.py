@@ -7,8 +7,9 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -52,8 +53,10 @@ def check_device(device: str) -> None:
     if device not in DEVICES:
         raise UsageError(f"Unknown device {device!r} for profiling.", "Use --device cuda (the GPU of this machine) or --device cpu.")
     if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda was asked for, but torch sees no CUDA GPU on this machine.",
-                         "Run `planner profile` on a machine with the target GPU, or profile with --device cpu.")
+        raise UsageError(
+            "--device cuda was asked for, but torch sees no CUDA GPU on this machine.",
+            "Run `planner profile` on a machine with the target GPU, or profile with --device cpu.",
+        )
 
 
 def device_name(device: str) -> str:
@@ -188,5 +191,3 @@ def calibrate_device(
         "repeats": repeats,
         "timer": timer_name,
     }
-
-

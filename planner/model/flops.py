@@ -52,7 +52,9 @@ def conv_forward_flop(x_shape, w_shape, out_shape, transposed: bool) -> int:
     return 2 * batch * spatial * _prod(w_shape)
 
 
-def conv_backward_flop(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed, _output_padding, _groups, output_mask, out_shape=None, **kwargs) -> int:
+def conv_backward_flop(
+    grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed, _output_padding, _groups, output_mask, out_shape=None, **kwargs
+) -> int:
     """Backward of a convolution: the forward's FLOPs for the input gradient and again for the weight gradient."""
     fwd = conv_forward_flop(x_shape, w_shape, grad_out_shape, bool(transposed))
     return fwd * (int(bool(output_mask[0])) + int(bool(output_mask[1])))

@@ -35,8 +35,9 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -45,8 +46,8 @@ from planner.errors import UsageError
 from planner.fileio import dumps_json, write_text_atomic
 from planner.model.analyze import analyze, torch_dtype
 from planner.model.cost import piece_structure
-from planner.model.load import load_model_file
 from planner.model.device import Timer, calibrate_device, check_device, device_memory, device_name, hardware_key_for, summarize, sync
+from planner.model.load import load_model_file
 
 PROFILE_SCHEMA = 1
 PROFILE_KIND = "planner-profile"
@@ -79,7 +80,7 @@ def piece_signatures(lg) -> list[str]:
         for node in lg.boundaries[i]:
             meta = lg.metas.get(node)
             bdim = lg.batch_dims.get(node)
-            for shape, dtype, rg in (meta.tensors if meta else ()):
+            for shape, dtype, rg in meta.tensors if meta else ():
                 dims = tuple("B" if d == bdim else int(x) for d, x in enumerate(shape))
                 ins.append((dims, str(dtype), bool(rg)))
         sig = (struct, tuple(ins), i == lg.n - 1)
@@ -101,8 +102,7 @@ def _estimate_bytes(costs, itemsize: int) -> int:
 
 def _too_big(what: str, need: float, have: float, device: str, name: str) -> UsageError:
     return UsageError(
-        f"The model is too big to profile on {device} ({name}): {what} needs about {need / 2**30:.1f} GiB, "
-        f"{have / 2**30:.1f} GiB is free.",
+        f"The model is too big to profile on {device} ({name}): {what} needs about {need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB is free.",
         _SHRINK_HINT,
     )
 
@@ -146,8 +146,7 @@ def _check_no_meta(mod, piece_name: str) -> None:
                 obj = getattr(obj, part)
             if isinstance(obj, torch.Tensor) and obj.device.type == "meta":
                 raise UsageError(
-                    f"Piece {piece_name} uses a constant {node.target} that only exists on the meta device "
-                    "(torch.export lifted it while tracing).",
+                    f"Piece {piece_name} uses a constant {node.target} that only exists on the meta device (torch.export lifted it while tracing).",
                     "Profile with --tracer fx, or make the constant a registered buffer of the model.",
                 )
 
@@ -339,7 +338,13 @@ def profile_model(
         "dtype": dtype,
         "micro_batch": micro_batch,
         "inputs": [{"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")} for t in _flat(inputs)],
-        "settings": {"warmup": warmup, "warmup_s": warmup_s, "repeats": repeats, "timer": "cuda events + synchronize" if device == "cuda" else "time.perf_counter", "seed": seed},
+        "settings": {
+            "warmup": warmup,
+            "warmup_s": warmup_s,
+            "repeats": repeats,
+            "timer": "cuda events + synchronize" if device == "cuda" else "time.perf_counter",
+            "seed": seed,
+        },
         "pieces": pieces,
     }
     if calibrate:
@@ -365,15 +370,17 @@ def _measure_all(lg, model, inputs, loss, sigs, costs, device, warmup, repeats, 
         nodes = lg.boundaries[i]
         cur = [values[v] for v in nodes]
         layer = costs.layers[i]
-        rows.append({
-            "index": i,
-            "name": piece.name,
-            "kind": piece.kind,
-            "signature": sigs[i],
-            "same_as": first.get(sigs[i]),
-            "flops_fwd": layer.flops_fwd,
-            "flops_bwd": layer.flops_bwd,
-        })
+        rows.append(
+            {
+                "index": i,
+                "name": piece.name,
+                "kind": piece.kind,
+                "signature": sigs[i],
+                "same_as": first.get(sigs[i]),
+                "flops_fwd": layer.flops_fwd,
+                "flops_bwd": layer.flops_bwd,
+            }
+        )
         if sigs[i] not in first:
             first[sigs[i]] = i
             runs.append(_PieceRun(mod, _leaf_inputs(cur, [lg.metas.get(v) for v in nodes]), loss if i == lg.n - 1 else None))
@@ -408,14 +415,15 @@ def read_profile(path: str | Path) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise UsageError(f"profile {path} is not valid JSON ({e}).", "Re-run `planner profile` to write it again.") from None
     if not isinstance(doc, dict) or doc.get("kind") != PROFILE_KIND:
-        raise UsageError(f"{path} is not a profile written by `planner profile` (no \"kind\": \"{PROFILE_KIND}\").",
-                         "Pass the profile.json that `planner profile` wrote.")
+        raise UsageError(
+            f'{path} is not a profile written by `planner profile` (no "kind": "{PROFILE_KIND}").', "Pass the profile.json that `planner profile` wrote."
+        )
     if doc.get("schema") != PROFILE_SCHEMA:
-        raise UsageError(f"profile {path} has schema {doc.get('schema')!r}; this planner reads schema {PROFILE_SCHEMA}.",
-                         "Re-run `planner profile` with this planner version.")
+        raise UsageError(
+            f"profile {path} has schema {doc.get('schema')!r}; this planner reads schema {PROFILE_SCHEMA}.",
+            "Re-run `planner profile` with this planner version.",
+        )
     for key in ("model", "device", "dtype", "micro_batch", "pieces"):
         if key not in doc:
             raise UsageError(f"profile {path} lacks the field {key!r}.", "Re-run `planner profile` to write it again.")
     return doc
-
-

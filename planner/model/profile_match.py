@@ -87,7 +87,6 @@ def match_profile(path: str | Path, analysis: Analysis, cluster: Cluster) -> tup
     n_meas, n = len(measured), len(names)
     scaled = f", scaled linearly from micro-batch {doc['micro_batch']} to {costs.micro_batch}" if scale != 1 else ""
     notes.append(
-        f"{pname}: measured times on {key} ({name}, torch {doc['device'].get('torch')}) for {n_meas} of {n} pieces"
-        f"{args_note}{scaled}; {n - n_meas} analytical"
+        f"{pname}: measured times on {key} ({name}, torch {doc['device'].get('torch')}) for {n_meas} of {n} pieces{args_note}{scaled}; {n - n_meas} analytical"
     )
     return {key: measured}, notes

@@ -145,7 +145,9 @@ def hf_model_class(config: Any, name: str | None = None) -> Any:
     if name:
         cls = getattr(transformers, name, None)
         if cls is None:
-            raise UsageError(f"transformers has no model class {name!r}.", "Name a class of the installed transformers (model_class=... or the config's architectures).")
+            raise UsageError(
+                f"transformers has no model class {name!r}.", "Name a class of the installed transformers (model_class=... or the config's architectures)."
+            )
         return cls
     mt = config.model_type
     if getattr(config, "is_encoder_decoder", False) and mt in auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
@@ -274,7 +276,11 @@ def hf_architecture(config: Any, seq_len: int) -> dict[str, Any] | None:
         return None
     act_name = str(get("hidden_act", "activation_function", default="gelu"))
     rms = get("rms_norm_eps") is not None
-    rope = get("rope_theta") is not None or get("rope_parameters", "rope_scaling") is not None or c.model_type in ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma")
+    rope = (
+        get("rope_theta") is not None
+        or get("rope_parameters", "rope_scaling") is not None
+        or c.model_type in ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma")
+    )
     ffn = get("intermediate_size", "n_inner", default=4 * hidden)
     arch = {
         "num_layers": layers,

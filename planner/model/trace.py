@@ -460,7 +460,7 @@ def _child_of(node: fx.Node, block: str) -> str | None:
     prefix = block + "."
     for path in stack:
         if path.startswith(prefix):
-            return path[len(prefix):].split(".")[0]
+            return path[len(prefix) :].split(".")[0]
     return None
 
 
@@ -815,7 +815,9 @@ def _split(
     boundaries = [crossing(j) for j in starts[:-1]]
     out_values = [v for v in out_node.all_input_nodes if v not in free]
     boundaries.append(out_values)
-    kinds = ["input"] + ["sub" if pieces[k].block is not None and pieces[k].block == pieces[k - 1].block else "block" for k in range(1, len(pieces))] + ["output"]
+    kinds = (
+        ["input"] + ["sub" if pieces[k].block is not None and pieces[k].block == pieces[k - 1].block else "block" for k in range(1, len(pieces))] + ["output"]
+    )
 
     notes = [
         f"no cut before {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} ({len(names)} piece(s) joined to the one "

@@ -26,6 +26,7 @@ from typing import Any
 from planner import __version__
 from planner.errors import UsageError
 from planner.fileio import FileSpec, dir_lock, dumps_json, recover_dir, update_dir
+from planner.model_ref import relative_ref
 from planner.render.deepspeed import render_deepspeed
 from planner.render.megatron import render_megatron
 from planner.render.torchpp import render_torch
@@ -34,8 +35,16 @@ from planner.solve.plan import Plan
 from planner.templating import one_line, render_template, shell_quote
 
 __all__ = [
-    "MARKER", "RENDERERS", "canonical_command", "canonical_plan", "check_output_dir", "one_line", "render_files",
-    "render_template", "shell_quote", "write_plan_dir",
+    "MARKER",
+    "RENDERERS",
+    "canonical_command",
+    "canonical_plan",
+    "check_output_dir",
+    "one_line",
+    "render_files",
+    "render_template",
+    "shell_quote",
+    "write_plan_dir",
 ]
 
 #: the manifest: JSON {"planner": version, "files": [relative paths the planner wrote]}
@@ -100,8 +109,7 @@ def canonical_plan(plan: Plan, out_dir: Path) -> Plan:
     model = plan.inputs.get("model_file")
     if not model:
         return plan
-    rel = Path(os.path.relpath(Path(model).resolve(), Path(out_dir).resolve())).as_posix()
-    return replace(plan, inputs={**plan.inputs, "model_file": rel})
+    return replace(plan, inputs={**plan.inputs, "model_file": relative_ref(str(model), out_dir)})
 
 
 def _arg_text(value: Any) -> str:
@@ -222,8 +230,10 @@ def write_plan_dir(path: str | Path, plan: Plan, command: str | None = None, for
         for rel in files:
             target = path / rel
             if model.is_file() and target.exists() and os.path.samefile(target, model):
-                raise UsageError(f"the plan would overwrite the model file {str(model)!r} with its {rel}.",
-                                 "Move the model file or rename it; the planner never replaces it.")
+                raise UsageError(
+                    f"the plan would overwrite the model file {str(model)!r} with its {rel}.",
+                    "Move the model file or rename it; the planner never replaces it.",
+                )
         shadowed = sorted(rel for rel in files if rel not in owned and ((path / rel).exists() or (path / rel).is_symlink()))
         if shadowed and not force:
             raise UsageError(

@@ -32,10 +32,10 @@ from typing import Any
 from planner.engines.deepspeed import ENGINE, precision_config
 from planner.errors import UsageError
 from planner.fileio import dumps_json
-from planner.templating import one_line, render_template
-from planner.runners.contract import planned_layout
 from planner.render.launch import cluster_shape, deepspeed_script, hostfile, model_path_for, slurm_script, torchrun_script
+from planner.runners.contract import planned_layout
 from planner.solve.plan import Plan
+from planner.templating import one_line, render_template
 
 SCRIPT = "train_deepspeed.py"
 CONFIG = "ds_config.json"
@@ -60,9 +60,7 @@ def check_renderable(plan: Plan) -> None:
     if len(plan.stages) != lay.pp:
         problems.append(f"plan.json has {len(plan.stages)} stages for pp={lay.pp}")
     if lay.micro_batch * lay.num_microbatches * lay.dp != lay.global_batch:
-        problems.append(
-            f"micro_batch {lay.micro_batch} x num_microbatches {lay.num_microbatches} x dp {lay.dp} != global_batch {lay.global_batch}"
-        )
+        problems.append(f"micro_batch {lay.micro_batch} x num_microbatches {lay.num_microbatches} x dp {lay.dp} != global_batch {lay.global_batch}")
     if problems:
         raise UsageError(f"Cannot render this plan for DeepSpeed: {'; '.join(problems)}.", "Re-plan with --engine deepspeed.")
 
@@ -90,10 +88,7 @@ def ds_config(plan: Plan) -> dict[str, Any]:
 
 
 def _stage_lines(plan: Plan) -> list[str]:
-    return [
-        one_line(f"{s.index}: pieces [{s.pieces[0]}, {s.pieces[1]}) {s.layers[0]} .. {s.layers[1]}, {s.params:,} params")
-        for s in plan.stages
-    ]
+    return [one_line(f"{s.index}: pieces [{s.pieces[0]}, {s.pieces[1]}) {s.layers[0]} .. {s.layers[1]}, {s.params:,} params") for s in plan.stages]
 
 
 def _optimizer_note(plan: Plan) -> str:
@@ -101,8 +96,7 @@ def _optimizer_note(plan: Plan) -> str:
     if dtype == "bf16":
         acc = "fp32" if zero >= 1 else "bf16"
         return (
-            f"BF16_Optimizer: bf16 weights, {acc} gradient accumulation buffer, fp32 master weights and "
-            "AdamW moments partitioned over the data-parallel group"
+            f"BF16_Optimizer: bf16 weights, {acc} gradient accumulation buffer, fp32 master weights and AdamW moments partitioned over the data-parallel group"
         )
     if dtype == "fp16":
         return "ZeRO stage 1 optimizer (fp16, dynamic loss scaling)" if zero else "FP16_Optimizer (fp32 master weights, dynamic loss scaling)"

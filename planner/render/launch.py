@@ -7,13 +7,13 @@ directive is not parsed by the shell) are reduced to a safe alphabet here.
 
 from __future__ import annotations
 
-import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
-from planner.templating import one_line, render_template
+from planner.model_ref import ref_stem, relative_ref
 from planner.solve.plan import Plan
+from planner.templating import one_line, render_template
 
 
 def cluster_shape(plan: Plan) -> tuple[int, int]:
@@ -30,14 +30,14 @@ def cluster_shape(plan: Plan) -> tuple[int, int]:
 
 def model_path_for(plan: Plan, out_dir: Path | None) -> str:
     """The model file's path as the scripts see it: relative to the plan directory when both are known."""
-    model = Path(plan.inputs["model_file"])
+    model = str(plan.inputs["model_file"])
     if out_dir is None:
-        return str(model)
-    return os.path.relpath(model.resolve(), Path(out_dir).resolve())
+        return model
+    return relative_ref(model, out_dir)
 
 
 def job_name(plan: Plan) -> str:
-    stem = Path(plan.inputs.get("model_file", "train")).stem
+    stem = ref_stem(str(plan.inputs.get("model_file", "train")))
     return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{stem}-{plan.layout.engine}")[:64] or "planner"
 
 

@@ -21,8 +21,9 @@ UsageError here, not minutes into a job. Nothing is parsed back from the bash.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from planner.errors import UsageError
 from planner.megatron_args import (
@@ -37,9 +38,9 @@ from planner.megatron_args import (
     split_flags,
     stage_layers,
 )
-from planner.templating import one_line, render_template
 from planner.render.launch import cluster_shape, job_name
 from planner.solve.plan import Plan
+from planner.templating import one_line, render_template
 
 SCRIPT = "pretrain_gpt.sh"
 DEFAULT_TRAIN_ITERS = 100

@@ -10,14 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from planner.errors import UsageError
-from planner.templating import one_line, render_template
-from planner.runners.contract import planned_layout
 from planner.render.launch import cluster_shape, model_path_for, slurm_script, torchrun_script
+from planner.runners.contract import planned_layout
 from planner.solve.plan import Plan
 from planner.solve.schedules import SCHEDULE_INFO
+from planner.templating import one_line, render_template
 
 SCRIPT = "train_pipeline.py"
-
 
 
 def check_renderable(plan: Plan) -> str:
@@ -27,7 +26,9 @@ def check_renderable(plan: Plan) -> str:
         raise UsageError(f"render_torch got a plan for engine {lay.engine!r}.", "Plan with --engine torch.")
     info = SCHEDULE_INFO.get(lay.schedule)
     if info is None or info.torch_class is None:
-        raise UsageError(f"torch.distributed.pipelining does not run schedule {lay.schedule!r}.", "Pick one with --schedule: gpipe, 1f1b, interleaved, zb-h1, zbv.")
+        raise UsageError(
+            f"torch.distributed.pipelining does not run schedule {lay.schedule!r}.", "Pick one with --schedule: gpipe, 1f1b, interleaved, zb-h1, zbv."
+        )
     if lay.tp != 1:
         raise UsageError(f"the torch engine runs without tensor parallelism; the plan has tp={lay.tp}.", "Plan with --tp 1 or use --engine megatron.")
     if len(plan.stages) != lay.pp * lay.vp:
@@ -37,8 +38,7 @@ def check_renderable(plan: Plan) -> str:
 
 def _stage_lines(plan: Plan) -> list[str]:
     return [
-        one_line(f"{s.index}: rank {s.rank}, pieces [{s.pieces[0]}, {s.pieces[1]}) {s.layers[0]} .. {s.layers[1]}, {s.params:,} params")
-        for s in plan.stages
+        one_line(f"{s.index}: rank {s.rank}, pieces [{s.pieces[0]}, {s.pieces[1]}) {s.layers[0]} .. {s.layers[1]}, {s.params:,} params") for s in plan.stages
     ]
 
 

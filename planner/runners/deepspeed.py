@@ -27,13 +27,13 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
-
-import torch
-import torch.nn as nn
+from typing import Any
 
 import deepspeed
+import torch
+import torch.nn as nn
 from deepspeed import comm as dist
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 from deepspeed.runtime.pipe.module import PipelineModule

@@ -19,8 +19,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -42,7 +43,7 @@ class BatchLayout:
     dp: int
 
     @classmethod
-    def from_plan(cls, plan: dict[str, Any]) -> "BatchLayout":
+    def from_plan(cls, plan: dict[str, Any]) -> BatchLayout:
         lay = plan["layout"]
         out = cls(int(lay["global_batch"]), int(lay["micro_batch"]), int(lay["num_microbatches"]), int(lay["dp"]))
         if out.micro_batch * out.num_microbatches * out.dp != out.global_batch:

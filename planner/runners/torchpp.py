@@ -30,9 +30,10 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -231,7 +232,7 @@ class FlatOutput:
     positions: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, out: Any) -> "FlatOutput":
+    def of(cls, out: Any) -> FlatOutput:
         if isinstance(out, torch.Tensor):
             return cls((out,))
         if type(out) is tuple and all(isinstance(t, torch.Tensor) for t in out):
@@ -400,8 +401,7 @@ def check_schedule(schedule: Any, stages: Sequence[PipelineStage], plan: dict[st
     ranks = [int(s["rank"]) for s in plan["stages"]]
     if ranks != list(ir.stage_to_rank):
         raise ScheduleMismatch(
-            f"plan.json places stages on pipeline ranks {ranks}, but schedule {lay['schedule']!r} with pp={pp}, "
-            f"vp={vp} places them on {list(ir.stage_to_rank)}"
+            f"plan.json places stages on pipeline ranks {ranks}, but schedule {lay['schedule']!r} with pp={pp}, vp={vp} places them on {list(ir.stage_to_rank)}"
         )
     for st in stages:
         torch_map = [st.stage_index_to_group_rank[j] for j in range(st.num_stages)]

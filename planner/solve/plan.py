@@ -82,7 +82,7 @@ class Layout:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Layout":
+    def from_dict(cls, d: dict[str, Any]) -> Layout:
         values = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         if d.get("engine") == "megatron" and "overlap_grad_reduce" not in d:
             # plans written before the overlaps were fields: Megatron's gradient reduce overlapped (and was rendered)
@@ -127,7 +127,7 @@ class StagePlan:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "StagePlan":
+    def from_dict(cls, d: dict[str, Any]) -> StagePlan:
         d = dict(d)
         d["pieces"] = tuple(d["pieces"])
         d["layers"] = tuple(d["layers"])
@@ -210,7 +210,7 @@ class Plan:
         return doc
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
         version = d.get("schema_version")
         if version != SCHEMA_VERSION:
             raise UsageError(

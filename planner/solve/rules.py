@@ -7,8 +7,9 @@ solver never imports an engine and adding an engine touches no solver code.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import Enum
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # only for annotations: no import at run time
     import numpy as np
@@ -68,6 +69,8 @@ class EngineRules(Protocol):
         """Whether each stage keeps one more copy of its output per micro-batch in flight."""
         ...
 
-    def exposed_dp_time(self, layout: Layout, reduce_s: float, gather_s: float, backward_s: Sequence[float], forward_s: Sequence[float], params: float) -> float:
+    def exposed_dp_time(
+        self, layout: Layout, reduce_s: float, gather_s: float, backward_s: Sequence[float], forward_s: Sequence[float], params: float
+    ) -> float:
         """Seconds of the data-parallel exchange (gradient reduction, parameter all-gather) the step does not hide."""
         ...

@@ -65,9 +65,9 @@ This module is torch-free.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable, Iterable
 
 from planner.errors import did_you_mean
 
@@ -89,6 +89,7 @@ __all__ = [
 
 KINDS = ("F", "B", "I", "W")
 """Action kinds: forward, full backward, backward-input, backward-weight."""
+
 
 @dataclass(frozen=True, slots=True)
 class Action:
@@ -223,15 +224,13 @@ SCHEDULE_INFO: dict[str, ScheduleInfo] = {
         split_backward=True,
     ),
     "zbv": ScheduleInfo(
-        "ZB-V zero bubble: 2 chunks per rank in V placement, I/W split; near-zero bubble when F = B = W. "
-        "torch ScheduleZBVZeroBubble.",
+        "ZB-V zero bubble: 2 chunks per rank in V placement, I/W split; near-zero bubble when F = B = W. torch ScheduleZBVZeroBubble.",
         "ScheduleZBVZeroBubble",
         placement="v",
         split_backward=True,
     ),
     "dualpipev": ScheduleInfo(
-        "DualPipeV (DeepSeek): V placement, overlapped forward/backward pairs (modelled as F then B), "
-        "needs m >= 2p. torch ScheduleDualPipeV.",
+        "DualPipeV (DeepSeek): V placement, overlapped forward/backward pairs (modelled as F then B), needs m >= 2p. torch ScheduleDualPipeV.",
         "ScheduleDualPipeV",
         placement="v",
         split_backward=True,
@@ -242,8 +241,7 @@ SCHEDULE_INFO: dict[str, ScheduleInfo] = {
         analysis_only=True,
     ),
     "pipedream-2bw": ScheduleInfo(
-        "PipeDream-2BW (asynchronous 1F1B, double-buffered weights, update every m >= p microbatches): "
-        "2 weight versions per stage. Analysis only.",
+        "PipeDream-2BW (asynchronous 1F1B, double-buffered weights, update every m >= p microbatches): 2 weight versions per stage. Analysis only.",
         None,
         analysis_only=True,
     ),
@@ -306,8 +304,7 @@ def schedule_constraints(name: str, p: int, m: int, v: int = 1) -> list[str]:
             out.append(f"{name} needs v >= 2 stages per rank (got v={v}); use {alt!r} for v=1")
         if m % rounds != 0:
             out.append(
-                f"{name} needs m to be a multiple of its number of rounds max(1, m // p) = {rounds} "
-                f"(got m={m}, p={p}); e.g. m < {2 * p} or m a multiple of p"
+                f"{name} needs m to be a multiple of its number of rounds max(1, m // p) = {rounds} (got m={m}, p={p}); e.g. m < {2 * p} or m a multiple of p"
             )
     elif name in ("zbv", "dualpipev"):
         if v != 2:
@@ -316,9 +313,7 @@ def schedule_constraints(name: str, p: int, m: int, v: int = 1) -> list[str]:
             out.append(f"dualpipev needs m >= 2p = number of stages ({2 * p}), got m={m}")
     # looped-bfs: any v >= 1, any m.
     if name == "pipedream-2bw" and m < p:
-        out.append(
-            f"pipedream-2bw needs m >= p ({p}) microbatches per weight update so that 2 weight versions suffice, got m={m}"
-        )
+        out.append(f"pipedream-2bw needs m >= p ({p}) microbatches per weight update so that 2 weight versions suffice, got m={m}")
 
     return out
 

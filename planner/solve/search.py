@@ -20,9 +20,9 @@ fraction of the time. Rejected candidates keep their reason.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -287,17 +287,17 @@ def enumerate_layouts(costs: ModelCosts, cluster: Cluster, opts: SearchOptions, 
     for tp in tps:
         for cp in cps:
             model = tp * cp
-            for pp in ([opts.pp] if opts.pp else divisors(world // model) if world % model == 0 else []):
+            for pp in [opts.pp] if opts.pp else divisors(world // model) if world % model == 0 else []:
                 if world % (model * pp):
                     continue
                 dp = world // (model * pp)
                 if opts.dp and dp != opts.dp:
                     continue
-                for b in ([opts.micro_batch] if opts.micro_batch else opts.micro_batches):
+                for b in [opts.micro_batch] if opts.micro_batch else opts.micro_batches:
                     if global_batch % (dp * b):
                         continue
                     m = global_batch // (dp * b)
-                    for sched in (schedules if pp > 1 else [opts.schedule or "1f1b"]):
+                    for sched in schedules if pp > 1 else [opts.schedule or "1f1b"]:
                         if sched in ("interleaved", "interleaved-zb", "looped-bfs"):
                             vs = [opts.vp] if opts.vp else [v for v in opts.virtual_stages if pp * v <= n]
                         elif sched in ("zbv", "dualpipev"):
@@ -671,7 +671,9 @@ def _simulate_extrapolated(name: str, p: int, m: int, v: int, times: StageTimes,
     return replace(r2, step_time=step, busy=busy, bubble_fraction=bubble)
 
 
-def _memory_reason(pb: part.PartitionProblem, devices: Sequence[DeviceProfile], stage_rank: Sequence[int], opts: SearchOptions, v: int, S: int, n: int) -> tuple[str, float | None, float | None]:
+def _memory_reason(
+    pb: part.PartitionProblem, devices: Sequence[DeviceProfile], stage_rank: Sequence[int], opts: SearchOptions, v: int, S: int, n: int
+) -> tuple[str, float | None, float | None]:
     """Why no partition fits: the rank that overflows most in the fastest partition that ignores memory (reason, need, capacity)."""
     free = replace(pb, capacity=[math.inf] * S)
     sol = part.solve(free)
@@ -696,7 +698,9 @@ def model_flops_per_step(costs: ModelCosts, global_batch: int) -> float:
     return 3.0 * fwd * global_batch / costs.micro_batch
 
 
-def _predicted(ctx: Context, lay: Layout, step: float, sim: SimResult, dp_exposed: float, opt_time: float, peak: float, devices: Sequence[DeviceProfile]) -> Predicted:
+def _predicted(
+    ctx: Context, lay: Layout, step: float, sim: SimResult, dp_exposed: float, opt_time: float, peak: float, devices: Sequence[DeviceProfile]
+) -> Predicted:
     costs = ctx.costs
     world = lay.world
     flops = model_flops_per_step(costs, lay.global_batch)

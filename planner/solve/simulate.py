@@ -33,8 +33,8 @@ object) and each call is one pass over the actions (about a microsecond each).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from planner.solve.schedules import Action, Schedule, validate_schedule
 
@@ -103,7 +103,7 @@ class StageTimes:
         bwd_input: float,
         bwd_weight: float = 0.0,
         send: float = 0.0,
-    ) -> "StageTimes":
+    ) -> StageTimes:
         """Identical stages: ``fwd``, ``bwd_input``, ``bwd_weight`` and ``send`` seconds each."""
         return cls(
             fwd=(fwd,) * num_stages,
@@ -427,14 +427,17 @@ def _deadlock_message(schedule: Schedule, comp: _Compiled, ptr: list[int], stuck
         else:
             need = Action("B/I", s + 1, j)  # type: ignore[arg-type,unused-ignore]
         owner = schedule.stage_to_rank[need.stage]
-        state = "later in its own list" if owner == r else (
-            f"rank {owner} is stuck at action #{ptr[owner]} {schedule.actions[owner][ptr[owner]]}"
-            if ptr[owner] < len(schedule.actions[owner])
-            else f"rank {owner} never runs it"
+        state = (
+            "later in its own list"
+            if owner == r
+            else (
+                f"rank {owner} is stuck at action #{ptr[owner]} {schedule.actions[owner][ptr[owner]]}"
+                if ptr[owner] < len(schedule.actions[owner])
+                else f"rank {owner} never runs it"
+            )
         )
         return (
-            f"rank {r} is stuck at action #{ptr[r]} {a.kind}(stage={s}, mb={j}), waiting for "
-            f"{need.kind}(stage={need.stage}, mb={j}) on rank {owner} ({state})"
+            f"rank {r} is stuck at action #{ptr[r]} {a.kind}(stage={s}, mb={j}), waiting for {need.kind}(stage={need.stage}, mb={j}) on rank {owner} ({state})"
         )
 
     lines = [blocked_on(r) for r in stuck[:4]]

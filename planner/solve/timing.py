@@ -31,8 +31,8 @@ exposes ``max(collectives / tp, collectives - its matmul time)``
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Mapping, Sequence
 
 from planner import hardware
 from planner.hardware import Cluster, DeviceProfile
@@ -203,14 +203,18 @@ def analytical_times(
             f += n_f * coll[k]
             i += n_b * coll[k]
         if cp > 1 and l.core_flops_fwd > 0:
-            core = ops_time(l.op_flops_core, l.core_flops_fwd, device, dtype, kernel_floor_s) + bytes_time(l.op_bytes_core, l.core_bytes_fwd, device, kernel_floor_s)
+            core = ops_time(l.op_flops_core, l.core_flops_fwd, device, dtype, kernel_floor_s) + bytes_time(
+                l.op_bytes_core, l.core_bytes_fwd, device, kernel_floor_s
+            )
             ring_f, ring_b = ring_attention_exposed(cp_step_s, core, cp)
             f += ring_f
             i += ring_b
         if recompute == "full":
             r = f
         elif recompute == "selective":
-            r = ops_time(l.op_flops_core, l.core_flops_fwd, device, dtype, kernel_floor_s) + bytes_time(l.op_bytes_core, l.core_bytes_fwd, device, kernel_floor_s)
+            r = ops_time(l.op_flops_core, l.core_flops_fwd, device, dtype, kernel_floor_s) + bytes_time(
+                l.op_bytes_core, l.core_bytes_fwd, device, kernel_floor_s
+            )
         else:
             r = 0.0
         fwd.append(f)

@@ -1,4 +1,5 @@
 """Blocks whose output is a transposed (non-contiguous) view, as ConvNeXt's channels-last permutes are."""
+
 import torch
 import torch.nn as nn
 

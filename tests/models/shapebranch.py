@@ -1,4 +1,5 @@
 """A block that branches on a shape: fx cannot trace inside it, but it runs on meta tensors."""
+
 import torch
 import torch.nn as nn
 
