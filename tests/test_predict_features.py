@@ -16,6 +16,7 @@ from planner.engines import get_engine
 from planner.engines.megatron import bucket_params, overlapped
 from planner.errors import UsageError
 from planner.megatron_args import check_megatron_args
+from planner.model.analyze import analyze
 from planner.records import ModelCosts
 from planner.render.megatron import render_megatron
 from planner.report import overlaps_line
@@ -312,9 +313,7 @@ def test_cli_fp8_and_cp_refusals_exit_2(gpt_costs):
 def test_gpt3_175b_interleaved_on_128_h100_fits_at_its_simulated_peak():
     """The issue's case: each virtual stage's held micro-batches summed gave 83.2 GiB and refused the layout; the
     simulated per-rank peak (what plan.json reports) is 76.1 GiB of 79.0, and that is the answer the fit check uses."""
-    from bench.published_runs import costs_for
-
-    costs = costs_for("gpt3-175b")
+    costs = analyze(ROOT / "examples" / "gpt2.py", {"preset": "gpt3-175b", "attention": "explicit"}, 1, "fp16").costs
     cluster = hardware.parse_gpus("128xH100-SXM")
     lay = Layout("megatron", 8, 4, 4, 6, 1, 64, 256, "interleaved", "selective", 1, True)
     ctx = Context(costs, cluster, SearchOptions(engine="megatron", global_batch=256, mem_target=1.0), get_engine("megatron"))

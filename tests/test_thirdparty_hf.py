@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 from planner.cli import app
 from planner.megatron_args import architecture_problem
 from planner.model.load import load_model_file
+from planner.model_ref import relative_ref
 
 HF = Path(__file__).resolve().parent / "models" / "hf"
 runner = CliRunner()
@@ -183,7 +184,9 @@ def test_plan_succeeds(name, engine, tmp_path):
     r = runner.invoke(app, ["plan", f"hf:{HF / name}.json", "--gpus", "4xA100", "--engine", engine, "--out", str(tmp_path / "p"), "--quiet"])
     assert r.exit_code == 0, r.output
     plan = json.loads((tmp_path / "p" / "plan.json").read_text())
-    assert plan["inputs"]["model_file"] == f"hf:{HF / name}.json"
+    # recorded relative to the plan directory, as a spec (planner.model_ref.relative_ref)
+    assert plan["inputs"]["model_file"] == relative_ref(f"hf:{HF / name}.json", tmp_path / "p")
+    assert plan["inputs"]["model_file"].startswith("hf:../")
 
 
 def test_megatron_refuses_an_encoder_with_a_clear_error(tmp_path):

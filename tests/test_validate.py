@@ -38,6 +38,7 @@ from planner.check.validate import (
     validate_paths,
 )
 from planner.errors import PlannerError, UsageError
+from planner.model_ref import resolve_ref
 
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures" / "validate"
@@ -662,7 +663,7 @@ def test_validate_never_imports_the_model_file_plan_json_names(tmp_path, ds_plan
     evil = tmp_path / "evil.py"
     evil.write_text(
         f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
-        + Path(json.loads((d / "plan.json").read_text())["inputs"]["model_file"]).read_text()
+        + Path(resolve_ref(json.loads((d / "plan.json").read_text())["inputs"]["model_file"], ds_plan_dir)).read_text()
     )
     data = json.loads((d / "plan.json").read_text())
     data["inputs"]["model_file"] = str(evil)

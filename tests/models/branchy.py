@@ -1,5 +1,4 @@
 """A model whose forward branches on a tensor value: fx cannot trace it."""
-
 import torch
 import torch.nn as nn
 

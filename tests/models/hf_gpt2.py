@@ -1,5 +1,4 @@
 """A tiny GPT-2 from transformers, built from its config as users write it (defaults untouched except sizes)."""
-
 import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel

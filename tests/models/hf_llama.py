@@ -1,5 +1,4 @@
 """A tiny Llama from transformers, built from its config as users write it (defaults untouched except sizes)."""
-
 import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM

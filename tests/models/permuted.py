@@ -1,5 +1,4 @@
 """Blocks whose output is a transposed (non-contiguous) view, as ConvNeXt's channels-last permutes are."""
-
 import torch
 import torch.nn as nn
 

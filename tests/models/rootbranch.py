@@ -1,5 +1,4 @@
 """Data-dependent control flow at the root module: no --leaf can hide it."""
-
 import torch
 import torch.nn as nn
 

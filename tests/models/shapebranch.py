@@ -1,5 +1,4 @@
 """A block that branches on a shape: fx cannot trace inside it, but it runs on meta tensors."""
-
 import torch
 import torch.nn as nn
 

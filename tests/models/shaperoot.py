@@ -1,5 +1,4 @@
 """A root-level branch on a shape: torch.fx cannot trace it, torch.export can (it specializes shapes)."""
-
 import torch
 import torch.nn as nn
 
