@@ -72,7 +72,12 @@ def restage(plan: Plan, counts: list[int]) -> Plan:
 # --------------------------------------------------------------------------- golden files, determinism
 
 
-@pytest.mark.parametrize("name", NAMES)
+#: one golden directory for the engine (interleaved, tensor parallel, an uneven layout string): the other fixture
+#: plans are checked by meaning (Megatron's own validation, stage split, flags) rather than frozen bytes
+GOLDEN_NAMES = ("llama70b_vp2",)
+
+
+@pytest.mark.parametrize("name", GOLDEN_NAMES)
 def test_golden_files(name):
     files = render_megatron(load(name), GOLDEN_COMMAND, None)
     golden = FIXTURES / "golden" / name

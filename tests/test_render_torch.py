@@ -50,7 +50,7 @@ PLANS = {  # fixture name: the planner arguments that made it (with --engine tor
     "llama_1f1b": "examples/llama.py --model-arg preset=llama-tiny --gpus 2xcpu --pp 2 --schedule 1f1b",
     "resnet_fpn_zbv": "examples/resnet.py --model-arg preset=resnet-tiny --model-arg head=fpn --gpus 2xcpu --schedule zbv",
 }
-GOLDEN_PLANS = ["gpt2_zbv", "gpt2_pp2dp2", "resnet_fpn_zbv"]
+GOLDEN_PLANS = ["resnet_fpn_zbv"]  # one golden directory (V schedule, skip connections); the others are checked by meaning
 
 
 def command_for(name: str) -> str:
