@@ -4,6 +4,7 @@ rendered plans validating clean, cross-file checks, drift, and the output format
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
@@ -675,3 +676,25 @@ def test_validate_never_imports_the_model_file_plan_json_names(tmp_path, ds_plan
     assert not report.memory
     validate([d], Options(model=str(evil)))  # named on the command line: imported, and memory is checked
     assert marker.exists()
+
+
+def test_symlink_loops_in_a_plan_directory_are_walked_once(tmp_path, ds_plan_dir):
+    """Two links to the directory itself and one to its parent: each real directory is read once, in bounded time."""
+    d = tmp_path / "plan"
+    shutil.copytree(ds_plan_dir, d)
+    for name, target in (("a", "."), ("b", "."), ("up", "..")):
+        (d / name).symlink_to(target)
+    plain = validate([ds_plan_dir], Options())
+    looped = validate([d], Options())
+    assert sorted(f.rule for f in looped.findings) == sorted(f.rule for f in plain.findings)
+    assert len(looped.checked) == len(plain.checked)
+
+
+def test_drift_is_independent_of_the_working_directory(tmp_path, ds_plan_dir, model_file, monkeypatch):
+    """A freshly written plan re-plans to the same bytes whether validate runs beside it, above it or elsewhere,
+    with the model named by an absolute or a relative path."""
+    for cwd in (ds_plan_dir, ds_plan_dir.parent, tmp_path):
+        monkeypatch.chdir(cwd)
+        for model in (model_file, os.path.relpath(model_file, cwd)):
+            found = validate([ds_plan_dir], Options(model=model, model_args={"preset": "gpt2-tiny"}))
+            assert not [f for f in found.findings if f.rule.startswith("DRIFT") and f.severity != "info"], (cwd, model, found.findings)
