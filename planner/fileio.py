@@ -67,7 +67,7 @@ def loads_json_bounded(text: str, what: str, max_depth: int = MAX_JSON_DEPTH) ->
         raise UsageError(f"{what} is not valid JSON: {e}.") from None
 
 
-def read_text_bounded(path: str | os.PathLike, what: str, max_bytes: int = MAX_INPUT_BYTES) -> str:
+def read_text_bounded(path: str | os.PathLike[str], what: str, max_bytes: int = MAX_INPUT_BYTES) -> str:
     """The UTF-8 text of a regular file of at most ``max_bytes`` (FIFOs and devices are refused, never read)."""
     path = Path(path)
     try:
@@ -86,7 +86,7 @@ def read_text_bounded(path: str | os.PathLike, what: str, max_bytes: int = MAX_I
         raise UsageError(f"cannot read {what} {str(path)!r}: {e.strerror or e}.") from None
 
 
-def write_text_atomic(path: str | os.PathLike, text: str, mode: int | None = None) -> None:
+def write_text_atomic(path: str | os.PathLike[str], text: str, mode: int | None = None) -> None:
     """Write ``text`` to ``path`` via a temporary file in the same directory and a rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

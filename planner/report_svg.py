@@ -14,7 +14,7 @@ ids, dates or host names are written. Torch-free.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from html import escape
 from typing import Any
@@ -22,6 +22,9 @@ from typing import Any
 from planner.solve.plan import Plan
 from planner.solve.schedules import Action, build_schedule
 from planner.solve.simulate import SimResult, StageTimes, simulate
+
+#: one scheduled action of a rank: (micro-batch, action, start s, end s)
+_Item = tuple[int, Action, float, float]
 
 __all__ = [
     "COMPONENTS",
@@ -86,7 +89,7 @@ def _nice_step(span: float, target: int) -> float:
     if span <= 0:
         return 1.0
     raw = span / max(1, target)
-    mag = 10 ** math.floor(math.log10(raw))
+    mag: float = 10 ** math.floor(math.log10(raw))
     for k in (1, 2, 2.5, 5, 10):
         if k * mag >= raw:
             return k * mag
@@ -242,7 +245,7 @@ def _all(per_rank: list[list[tuple[int, Action, float, float]]]) -> tuple[Box, .
     return tuple(Box(*item) for rows in per_rank for item in rows)
 
 
-def _prefix(rows, keep) -> list:
+def _prefix(rows: Sequence[_Item], keep: Callable[[_Item], bool]) -> list[_Item]:
     """The leading items of ``rows`` for which ``keep`` holds (rows are in time order)."""
     out = []
     for item in rows:

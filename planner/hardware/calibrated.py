@@ -14,7 +14,7 @@ import yaml
 from planner import hardware
 from planner.errors import UsageError
 
-_PLACEHOLDER_GPU = {
+_PLACEHOLDER_GPU: dict[str, Any] = {
     "intra_node": {"topology": "pcie", "bandwidth_gbps_per_direction": 25, "latency_us": 10},
     "pcie_gbps_per_direction": 25,
     "inter_node": {"bandwidth_gbps_per_direction": 12.5, "latency_us": 20, "fabric": "assumed: 100 Gb/s Ethernet or InfiniBand per GPU"},
@@ -142,7 +142,8 @@ def profile_to_hardware_yaml(profile: Mapping[str, Any], base_profiles: Mapping[
         f"# Save as {suggested_hardware_key(profile)}.yaml (the file name is the key) and pass --hardware-profile FILE.\n"
         "# Matmul peak and memory bandwidth are measured; links and all-reduce figures are not (see sources).\n"
     )
-    return header + yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=10_000)
+    text: str = yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=10_000)
+    return header + text
 
 
 def _round(x: float) -> float:

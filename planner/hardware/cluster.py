@@ -9,6 +9,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -39,7 +40,7 @@ class Cluster:
     spec: str
     notes: tuple[str, ...] = ()
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not self.groups:
             raise ValueError("a cluster needs at least one node group")
 
@@ -141,7 +142,7 @@ class Cluster:
             link = dev.intra_bandwidth
         return link * dev.allreduce_efficiency_intra
 
-    def _rank_array(self, ranks: Sequence[int]) -> np.ndarray:
+    def _rank_array(self, ranks: Sequence[int] | np.ndarray) -> np.ndarray:
         """``ranks`` as sorted unique int64 (a ``range`` is expanded by numpy, never by a Python loop)."""
         if isinstance(ranks, np.ndarray):
             arr = ranks.astype(np.int64, copy=False)
@@ -171,7 +172,7 @@ class Cluster:
             out.append((g, counts, off % g.gpus_per_node))
         return out
 
-    def bus_bandwidth(self, ranks: Sequence[int]) -> tuple[float, float]:
+    def bus_bandwidth(self, ranks: Sequence[int] | np.ndarray) -> tuple[float, float]:
         """(busbw in bytes/s, latency per ring step in seconds) for a collective over ``ranks``.
 
         One node: the intra-node link x ``allreduce_efficiency_intra`` (``mesh``:
@@ -240,7 +241,7 @@ class Cluster:
         """Ring all-gather producing an ``nbytes`` (unsharded) buffer: (n-1)/n * nbytes / busbw + (n-1) * latency."""
         return self._collective(nbytes, ranks, 1.0)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary for plan.json (bandwidths in bytes/s and GB/s per GPU per direction)."""
         return {
             "spec": self.spec,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from planner.hardware.profiles import GB, GIB, DeviceProfile
 
@@ -25,7 +26,7 @@ def intra_link_text(p: DeviceProfile) -> str:
     }[p.intra_topology]
 
 
-def profiles_table_rows(profiles: Mapping[str, DeviceProfile] | Iterable[DeviceProfile]) -> list[dict]:
+def profiles_table_rows(profiles: Mapping[str, DeviceProfile] | Iterable[DeviceProfile]) -> list[dict[str, Any]]:
     """Rows for ``planner hardware list``, sorted by key; units are in the key names.
 
     ``usable_memory_gib`` is the allocatable memory (GiB), ``bf16_tflops`` the dense

@@ -13,7 +13,7 @@ import stat
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
@@ -43,15 +43,15 @@ MEMORY_SIZE_SCALE = ((64e3, 0.3 / 0.9), (1e6, 0.6 / 0.9), (10e6, 0.75 / 0.9), (1
 # --------------------------------------------------------------------------- profiles
 
 
-class FrozenDict(dict):
+class FrozenDict(dict[Any, Any]):
     """A read-only dict: hashable by content, picklable and deep-copyable."""
 
-    def _read_only(self, *args, **kwargs):
+    def _read_only(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise TypeError("this mapping is read-only")
 
     __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _read_only
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[FrozenDict], tuple[dict[Any, Any]]]:
         return (type(self), (dict(self),))
 
     def __hash__(self) -> int:  # type: ignore[override]
@@ -224,7 +224,7 @@ class _Checker:
     def __init__(self, path: Path):
         self.path = path
 
-    def fail(self, field: str, problem: str) -> None:
+    def fail(self, field: str, problem: str) -> NoReturn:
         raise UsageError(
             f"hardware profile {self.path}: field '{field}' {problem}",
             hint=(
@@ -327,12 +327,12 @@ class _Checker:
             return dict(m)
         raise AssertionError(kind)  # pragma: no cover
 
-    def mapping(self, field: str, expected: str, v: Any) -> dict:
+    def mapping(self, field: str, expected: str, v: Any) -> dict[str, Any]:
         if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
             self.fail(field, f"must be {expected}, got {type(v).__name__} {_short_repr(v)}.")
         return v
 
-    def sources(self, data: dict, sources: dict) -> None:
+    def sources(self, data: dict[str, Any], sources: dict[str, Any]) -> None:
         valid = set(_NUMERIC_GROUPS) | {f"{g}.{s}" for g, subs in _NUMERIC_SUBS.items() for s in subs} | {"fixed_costs"}
         if "fixed_costs" in data and "fixed_costs" not in sources:
             self.fail("sources.fixed_costs", "is missing: 'fixed_costs' holds numbers, and every number needs a source.")
@@ -487,7 +487,7 @@ def profile_from_dict(data: Any, path: str | Path) -> DeviceProfile:
 _CACHE: dict[str, tuple[tuple[int, int], DeviceProfile]] = {}
 
 
-def load_profile(path: str | os.PathLike) -> DeviceProfile:
+def load_profile(path: str | os.PathLike[str]) -> DeviceProfile:
     """Load and schema-check one profile YAML (cached by path, mtime and size)."""
     path = Path(path)
     try:
@@ -522,7 +522,7 @@ def _folder_files(folder: Path) -> tuple[list[Path], list[str]]:
     return files, notes
 
 
-def profile_scan_notes(extra_paths: Sequence[str | os.PathLike] = ()) -> list[str]:
+def profile_scan_notes(extra_paths: Sequence[str | os.PathLike[str]] = ()) -> list[str]:
     """Notes on the entries of the profile folders that :func:`available_profiles` skipped."""
     notes: list[str] = []
     for entry, _ in _profile_entries(extra_paths):
@@ -542,7 +542,7 @@ def _profile_files(entry: Path, origin: str) -> list[Path]:
     )
 
 
-def _profile_entries(extra_paths: Sequence[str | os.PathLike]) -> list[tuple[Path, str]]:
+def _profile_entries(extra_paths: Sequence[str | os.PathLike[str]]) -> list[tuple[Path, str]]:
     entries: list[tuple[Path, str]] = [(hardware_profiles_dir(), "bundled profiles")]
     for part in os.environ.get(ENV_VAR, "").split(os.pathsep):
         if part.strip():
@@ -551,7 +551,7 @@ def _profile_entries(extra_paths: Sequence[str | os.PathLike]) -> list[tuple[Pat
     return entries
 
 
-def available_profiles(extra_paths: Sequence[str | os.PathLike] = ()) -> dict[str, DeviceProfile]:
+def available_profiles(extra_paths: Sequence[str | os.PathLike[str]] = ()) -> dict[str, DeviceProfile]:
     """All profiles by key: bundled, then ``$PLANNER_HARDWARE_PATH`` folders (os.pathsep-separated),
     then ``extra_paths`` (files or folders). Later entries override earlier ones with the same key."""
     out: dict[str, DeviceProfile] = {}

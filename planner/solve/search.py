@@ -330,14 +330,18 @@ def with_options(base: Layout, opts: SearchOptions, engine: EngineRules) -> list
         tpo = [opts.tp_comm_overlap]
     else:
         tpo = [False, True] if "tp-comm-overlap" in engine.overlaps and base.tp > 1 and base.sequence_parallel else [False]
-    common = dict(
-        overlap_grad_reduce=grad,
-        overlap_param_gather=gather,
-        main_grads_dtype=opts.main_grads_dtype,
-        optimizer_state_dtype=opts.optimizer_state_dtype,
-        fp8=opts.fp8,
-    )
-    return [replace(base, tp_comm_overlap=t, **common) for t in tpo]
+    return [
+        replace(
+            base,
+            tp_comm_overlap=t,
+            overlap_grad_reduce=grad,
+            overlap_param_gather=gather,
+            main_grads_dtype=opts.main_grads_dtype,
+            optimizer_state_dtype=opts.optimizer_state_dtype,
+            fp8=opts.fp8,
+        )
+        for t in tpo
+    ]
 
 
 def fp8_problems(cluster: Cluster) -> None:

@@ -141,8 +141,8 @@ def kv_bytes(costs: ModelCosts, tp: int, cp: int) -> float:
     arch = costs.architecture or {}
     if not arch or not costs.seq_len:
         return 0.0
-    heads = arch["num_attention_heads"]
-    kv_hidden = arch["hidden_size"] * (arch.get("num_query_groups") or heads) / heads
+    heads = float(arch["num_attention_heads"])
+    kv_hidden = float(arch["hidden_size"]) * float(arch.get("num_query_groups") or heads) / heads
     return 2.0 * costs.seq_len / cp * costs.micro_batch * kv_hidden / tp * 2.0
 
 
