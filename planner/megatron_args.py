@@ -102,7 +102,7 @@ def megatron_ffn_hidden_size(hidden: int, swiglu: bool) -> int:
     return int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden
 
 
-def architecture_defaults(arch: dict) -> dict[str, Any]:
+def architecture_defaults(arch: dict[str, Any]) -> dict[str, Any]:
     """``arch`` with every optional key of :data:`ARCHITECTURE` present (its default where absent or None); other keys kept."""
     out = dict(arch)
     for k in ARCHITECTURE:
@@ -111,7 +111,7 @@ def architecture_defaults(arch: dict) -> dict[str, Any]:
     return out
 
 
-def architecture_problem(arch: dict | None, model: str = "the model file") -> tuple[str, str] | None:
+def architecture_problem(arch: dict[str, Any] | None, model: str = "the model file") -> tuple[str, str] | None:
     """Why a model file's ``architecture()`` dict does not map onto Megatron-LM's GPT model, as (message, hint); None when it does.
 
     Megatron builds its own model from flags: it needs the shape (ARCHITECTURE_KEYS), a gelu or swiglu
@@ -162,7 +162,7 @@ def architecture_problem(arch: dict | None, model: str = "the model file") -> tu
     return None
 
 
-def tensor_parallel_problems(arch: dict, tp: int) -> list[str]:
+def tensor_parallel_problems(arch: dict[str, Any], tp: int) -> list[str]:
     """Why Megatron cannot split this architecture over ``tp`` GPUs (the MEG013, MEG014, MEG030 rules); empty when it can.
 
     For the search: heads divisible by tp; query groups a multiple or a divisor of tp

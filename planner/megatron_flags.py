@@ -14,12 +14,14 @@ Torch-free; no bash here (planner.check.megatron_script runs launch scripts).
 from __future__ import annotations
 
 import argparse
+import builtins
 import re
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any, NoReturn
 
 from planner.resources import templates_dir
 
@@ -98,7 +100,7 @@ class MegatronArgs:
         f = self.get(name)
         return default if f is None else as_int(f.value)
 
-    def line(self, name: str) -> int | None:
+    def line(self, name: str) -> builtins.int | None:  # builtins: the method int() shadows the type here
         f = self.get(name)
         return f.line if f else None
 
@@ -164,7 +166,7 @@ class _ParseError(Exception):
 class _Parser(argparse.ArgumentParser):
     """Raises instead of exiting, so every problem of an argv can be reported."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         m = re.match(r"argument (--[\w-]+)", message)
         raise _ParseError(message, m.group(1) if m else None)
 
@@ -172,7 +174,9 @@ class _Parser(argparse.ArgumentParser):
 class _Record(argparse.Action):
     """Keeps every occurrence of a flag in order (argparse itself keeps only the last value)."""
 
-    def __call__(self, parser, namespace, values, option_string=None):
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: str | Sequence[Any] | None, option_string: str | None = None
+    ) -> None:
         vals = [] if values is None else [values] if isinstance(values, str) else list(values)
         namespace.seen.append((option_string, tuple(vals)))
 

@@ -178,7 +178,7 @@ def split_flags(stage_layers_: Sequence[int], pp: int) -> list[tuple[str, str | 
     vp = len(counts) // pp
     L = sum(counts)
     base = [("--num-layers", str(L)), ("--pipeline-model-parallel-size", str(pp))]
-    vflags = [("--num-virtual-stages-per-pipeline-rank", str(vp))] if vp > 1 else []
+    vflags: list[tuple[str, str | None]] = [("--num-virtual-stages-per-pipeline-rank", str(vp))] if vp > 1 else []
     candidates: list[list[tuple[str, str | None]]] = []
     if len(set(counts)) == 1 and counts[0] > 0:
         candidates.append(vflags)

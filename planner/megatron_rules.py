@@ -443,7 +443,7 @@ class _Checker:
                 f"the interleaved schedule ({vp} virtual stages per rank) needs pp {need}, got pp = {pp} (validate_args asserts it).",
                 "drop the virtual stages, or deepen the pipeline" + (", or drop --no-overlap-p2p-communication" if no_overlap and pp == 2 else ""),
             )
-        if m is not None and pp > 1:
+        if m is not None and dp is not None and pp > 1:  # m is set only when dp is
             group = a.int("--microbatch-group-size-per-virtual-pipeline-stage") or pp
             if group < pp or group > m:
                 self.add(

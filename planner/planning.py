@@ -16,7 +16,7 @@ from planner.engines import get_engine
 from planner.errors import InfeasibleError, UsageError
 from planner.hardware import Cluster
 from planner.hardware.gpus import MAX_WORLD_SIZE
-from planner.model.analyze import analyze
+from planner.model.analyze import Analysis, analyze
 from planner.model.profile_match import match_profile
 from planner.records import ModelCosts
 from planner.solve.memory import GiB
@@ -89,7 +89,7 @@ class PlanRequest(SearchOptions):
         return cls(**values)
 
 
-def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | None = None):
+def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | None = None) -> tuple[Plan, Analysis, SearchResult]:
     """Plan ``req``: returns (Plan, Analysis, SearchResult). Raises InfeasibleError (exit 1) when nothing fits."""
     engine = get_engine(req.engine)  # unknown engine: a clear error before any work
     cluster = hardware.parse_gpus(

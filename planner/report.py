@@ -25,6 +25,7 @@ from rich.text import Text
 from planner.report_svg import COMPONENT_COLOURS, COMPONENTS, memory_bars, memory_svg, timeline_svg
 from planner.solve.plan import Layout, Plan, Predicted, StagePlan, load_plan
 from planner.solve.schedules import SCHEDULE_INFO
+from planner.solve.search import SearchResult
 from planner.templating import render_template
 
 __all__ = [
@@ -246,7 +247,7 @@ def _alternatives_table(plan: Plan, width: int) -> Table | None:
     return t
 
 
-def print_summary(console: Console, plan: Plan, result=None) -> None:
+def print_summary(console: Console, plan: Plan, result: SearchResult | None = None) -> None:
     """Print the chosen layout, the stages, memory per GPU, the prediction and the alternatives.
 
     ``result`` (a :class:`planner.solve.search.SearchResult`) is optional: it only adds search counts.
@@ -294,6 +295,9 @@ def print_summary(console: Console, plan: Plan, result=None) -> None:
     )
     console.print(Text(f"compute times: {_time_sources_text(plan)}", style="dim"))
     console.print(Text("memory and communication: analytical", style="dim"))
+    considered: int | None
+    priced: int | None
+    rejected: int | None
     if result is not None:
         considered, priced, rejected = result.considered, result.priced, len(result.rejected)
     else:

@@ -19,7 +19,7 @@ from planner.model.analyze import torch_dtype
 
 DEVICES = ("cpu", "cuda")
 #: default calibration sizes: square matmul sides (n) and the bytes of the copied tensor
-CALIBRATION = {
+CALIBRATION: dict[str, dict[str, Any]] = {
     "cpu": {"matmul_sizes": (512, 1024, 2048), "copy_bytes": 256 * 2**20},
     "cuda": {"matmul_sizes": (2048, 4096, 8192), "copy_bytes": 2 * 2**30},
 }
@@ -99,7 +99,7 @@ class Timer:
 
     def mark(self) -> None:
         if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
+            e = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch leaves Event.__new__ unannotated
             e.record()
             self.marks[-1].append(e)
         else:
@@ -148,7 +148,7 @@ def calibrate_device(
     time (read + write, as the costing counts bytes moved).
     """
     check_device(device)
-    sizes = tuple(matmul_sizes or CALIBRATION[device]["matmul_sizes"])
+    sizes: tuple[int, ...] = tuple(matmul_sizes or CALIBRATION[device]["matmul_sizes"])
     nbytes = int(copy_bytes or CALIBRATION[device]["copy_bytes"])
     timer_name = "cuda events" if device == "cuda" else "perf_counter"
     matmul: dict[str, Any] = {}

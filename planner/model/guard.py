@@ -26,8 +26,13 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
 
 from planner.errors import UsageError
+
+#: what signal.signal takes and returns: a handler, SIG_DFL / SIG_IGN, or None (installed from outside Python)
+_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 #: phases in which user code runs and the time limit applies
 USER_PHASES = {"import": "importing", "build": "building", "trace": "tracing", "cost": "costing"}
@@ -62,7 +67,7 @@ class Guard:
     phase: str = "import"
     _timer: threading.Timer | None = field(default=None, repr=False)
     _armed: bool = field(default=False, repr=False)
-    _previous: object = field(default=None, repr=False)
+    _previous: _Handler = field(default=None, repr=False)
 
     def describe(self) -> str:
         return PHASE_WORDS.get(self.phase, self.phase)
@@ -108,7 +113,7 @@ class Guard:
         if self._timer is not None:
             self._timer.cancel()
 
-    def _on_alarm(self, signum, frame) -> None:
+    def _on_alarm(self, signum: int, frame: FrameType | None) -> None:
         if self._armed:
             raise UserCodeTimeout()
 

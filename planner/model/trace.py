@@ -23,7 +23,7 @@ from __future__ import annotations
 import inspect
 import logging
 import traceback
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,7 +92,7 @@ class _Tracer(fx.Tracer):
             return True
         return super().is_leaf_module(m, qualname)
 
-    def call_module(self, m, forward, args, kwargs):
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception as e:
@@ -140,8 +140,8 @@ def _bind_defaults(graph: fx.Graph, defaults: dict[str, Any], n_inputs: int) -> 
             continue
         value = defaults[name]
         for user in list(ph.users):
-            user.args = fx.node.map_arg(user.args, lambda a, ph=ph, value=value: value if a is ph else a)
-            user.kwargs = fx.node.map_arg(user.kwargs, lambda a, ph=ph, value=value: value if a is ph else a)
+            user.args = fx.node.map_arg(user.args, _substitute(ph, value))
+            user.kwargs = fx.node.map_arg(user.kwargs, _substitute(ph, value))
         graph.erase_node(ph)
 
 
@@ -261,7 +261,7 @@ def _propagate(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], consts: dic
     metas: dict[fx.Node, ValueMeta] = {}
 
     class Prop(fx.Interpreter):
-        def run_node(self, n):
+        def run_node(self, n: fx.Node) -> Any:
             try:
                 out = super().run_node(n)
             except Exception as e:
@@ -382,7 +382,7 @@ class PiecesModule(nn.Module):
         self.gm = fx.GraphModule(_attr_source(lg.gm, graph, root), graph)
         self.num_inputs = len(lg.boundaries[start])
 
-    def forward(self, *args):
+    def forward(self, *args: Any) -> Any:
         if len(args) == 1 and isinstance(args[0], (tuple, list)) and self.num_inputs != 1:
             args = tuple(args[0])
         out = self.gm(*args)
@@ -428,6 +428,11 @@ def _free_nodes(graph: fx.Graph) -> set[fx.Node]:
     return free
 
 
+def _substitute(old: fx.Node, value: Any) -> Callable[[fx.Node], Any]:
+    """For fx.node.map_arg: ``value`` in place of ``old``, every other node as it is."""
+    return lambda a: value if a is old else a
+
+
 def _deterministic(node: fx.Node) -> bool:
     name = getattr(node.target, "__name__", str(node.target))
     return not any(r in name for r in ("rand", "normal", "bernoulli", "dropout", "empty"))
@@ -435,7 +440,7 @@ def _deterministic(node: fx.Node) -> bool:
 
 def _owner(node: fx.Node, blocks: set[str], containers: set[str]) -> str | None:
     """The piece owner of a node: its block, else its outermost module that is not a container (None: root code)."""
-    stack = [v[0] for v in node.meta.get("nn_module_stack", {}).values()]
+    stack: list[str] = [v[0] for v in node.meta.get("nn_module_stack", {}).values()]
     if node.op == "call_module":
         stack.append(str(node.target))
     for path in stack:
@@ -454,7 +459,7 @@ def _owner(node: fx.Node, blocks: set[str], containers: set[str]) -> str | None:
 
 def _child_of(node: fx.Node, block: str) -> str | None:
     """The direct child of ``block`` that a node runs in, if any."""
-    stack = [v[0] for v in node.meta.get("nn_module_stack", {}).values()]
+    stack: list[str] = [v[0] for v in node.meta.get("nn_module_stack", {}).values()]
     if node.op == "call_module":
         stack.append(str(node.target))
     prefix = block + "."
@@ -527,7 +532,7 @@ def build_layer_graph(
     if inputs_2x is not None:
         if used == "export":  # a static graph: trace again at twice the batch and match nodes by name
             by_name = {n.name: m for n, m in _propagate(_export_trace(model, inputs_2x), inputs_2x).items()}
-            metas2 = {n: by_name.get(n.name) for n in metas}
+            metas2: Mapping[fx.Node, ValueMeta | None] = {n: by_name.get(n.name) for n in metas}
         else:
             metas2 = _propagate(gm, inputs_2x, consts2)
         for node, m in metas.items():
@@ -573,8 +578,8 @@ def _bake_constants(gm: fx.GraphModule, consts: dict[fx.Node, Any], consts2: dic
             continue
         crossing.append(node.name)
         for user in list(node.users):
-            user.args = fx.node.map_arg(user.args, lambda a, node=node, value=value: value if a is node else a)
-            user.kwargs = fx.node.map_arg(user.kwargs, lambda a, node=node, value=value: value if a is node else a)
+            user.args = fx.node.map_arg(user.args, _substitute(node, value))
+            user.kwargs = fx.node.map_arg(user.kwargs, _substitute(node, value))
     # drop the shape reads nothing uses any more
     for node in reversed(list(gm.graph.nodes)):
         if node.op in ("call_function", "call_method") and not node.users and node in consts:
@@ -594,7 +599,7 @@ def _meta_error(e: BaseException, model: nn.Module) -> UsageError:
     where = _where(e)
     mod = ""
     if node is not None:
-        stack = [v[0] for v in node.meta.get("nn_module_stack", {}).values()]
+        stack: list[str] = [v[0] for v in node.meta.get("nn_module_stack", {}).values()]
         path = str(node.target) if node.op == "call_module" else (stack[-1] if stack else "")
         if path:
             try:
@@ -835,7 +840,7 @@ def _has(model: nn.Module, path: str) -> bool:
         return False
 
 
-def _free_last_use(u: fx.Node, pos: dict, out_node: fx.Node, free: set, end: int) -> list[int]:
+def _free_last_use(u: fx.Node, pos: dict[fx.Node, int], out_node: fx.Node, free: set[fx.Node], end: int) -> list[int]:
     uses = []
     for w in u.users:
         if w is out_node:
@@ -847,7 +852,14 @@ def _free_last_use(u: fx.Node, pos: dict, out_node: fx.Node, free: set, end: int
     return uses
 
 
-def _block_parts(nodes, block, pos, crossing, crossing_bytes, metas) -> list[list[fx.Node]]:
+def _block_parts(
+    nodes: list[fx.Node],
+    block: str,
+    pos: dict[fx.Node, int],
+    crossing: Callable[[int], list[fx.Node]],
+    crossing_bytes: Callable[[int], int],
+    metas: dict[fx.Node, ValueMeta],
+) -> list[list[fx.Node]]:
     """Split a block's nodes where no more bytes cross than at the block's input.
 
     A cut is placed before a node when the part before it already runs one of

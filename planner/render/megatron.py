@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from planner.errors import UsageError
 from planner.megatron_args import (
@@ -69,7 +69,7 @@ def architecture(plan: Plan) -> dict[str, Any]:
     problem = architecture_problem(arch, plan.inputs.get("model_file", "the model file"))
     if problem is not None:
         raise UsageError(*problem)
-    return architecture_defaults(arch)
+    return architecture_defaults(cast(dict[str, Any], arch))  # architecture_problem answered None: a non-empty dict
 
 
 def planned_stage_layers(plan: Plan) -> list[int]:
