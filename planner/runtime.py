@@ -23,7 +23,7 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from planner.model.analyze import torch_dtype
 from planner.model.load import ModelFile, load_model_file
-from planner.model.trace import LayerGraph, Piece, _free_nodes, build_layer_graph
+from planner.model.trace import LayerGraph, Piece, PiecesModule, _free_nodes, build_layer_graph
 
 
 class PlanMismatch(RuntimeError):
@@ -57,7 +57,7 @@ class PlannedModel:
     def build(self, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
         """The real model, initialised from ``seed`` (the same weights on every rank)."""
         seed_everything(seed)
-        model = self.model_file.call("build_model")
+        model: nn.Module = self.model_file.call("build_model")
         return model.to(dtype=dtype)
 
     def for_run(self, model: nn.Module, device: torch.device | str) -> PlannedModel:
@@ -104,11 +104,11 @@ class PlannedModel:
                         "values inside one stage)."
                     )
 
-    def stage(self, model: nn.Module, stage: int) -> nn.Module:
+    def stage(self, model: nn.Module, stage: int) -> PiecesModule:
         """The module running planned stage ``stage`` of ``model`` (parameters shared with ``model``)."""
         return self.layer_graph.stage_module(self.bounds[stage], self.bounds[stage + 1], root=model)
 
-    def piece(self, model: nn.Module, index: int) -> nn.Module:
+    def piece(self, model: nn.Module, index: int) -> PiecesModule:
         """One piece as a module: DeepSpeed's PipelineModule takes the pieces as its layer list."""
         return self.layer_graph.stage_module(index, index + 1, root=model)
 
@@ -136,9 +136,9 @@ class PlannedModel:
     def loss(self, output: Any, target: Any) -> torch.Tensor:
         """The model file's loss_fn, or the mean of the output when it has none."""
         if self.model_file.has("loss_fn") and target is not None:
-            return self.model_file.funcs["loss_fn"](output, target)
+            return cast(torch.Tensor, self.model_file.funcs["loss_fn"](output, target))  # the model file's contract: a scalar tensor
         flat = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        return sum(t.float().mean() for t in flat)
+        return cast(torch.Tensor, sum(t.float().mean() for t in flat))  # 0 (an int) when the output has no float tensor
 
 
 def retarget(lg: LayerGraph, source: torch.device, device: torch.device) -> None:
@@ -191,7 +191,7 @@ def impose_pieces(planned: LayerGraph, traced: LayerGraph, model_name: str) -> L
     by_name = {n.name: n for n in graph.nodes}
     compute = [n for n in graph.nodes if n.op not in ("placeholder", "output") and n not in free]
     pos = {n: i for i, n in enumerate(compute)}
-    starts = []
+    starts: list[int] = []
     for piece in planned.pieces:
         first = next((by_name[n.name] for n in piece.nodes if n.name in by_name and by_name[n.name] in pos), None)
         if first is None or (starts and pos[first] <= starts[-1]):
@@ -245,10 +245,12 @@ def seed_everything(seed: int) -> None:
 
 def load_planned_model(plan: dict[str, Any] | str | Path, model_path: str | Path | None = None) -> PlannedModel:
     """Trace the user's model as recorded in ``plan`` (a plan.json dict or path) and check its pieces."""
-    if not isinstance(plan, dict):
+    if isinstance(plan, dict):
+        doc = plan
+    else:
         p = Path(plan)
-        plan = json.loads((p / "plan.json" if p.is_dir() else p).read_text())
-    inputs = plan["inputs"]
+        doc = json.loads((p / "plan.json" if p.is_dir() else p).read_text())
+    inputs = doc["inputs"]
     path = Path(model_path or inputs["model_file"])
     mf = load_model_file(path, inputs.get("model_args", {}))
     dtype = torch_dtype(inputs.get("dtype", "bf16"))
@@ -256,11 +258,11 @@ def load_planned_model(plan: dict[str, Any] | str | Path, model_path: str | Path
     tracer = inputs.get("tracer_used", inputs.get("tracer", "auto"))
     # two samples: BatchNorm over (N, C) refuses a batch of one in training mode; torch.export graphs are
     # static, so they are traced at the micro-batch the scripts run
-    micro_batch = int(plan["layout"]["micro_batch"])
+    micro_batch = int(doc["layout"]["micro_batch"])
     batch = micro_batch if tracer == "export" else 2
     options = {"leaf_classes": inputs.get("leaf", []), "tracer": tracer, "sub_block_cuts": inputs.get("sub_block_cuts", True)}
     lg = build_layer_graph(meta, mf.inputs_meta(batch, dtype), None, **options)
     names = [p.name for p in lg.pieces]
-    _check_pieces(names, plan["model"]["pieces"], path.name)
-    bounds = [s["pieces"][0] for s in plan["stages"]] + [plan["stages"][-1]["pieces"][1]]
+    _check_pieces(names, doc["model"]["pieces"], path.name)
+    bounds: list[int] = [s["pieces"][0] for s in doc["stages"]] + [doc["stages"][-1]["pieces"][1]]
     return PlannedModel(mf, lg, bounds, names, options, micro_batch)
