@@ -32,7 +32,7 @@ def planned_layout(plan: dict[str, Any]) -> dict[str, Any]:
 
 def read_plan(path: str | Path, expected: dict[str, Any]) -> dict[str, Any]:
     """plan.json, refused when what the script depends on differs from ``expected`` (what it was rendered for)."""
-    plan = json.loads(Path(path).read_text())
+    plan: dict[str, Any] = json.loads(Path(path).read_text())
     found = planned_layout(plan)
     diff = sorted(k for k in expected.keys() | found.keys() if found.get(k) != expected.get(k))
     if diff:

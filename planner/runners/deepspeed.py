@@ -27,7 +27,7 @@ import argparse
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -152,12 +152,12 @@ class _ZeroGradAnchor(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, out: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
         ctx.specs = [(e.shape, e.dtype, e.device) for e in extra]
         return out.view_as(out)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (grad, *[torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.specs])
 
 
@@ -167,11 +167,11 @@ class _TiedParam:
     def __init__(self, param: nn.Parameter):
         self.param = param
 
-    def parameters(self):
+    def parameters(self) -> Iterator[nn.Parameter]:
         return iter([self.param])
 
 
-class PlannedPipelineModule(PipelineModule):
+class PlannedPipelineModule(PipelineModule):  # type: ignore[misc]  # deepspeed ships no type information: PipelineModule is Any
     """A ``PipelineModule`` over the planned pieces with the planned stage boundaries.
 
     Args:
@@ -208,7 +208,7 @@ class PlannedPipelineModule(PipelineModule):
         kwargs.setdefault("activation_checkpoint_func", ds_checkpointing.non_reentrant_checkpoint)
         super().__init__(layers=list(layers), topology=topology, **kwargs)
         # PipelineModule keeps its whole layer list; drop the other stages' pieces so their weights can be freed.
-        self._layer_specs = [x if self._local_start <= i < self._local_stop else None for i, x in enumerate(self._layer_specs)]
+        self._layer_specs: list[Any] = [x if self._local_start <= i < self._local_stop else None for i, x in enumerate(self._layer_specs)]
         stage = self.stage_id
         self._units = [(a - self._local_start, b - self._local_start) for a, b in (units or []) if self._local_start <= a < self._local_stop]
         self._no_grad_in = list((no_grad_inputs or [[]] * self.num_stages)[stage]) if stage > 0 else []
@@ -420,7 +420,7 @@ class StepTimer:
 class ForwardCounter:
     """Counts forward calls of the local pieces (twice per micro-batch when activations are recomputed)."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: PlannedPipelineModule):
         self.calls = 0
         self._handles = [m.register_forward_pre_hook(self._hook) for m in module.forward_funcs if isinstance(m, nn.Module)]
 

@@ -137,7 +137,7 @@ def resolve_precision(arg: str, plan: dict[str, Any], device: torch.device) -> s
     return dtype if dtype in AUTOCAST_DTYPES else "fp32"
 
 
-def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:
     """Mixed precision for the forward: autocast to bf16/fp16 over fp32 master weights; nothing for fp32."""
     if precision not in AUTOCAST_DTYPES:
         return contextlib.nullcontext()

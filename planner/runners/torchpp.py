@@ -30,10 +30,10 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -322,12 +322,13 @@ def unique_parameters(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
 # ----------------------------------------------------------------------------- schedule
 
 
-def schedule_class(name: str) -> type:
+def schedule_class(name: str) -> type[Any]:
     """The torch schedule class that runs planner schedule ``name`` (planner.solve.schedules.SCHEDULE_INFO)."""
     info = SCHEDULE_INFO.get(name)
     if info is None or info.torch_class is None:
         raise ScheduleMismatch(f"schedule {name!r} is not run by torch.distributed.pipelining")
-    return getattr(torch_schedules, info.torch_class)
+    cls: type[Any] = getattr(torch_schedules, info.torch_class)
+    return cls
 
 
 class LossFunction:
@@ -348,7 +349,7 @@ class LossFunction:
         return loss * self.scaler.scale if self.scaler.enabled else loss
 
 
-def make_schedule(name: str, stages: Sequence[PipelineStage], num_microbatches: int, loss_fn: Callable) -> Any:
+def make_schedule(name: str, stages: Sequence[PipelineStage], num_microbatches: int, loss_fn: Callable[..., torch.Tensor]) -> Any:
     """The torch schedule object over this rank's stages (gradients left unscaled: see the module docstring)."""
     cls = schedule_class(name)
     if issubclass(cls, torch_schedules.PipelineScheduleSingle):
@@ -461,7 +462,7 @@ class GradientSync:
                 p.grad = torch.zeros_like(p)
         for _, p, group in self.tied:
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
-        grads = [p.grad for p in self.params]
+        grads = [cast(torch.Tensor, p.grad) for p in self.params]  # every one set above
         if self.env.topo.dp > 1 and grads:
             flat = torch._utils._flatten_dense_tensors(grads)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.env.dp_group)
@@ -472,7 +473,7 @@ class GradientSync:
 
     def found_inf(self) -> bool:
         """True if any rank's gradients hold inf/NaN (fp16 overflow): every rank then skips the step."""
-        flag = torch.tensor([0.0 if all(torch.isfinite(p.grad).all() for p in self.params) else 1.0], device=self.env.device)
+        flag = torch.tensor([0.0 if all(torch.isfinite(cast(torch.Tensor, p.grad)).all() for p in self.params) else 1.0], device=self.env.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -507,10 +508,11 @@ class StepTimer:
     """Wall-clock time of each step (the device synchronised at both ends), seconds."""
 
     def __init__(self, device: torch.device):
-        self.device, self.times = device, []
+        self.device = device
+        self.times: list[float] = []
 
     @contextlib.contextmanager
-    def step(self):
+    def step(self) -> Iterator[None]:
         self._sync()
         t0 = time.perf_counter()
         yield
