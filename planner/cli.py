@@ -13,7 +13,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import typer
 from rich.console import Console
@@ -82,7 +82,7 @@ def _user_code(model: Path, timeout_s: float | None, initial_phase: str = "impor
 
 
 @contextmanager
-def progress_reporter(enabled: bool) -> Iterator:
+def progress_reporter(enabled: bool) -> Iterator[Callable[[str, int, int], None] | None]:
     """A callback(phase, done, total) that shows a progress bar once work has lasted over a second."""
     if not enabled or not err.is_terminal:
         yield None
@@ -140,7 +140,7 @@ def _timeout(value: float) -> float | None:
 MAX_MODEL_ARG_CHARS = 4096
 
 
-def _model_args(pairs: Optional[List[str]]) -> dict:
+def _model_args(pairs: Optional[List[str]]) -> dict[str, Any]:
     """--model-arg KEY=VALUE pairs, bounded in length; a literal too deep to parse is an exit-2 error."""
     from planner.model.load import parse_model_args
 

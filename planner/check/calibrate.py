@@ -137,7 +137,7 @@ def _mismatch(plan_dir: Path, what: str, source: str) -> UsageError:
     )
 
 
-def _bounds_from_stats(rows: list[dict]) -> tuple[int, ...] | None:
+def _bounds_from_stats(rows: list[dict[str, Any]]) -> tuple[int, ...] | None:
     """Stage boundaries from smoke.json's per-rank ``pieces`` ([[a, b], ...] per rank, or [a, b])."""
     spans = set()
     for row in rows:
@@ -154,7 +154,7 @@ def _bounds_from_stats(rows: list[dict]) -> tuple[int, ...] | None:
     return tuple([a for a, _ in spans] + [spans[-1][1]])
 
 
-def _smoke_model_args(doc: dict) -> dict[str, Any]:
+def _smoke_model_args(doc: dict[str, Any]) -> dict[str, Any]:
     """The --model-arg values a smoke run scaled the model with: ``model_args`` when recorded, else its note."""
     from planner.model.load import parse_model_args
 
@@ -176,7 +176,7 @@ class _Analyses:
     """Trace each distinct model configuration once."""
 
     def __init__(self):
-        self._cache: dict[tuple, Any] = {}
+        self._cache: dict[tuple[Any, ...], Any] = {}
 
     def get(self, req: PlanRequest):
         from planner.model.analyze import analyze

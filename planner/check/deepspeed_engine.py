@@ -87,7 +87,7 @@ def _world(config: Any, data_parallel: int) -> Iterator[None]:
         dist.get_rank, dist.get_world_size = saved
 
 
-def refusal(cfg: dict, data_parallel: int = 1) -> Exception | None:
+def refusal(cfg: dict[str, Any], data_parallel: int = 1) -> Exception | None:
     """The exception DeepSpeedConfig raises for ``cfg`` on ``data_parallel`` ranks, or None when it accepts it.
 
     Needs deepspeed (see :func:`available`); ``cfg`` is not modified.
@@ -114,7 +114,7 @@ def describe(error: Exception) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def field_errors(error: Exception) -> list[tuple[tuple, str]]:
+def field_errors(error: Exception) -> list[tuple[tuple[Any, ...], str]]:
     """(field path inside the model that raised, ``field: message (got value)``) for each error of a pydantic
     ValidationError; [] for other exceptions."""
     errors = getattr(error, "errors", None)
@@ -307,12 +307,12 @@ def _number(v: Any, integer: bool = False) -> float | None:
     return x
 
 
-def type_problems(cfg: dict, sections: tuple[str, ...]) -> list[tuple[tuple, str]]:
+def type_problems(cfg: dict[str, Any], sections: tuple[str, ...]) -> list[tuple[tuple[Any, ...], str]]:
     """(key path, message) for values DeepSpeed 0.19.8's DeepSpeedConfig refuses by type or range, checked without
     deepspeed: non-objects where it reads a section (``sections``: the top-level sections of the shipped key table),
     ZeRO's stage and bounded integer fields, fp16's loss scale. A subset of DeepSpeed's checks, used only when
     deepspeed is not importable; tests compare every verdict with DeepSpeedConfig (no false refusals)."""
-    out: list[tuple[tuple, str]] = []
+    out: list[tuple[tuple[Any, ...], str]] = []
     for key in sections:
         if key not in cfg:
             continue

@@ -198,11 +198,11 @@ def _num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _dotted(path: tuple) -> str:
+def _dotted(path: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in path)
 
 
-def _has(cfg: dict, path: tuple) -> bool:
+def _has(cfg: dict[str, Any], path: tuple[Any, ...]) -> bool:
     node: Any = cfg
     for part in path:
         if not isinstance(node, dict) or part not in node:
@@ -211,7 +211,7 @@ def _has(cfg: dict, path: tuple) -> bool:
     return True
 
 
-def _delete(cfg: dict, path: tuple) -> bool:
+def _delete(cfg: dict[str, Any], path: tuple[Any, ...]) -> bool:
     """Remove ``path`` from nested dicts ``cfg``; whether it was there."""
     node: Any = cfg
     for part in path[:-1]:
@@ -225,11 +225,11 @@ def _delete(cfg: dict, path: tuple) -> bool:
 class _Checker:
     def __init__(self, doc: JsonDoc, ctx: DSContext, table: KeyTable):
         self.doc, self.ctx, self.table = doc, ctx, table
-        self.cfg: dict = doc.value
+        self.cfg: dict[str, Any] = doc.value
         self.out: list[Finding] = []
-        self.paths: list[tuple[str, tuple]] = []  # (rule, key path) of every finding with a path
+        self.paths: list[tuple[str, tuple[Any, ...]]] = []  # (rule, key path) of every finding with a path
 
-    def add(self, rule: str, path: tuple | None, message: str, fix: str) -> None:
+    def add(self, rule: str, path: tuple[Any, ...] | None, message: str, fix: str) -> None:
         line = self.doc.line(*path) if path else None
         if path:
             self.paths.append((rule, tuple(path)))
@@ -274,10 +274,10 @@ class _Checker:
             for path, _ in fields or [((key,), text)]:
                 _delete(cfg, path)
 
-    def _explained(self, path: tuple) -> bool:
+    def _explained(self, path: tuple[Any, ...]) -> bool:
         return any(rule in _EXPLAINED and path[: len(p)] == p for rule, p in self.paths)
 
-    def _repaired(self, dp: int) -> dict:
+    def _repaired(self, dp: int) -> dict[str, Any]:
         """The config with what other rules already report taken out: consistent batch values for ``dp`` ranks (DS001
         checks the written ones) and the keys of DS003/DS004/DS010 findings removed."""
         cfg = copy.deepcopy(self.cfg)
@@ -289,7 +289,7 @@ class _Checker:
                 _delete(cfg, path)
         return cfg
 
-    def _culprit(self, cfg: dict, text: str, dp: int) -> str | None:
+    def _culprit(self, cfg: dict[str, Any], text: str, dp: int) -> str | None:
         """The top-level key DeepSpeed refuses: the one whose removal changes its verdict."""
         for key in [k for k in cfg if k not in deepspeed_engine.BATCH_KEYS]:
             other = deepspeed_engine.refusal({k: v for k, v in cfg.items() if k != key}, dp)
@@ -314,7 +314,7 @@ class _Checker:
             return
         self.walk(self.cfg, (), "")
 
-    def walk(self, obj: dict, path: tuple, section: str) -> None:
+    def walk(self, obj: dict[str, Any], path: tuple[Any, ...], section: str) -> None:
         known = self.table.sections.get(section)
         if known is None:
             return
@@ -343,7 +343,7 @@ class _Checker:
             elif info.kind == SECTION and isinstance(val, dict):
                 self.walk(val, here, f"{section}.{key}" if section else key)
 
-    def unknown(self, here: tuple, key: str, section: str, policy: str, known: dict) -> None:
+    def unknown(self, here: tuple[Any, ...], key: str, section: str, policy: str, known: dict[str, Any]) -> None:
         candidates = [k for k, i in known.items() if i.kind not in (REMOVED,)]
         where = f"the {section} section" if section else "the top level"
         if policy == FORBID:
@@ -384,7 +384,7 @@ class _Checker:
             "remove it (or keep it if your own code reads it)",
         )
 
-    def unread(self, here: tuple, key: str) -> None:
+    def unread(self, here: tuple[Any, ...], key: str) -> None:
         module_args = self.table.sections.get("pipeline:module_args", {})
         arg = difflib.get_close_matches(key, list(module_args), n=1, cutoff=0.6) if here[0] == "pipeline" else []
         self.add(
@@ -395,7 +395,7 @@ class _Checker:
             (f"pass {arg[0]}=... to PipelineModule(...) and remove it here" if arg else "remove it"),
         )
 
-    def params(self, here: tuple, val: Any) -> None:
+    def params(self, here: tuple[Any, ...], val: Any) -> None:
         owner = self.cfg.get(here[0])
         if not isinstance(val, dict) or not isinstance(owner, dict):
             return

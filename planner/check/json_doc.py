@@ -25,8 +25,8 @@ class JsonError(ValueError):
 @dataclass
 class JsonDoc:
     value: Any
-    lines: dict[tuple, int]  # key path -> 1-based line where the key is first written
-    duplicates: list[tuple[tuple, int, int]]  # (path, line, line of the first occurrence)
+    lines: dict[tuple[Any, ...], int]  # key path -> 1-based line where the key is first written
+    duplicates: list[tuple[tuple[Any, ...], int, int]]  # (path, line, line of the first occurrence)
 
     def line(self, *path: Any) -> int | None:
         """Line of the deepest written prefix of ``path``."""
@@ -54,16 +54,16 @@ def parse_json(text: str) -> JsonDoc:
     return JsonDoc(value, lines, dups)
 
 
-def key_lines(text: str) -> tuple[dict[tuple, int], list[tuple[tuple, int, int]]]:
+def key_lines(text: str) -> tuple[dict[tuple[Any, ...], int], list[tuple[tuple[Any, ...], int, int]]]:
     """(key path -> line, duplicates) of a valid JSON text. Array elements are path items by index."""
     starts = [m.end() for m in re.finditer("\n", text)]
-    lines: dict[tuple, int] = {}
-    dups: list[tuple[tuple, int, int]] = []
-    dup_paths: set[tuple] = set()
+    lines: dict[tuple[Any, ...], int] = {}
+    dups: list[tuple[tuple[Any, ...], int, int]] = []
+    dup_paths: set[tuple[Any, ...]] = set()
     # stack entries: [is_object, path of the container, last key path (objects) or element index (arrays)]
     stack: list[list[Any]] = []
 
-    def value_path() -> tuple:
+    def value_path() -> tuple[Any, ...]:
         if not stack:
             return ()
         is_obj, path, last = stack[-1]

@@ -20,7 +20,7 @@ STAGE_TIMES = ("time_fwd_s", "time_bwd_s", "time_bwd_weight_s", "time_recompute_
 DICT_FIELDS = ("layout", "predicted", "inputs", "model", "cluster", "assumptions")
 LIST_FIELDS = ("stages", "ranks", "alternatives", "notes")
 
-Problem = tuple[tuple, str]
+Problem = tuple[tuple[Any, ...], str]
 
 
 def _is_int(v: Any) -> bool:
@@ -40,10 +40,10 @@ class _Checker:
     def __init__(self) -> None:
         self.out: list[Problem] = []
 
-    def bad(self, path: tuple, what: str, value: Any) -> None:
+    def bad(self, path: tuple[Any, ...], what: str, value: Any) -> None:
         self.out.append((path, f"plan.json {'.'.join(map(str, path))} must be {what}, not {_shown(value)}"))
 
-    def count(self, d: dict, key: str, path: tuple, low: int = 1, high: int = MAX_COUNT, required: bool = True) -> bool:
+    def count(self, d: dict[str, Any], key: str, path: tuple[Any, ...], low: int = 1, high: int = MAX_COUNT, required: bool = True) -> bool:
         """An integer in [low, high]; whether it is one."""
         if key not in d:
             if required:
@@ -55,7 +55,7 @@ class _Checker:
             return False
         return True
 
-    def number(self, d: dict, key: str, path: tuple, positive: bool = False, high: float = math.inf, required: bool = True) -> None:
+    def number(self, d: dict[str, Any], key: str, path: tuple[Any, ...], positive: bool = False, high: float = math.inf, required: bool = True) -> None:
         """A finite number >= 0 (> 0 with ``positive``), at most ``high``."""
         if key not in d:
             if required:
@@ -65,7 +65,7 @@ class _Checker:
         if not _is_num(v) or not math.isfinite(v) or v < 0 or (positive and v == 0) or v > high:
             self.bad(path, f"a finite number {'> 0' if positive else '>= 0'}" + (f" and at most {high:g}" if high < math.inf else ""), v)
 
-    def typed(self, d: dict, key: str, path: tuple, kind: type | tuple, what: str, required: bool = True) -> bool:
+    def typed(self, d: dict[str, Any], key: str, path: tuple[Any, ...], kind: type | tuple[Any, ...], what: str, required: bool = True) -> bool:
         if key not in d:
             if required:
                 self.out.append((path, f"plan.json {'.'.join(map(str, path))} is missing"))
@@ -121,7 +121,7 @@ def plan_problems(data: Any) -> list[Problem]:
     return c.out
 
 
-def _layout(c: _Checker, lay: dict) -> tuple[int | None, int | None]:
+def _layout(c: _Checker, lay: dict[str, Any]) -> tuple[int | None, int | None]:
     """Checks the layout; (pp, pp x vp) when both are valid."""
     valid = [c.count(lay, k, ("layout", k)) for k in LAYOUT_COUNTS]  # every field checked, not only up to the first bad one
     ok = all(valid)
@@ -135,7 +135,7 @@ def _layout(c: _Checker, lay: dict) -> tuple[int | None, int | None]:
     return (lay["pp"], lay["pp"] * lay["vp"]) if ok else (None, None)
 
 
-def _stages(c: _Checker, stages: list, pp: int | None, pp_vp: int | None) -> None:
+def _stages(c: _Checker, stages: list[Any], pp: int | None, pp_vp: int | None) -> None:
     if not stages:
         c.out.append((("stages",), "plan.json stages is empty; a plan has at least one stage"))
         return
@@ -163,7 +163,7 @@ def _stages(c: _Checker, stages: list, pp: int | None, pp_vp: int | None) -> Non
         _bytes(c, s, path)
 
 
-def _bytes(c: _Checker, d: dict, path: tuple) -> None:
+def _bytes(c: _Checker, d: dict[str, Any], path: tuple[Any, ...]) -> None:
     c.number(d, "capacity_bytes", path + ("capacity_bytes",))
     if c.typed(d, "memory_bytes", path + ("memory_bytes",), dict, "a JSON object of byte counts"):
         for key in d["memory_bytes"]:
@@ -187,7 +187,7 @@ _INPUTS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def _inputs(c: _Checker, inputs: dict) -> None:
+def _inputs(c: _Checker, inputs: dict[str, Any]) -> None:
     for key, (ok, what) in _INPUTS.items():
         if key in inputs and not ok(inputs[key]):
             c.bad(("inputs", key), what, inputs[key])

@@ -289,7 +289,7 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def _kill_group(proc: subprocess.Popen) -> bool:
+def _kill_group(proc: subprocess.Popen[Any]) -> bool:
     """Stop the launcher and every worker it started; True when nothing of them is left running."""
     pids = [proc.pid] + _descendants(proc.pid)
     for sig in (signal.SIGTERM, signal.SIGKILL):

@@ -130,7 +130,7 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def collect(paths: Sequence[str | os.PathLike]) -> list[Unit]:
+def collect(paths: Sequence[str | os.PathLike[str]]) -> list[Unit]:
     """Group the recognised files under ``paths`` by directory. Raises UsageError for a missing or unrecognised path."""
     units: dict[Path, Unit] = {}
     walked: set[Path] = set()  # directories already walked, by real path: symlink loops end here
@@ -216,13 +216,13 @@ class _Run:
     findings: list[Finding] = field(default_factory=list)
     checked: list[str] = field(default_factory=list)
     memory: list[MemoryEstimate] = field(default_factory=list)
-    _analyses: dict = field(default_factory=dict)
-    _clusters: dict = field(default_factory=dict)
+    _analyses: dict[str, Any] = field(default_factory=dict)
+    _clusters: dict[str, Any] = field(default_factory=dict)
 
     def add(self, rule: str, file: str, line: int | None, message: str, fix: str, detail: str = "") -> None:
         self.findings.append(Finding(rule, RULES[rule][0], file, line, message, fix, detail))  # type: ignore[arg-type]
 
-    def cluster(self, spec: str, inputs: dict | None = None):
+    def cluster(self, spec: str, inputs: dict[str, Any] | None = None):
         from planner import hardware
 
         inputs = inputs or {}
@@ -236,7 +236,7 @@ class _Run:
             )
         return self._clusters[key]
 
-    def costs(self, model: Path, model_args: dict, micro_batch: int, dtype: str, leaf: Sequence[str] = (), tracer: str = "auto"):
+    def costs(self, model: Path, model_args: dict[str, Any], micro_batch: int, dtype: str, leaf: Sequence[str] = (), tracer: str = "auto"):
         from planner.model.analyze import analyze
 
         key = (str(model.resolve()), json.dumps(model_args, sort_keys=True, default=str), micro_batch, dtype, tuple(leaf), tracer)
@@ -254,14 +254,14 @@ class _Ctx:
 
     unit: Unit
     plan: Any = None  # planner.solve.plan.Plan
-    plan_dict: dict | None = None
+    plan_dict: dict[str, Any] | None = None
     plan_file: str | None = None
     cluster: Any = None
     cluster_source: str = ""
     world: int | None = None
 
 
-def _load_plan(run: _Run, u: Unit) -> tuple[Any, dict | None]:
+def _load_plan(run: _Run, u: Unit) -> tuple[Any, dict[str, Any] | None]:
     """plan.json of a plan directory, its fields checked (planner.check.plan_fields); PLAN005 findings and
     (None, None) when it cannot be read or a field is wrong."""
     from planner.solve.plan import Plan
@@ -745,7 +745,7 @@ def _costs(run: _Run, ctx: _Ctx, rel: str, line: int, dtype: str):
         return None
 
 
-def _memory(run: _Run, ctx: _Ctx, rel: str, line: int, layout, bounds: tuple, split: str, costs) -> None:
+def _memory(run: _Run, ctx: _Ctx, rel: str, line: int, layout, bounds: tuple[Any, ...], split: str, costs) -> None:
     """Price ``layout`` with ``bounds`` (planner.solve.search.evaluate_layout) and report ranks that do not fit."""
     from planner.engines import get_engine
     from planner.solve.search import Context, Evaluation, SearchOptions, price_layout
@@ -975,7 +975,7 @@ def _check_unit(run: _Run, u: Unit) -> None:
         _check_drift(run, ctx)
 
 
-def validate(paths: Sequence[str | os.PathLike], options: Options | None = None) -> Report:
+def validate(paths: Sequence[str | os.PathLike[str]], options: Options | None = None) -> Report:
     """All findings for ``paths`` (sorted by file, line, severity), the files checked and the memory estimates.
 
     Raises UsageError for a missing or unrecognised path or a malformed --gpus.
@@ -994,9 +994,9 @@ def validate(paths: Sequence[str | os.PathLike], options: Options | None = None)
 
 
 def validate_paths(
-    paths: Sequence[str | os.PathLike],
+    paths: Sequence[str | os.PathLike[str]],
     gpus: str | None = None,
-    model: str | os.PathLike | None = None,
+    model: str | os.PathLike[str] | None = None,
     strict: bool = False,
     fmt: str = "text",
     pp: int | None = None,

@@ -273,7 +273,7 @@ def cost_piece(
     return cost, detached
 
 
-def piece_structure(mod, block: str | None) -> tuple:
+def piece_structure(mod, block: str | None) -> tuple[Any, ...]:
     """Structure of one piece module with its block's path removed: graph ops (values entering the piece by
     position), module classes and their scalar settings, parameter and buffer shapes and dtypes.
 
@@ -303,7 +303,7 @@ def piece_structure(mod, block: str | None) -> tuple:
     return tuple(ops), tuple(mods), params, buffers
 
 
-def _signature(module: nn.Module, inputs: tuple[torch.Tensor, ...], block: str | None) -> tuple:
+def _signature(module: nn.Module, inputs: tuple[torch.Tensor, ...], block: str | None) -> tuple[Any, ...]:
     """A piece's structure plus the shapes, dtypes and grad flags of its inputs: equal pieces cost the same."""
     flat, spec = torch.utils._pytree.tree_flatten(tuple(inputs))
     ins = (str(spec), tuple((tuple(t.shape), t.dtype, t.requires_grad) if isinstance(t, torch.Tensor) else repr(t) for t in flat))
@@ -329,7 +329,7 @@ def cost_layers(
     dtype: torch.dtype,
     seq_len: int | None = None,
     model_file=None,
-    architecture: dict | None = None,
+    architecture: dict[str, Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> ModelCosts:
     """Cost every piece of ``lg`` for one micro-batch; identical pieces are costed once.
@@ -338,7 +338,7 @@ def cost_layers(
     costed with the last piece, which is where it runs in a pipeline.
     """
     layers: list[Layer] = []
-    cache: dict[tuple, tuple[PieceCost, Any]] = {}
+    cache: dict[tuple[Any, ...], tuple[PieceCost, Any]] = {}
     placeholders = [n for n in lg.gm.graph.nodes if n.op == "placeholder"]
     values: dict[Any, Any] = dict(zip(placeholders, inputs))
     missing = [n.name for n in lg.boundaries[0] if n not in values]
