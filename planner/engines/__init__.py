@@ -6,11 +6,11 @@ and its renderer in planner/render/ under the same name.
 
 from __future__ import annotations
 
-from planner.engines import deepspeed, megatron, torchpp
+from planner.engines import deepspeed, megatron, torchpp, torchtitan
 from planner.engines.base import Engine
 from planner.errors import UsageError, did_you_mean
 
-ENGINES: dict[str, Engine] = {e.name: e for e in (deepspeed.ENGINE, megatron.ENGINE, torchpp.ENGINE)}
+ENGINES: dict[str, Engine] = {e.name: e for e in (deepspeed.ENGINE, megatron.ENGINE, torchpp.ENGINE, torchtitan.ENGINE)}
 
 
 def get_engine(name: str) -> Engine:

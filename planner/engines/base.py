@@ -23,6 +23,23 @@ from planner.solve.plan import Layout
 from planner.solve.schedules import SCHEDULE_INFO, schedule_constraints
 
 
+def whole_block_cuts(costs: ModelCosts) -> np.ndarray:
+    """(n + 1,) booleans: cuts only between whole repeated blocks, the pieces before the first block (embedding)
+    kept with it and those after the last block (final norm, output layer, loss) kept with it, so the first and
+    last stages always hold a block. Every cut is allowed when the model has no blocks."""
+    n = costs.n
+    allowed = np.ones(n + 1, dtype=bool)
+    blocks = [i for i, layer in enumerate(costs.layers) if layer.block is not None]
+    if not blocks:
+        return allowed
+    first, last = blocks[0], blocks[-1]
+    for k in range(1, n):
+        prev, cur = costs.layers[k - 1], costs.layers[k]
+        whole = cur.block is None or cur.block != prev.block
+        allowed[k] = whole and first < k <= last
+    return allowed
+
+
 class Engine(ABC):
     """One training engine (see the module docstring); implements planner.solve.rules.EngineRules."""
 

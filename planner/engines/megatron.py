@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from planner.engines.base import Engine
+from planner.engines.base import Engine, whole_block_cuts
 from planner.megatron_args import architecture_problem, tensor_parallel_problems
 from planner.records import ModelCosts
 from planner.solve.memory import DTYPE_BYTES, StateRecipe, state_recipe
@@ -113,17 +113,7 @@ class MegatronEngine(Engine):
     def allowed_cuts(self, costs: ModelCosts) -> np.ndarray:
         """Only between whole transformer layers; the embedding stays with the first layer, the final norm,
         output layer and loss with the last, so the first and last stages always hold a layer."""
-        n = costs.n
-        allowed = np.ones(n + 1, dtype=bool)
-        blocks = [i for i, layer in enumerate(costs.layers) if layer.block is not None]
-        if not blocks:
-            return allowed
-        first, last = blocks[0], blocks[-1]
-        for k in range(1, n):
-            prev, cur = costs.layers[k - 1], costs.layers[k]
-            whole = cur.block is None or cur.block != prev.block
-            allowed[k] = whole and first < k <= last
-        return allowed
+        return whole_block_cuts(costs)
 
     def runtime_schedule_problems(self, schedule: str, pp: int, m: int, v: int) -> list[str]:
         out = super().runtime_schedule_problems(schedule, pp, m, v)

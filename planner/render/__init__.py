@@ -30,6 +30,7 @@ from planner.model_ref import relative_ref
 from planner.render.deepspeed import render_deepspeed
 from planner.render.megatron import render_megatron
 from planner.render.torchpp import render_torch
+from planner.render.torchtitan import render_torchtitan
 from planner.report import report_files
 from planner.solve.plan import Plan
 from planner.templating import one_line, render_template, shell_quote
@@ -57,6 +58,7 @@ RENDERERS: dict[str, Callable[[Plan, str, Path | None], dict[str, str]]] = {
     "deepspeed": render_deepspeed,
     "megatron": render_megatron,
     "torch": render_torch,
+    "torchtitan": render_torchtitan,
 }
 
 EXECUTABLE_SUFFIXES = (".sh",)
