@@ -9,8 +9,10 @@ step time the way its source counts (bench/data/published_runs.yaml, `sources`):
   num_floating_point_operations, 12 B s l h^2 ((1 + g/a + s/h) + ffn/h (x 3/2 gated) + V/2lh);
 * NeMo / Megatron-Bridge tables: step = global batch x sequence / (tokens/s/GPU x GPUs);
 * Korthikanti et al. 2022 and BLOOM publish the step time itself.
-Rows the planner cannot express today (context parallelism, FP8, expert parallelism, a
-squared-ReLU MLP) are kept and reported as such. Sources are split into a tune set and a
+Each row's layout carries what the run did: context parallelism, FP8 GEMMs, the overlaps its
+source states (or the defaults of its software at that version, marked assumed in the data).
+Rows the planner cannot express (expert parallelism, a squared-ReLU MLP) are kept and
+reported as such. Sources are split into a tune set and a
 test-only set (bench/NOTES.md says why).
 """
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
 
@@ -41,6 +43,8 @@ class Source:
     flop_text: str
     step_from: str  # tflops | tokens | step_s: which published figure gives the step time
     attention: str  # explicit (s x s scores kept, 2021-22 Megatron) | flash
+    overlaps: tuple[str, ...]  # grad_reduce | param_gather | tp_comm: what the source's runs overlapped (stated or its defaults)
+    overlaps_text: str  # where the overlaps come from
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,7 @@ class PublishedRun:
 def load_runs(path: Path = DATA) -> list[PublishedRun]:
     """Every row of the data file, with its source and model shape resolved."""
     d = yaml.safe_load(Path(path).read_text())
-    sources = {k: Source(key=k, **v) for k, v in d["sources"].items()}
+    sources = {k: Source(key=k, **{**v, "overlaps": tuple(v["overlaps"])}) for k, v in d["sources"].items()}
     shapes = {k: Shape(k, *v[:7], v[7]) for k, v in d["models"].items()}
     out = []
     for r in d["runs"]:
@@ -114,7 +118,7 @@ def load_runs(path: Path = DATA) -> list[PublishedRun]:
                 sequence_parallel=bool(r.get("sequence_parallel", False)),
                 precision=r["precision"],
                 distributed_optimizer=bool(r.get("distributed_optimizer", False)),
-                overlap=tuple(r.get("overlap", ())),
+                overlap=tuple(r.get("overlap", sources[r["source"]].overlaps)),
                 reported=dict(r["reported"]),
                 assumed=tuple(r.get("assumed", ())),
                 step_s=float(r["step_s"]),
@@ -190,10 +194,6 @@ def converted_step_s(run: PublishedRun) -> float:
 def not_expressible(run: PublishedRun) -> str | None:
     """Why the planner cannot price this row today (None when it can)."""
     needs = []
-    if run.cp > 1:
-        needs.append(f"context parallelism (cp {run.cp})")
-    if run.precision == "fp8":
-        needs.append("FP8 GEMMs")
     if run.ep > 1:
         needs.append(f"expert parallelism (ep {run.ep})")
     if run.model.arch == "nemotron":
@@ -223,6 +223,34 @@ def model_file(run: PublishedRun) -> tuple[Path, dict]:
     return ROOT / "examples" / "llama.py", args
 
 
+def layout_for(run: PublishedRun, recompute: str | None = None, fp8: bool | None = None):
+    """The row's Megatron Layout: its parallel sizes, schedule, recomputation, FP8 and the overlaps its source ran,
+    each overlap kept only where Megatron's validate_args allows it for this layout."""
+    from planner.solve.plan import Layout
+
+    zero = 1 if run.distributed_optimizer else 0
+    grad_reduce = "grad_reduce" in run.overlap and (run.dp * run.cp > 1 or zero >= 1)
+    return Layout(
+        "megatron",
+        run.pp,
+        run.tp,
+        run.dp,
+        run.vp,
+        run.micro_batch,
+        run.global_batch // (run.dp * run.micro_batch),
+        run.global_batch,
+        "interleaved" if run.vp > 1 else "1f1b",
+        recompute or run.recompute,
+        zero,
+        run.sequence_parallel,
+        cp=run.cp,
+        tp_comm_overlap="tp_comm" in run.overlap and run.tp > 1 and run.sequence_parallel,
+        overlap_grad_reduce=grad_reduce,
+        overlap_param_gather="param_gather" in run.overlap and grad_reduce and zero >= 1,
+        fp8=run.precision == "fp8" if fp8 is None else fp8,
+    )
+
+
 # ---- prediction ----
 
 
@@ -237,6 +265,7 @@ class Prediction:
     rejected: str | None = None  # rejected at --mem-target 1.0
     rejected_default: str | None = None  # rejected at the default --mem-target
     skipped: str | None = None  # not expressible today
+    simulated_peak_bytes: float | None = None  # a rejected layout's most loaded rank, simulated with the memory check lifted
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -265,7 +294,6 @@ def predict(run: PublishedRun) -> Prediction:
     """Price one published run with its layout pinned (engine megatron), at --mem-target 1.0 and the default."""
     from planner import hardware
     from planner.engines import get_engine
-    from planner.solve.plan import Layout
     from planner.solve.search import (
         DEFAULT_MEM_TARGET,
         Context,
@@ -280,20 +308,22 @@ def predict(run: PublishedRun) -> Prediction:
     if why:
         return Prediction(run, None, run.step_s, None, cap, None, skipped=why)
     costs = costs_for(run)
-    schedule = "interleaved" if run.vp > 1 else "1f1b"
-    zero = 1 if run.distributed_optimizer else 0
-    m = run.global_batch // (run.dp * run.micro_batch)
-    lay = Layout("megatron", run.pp, run.tp, run.dp, run.vp, run.micro_batch, m, run.global_batch, schedule, run.recompute, zero, run.sequence_parallel)
+    lay = layout_for(run)
     results = {}
-    for target in (1.0, DEFAULT_MEM_TARGET):
-        opts = SearchOptions(engine="megatron", global_batch=run.global_batch, mem_target=target)
+    for target in (1.0, DEFAULT_MEM_TARGET, UNCHECKED):
+        opts = SearchOptions(engine="megatron", global_batch=run.global_batch, mem_target=target, cp=run.cp, fp8=lay.fp8)
         results[target] = evaluate_layout(Context(costs, cluster, opts, get_engine("megatron")), lay, costs.dtype)
     ev, ev_default = results[1.0], results[DEFAULT_MEM_TARGET]
     rejected_default = ev_default.reason if isinstance(ev_default, Rejection) else None
     if isinstance(ev, Rejection):
-        return Prediction(run, None, run.step_s, ev.need_bytes, cap, None, ev.reason, rejected_default)
+        free = results[UNCHECKED]
+        simulated = None if isinstance(free, Rejection) else max(mem["total"] for mem in free.rank_memory)
+        return Prediction(run, None, run.step_s, ev.need_bytes, cap, None, ev.reason, rejected_default, simulated_peak_bytes=simulated)
     return Prediction(run, ev.predicted.step_time_s, run.step_s, ev.predicted.peak_memory_bytes, cap, ev.predicted.bubble_fraction, None, rejected_default)
 
+
+#: a memory target no layout reaches: prices a layout with the memory check lifted (its simulated per-rank peak)
+UNCHECKED = 100.0
 
 RUNS_ALL = tuple(load_runs())
 #: the 2021-22 Megatron runs the time model was built against (C1-C7), kept with their own accuracy test
@@ -322,13 +352,14 @@ def markdown(preds: list[Prediction]) -> str:
         if p.skipped:
             lines.append(f"{head} not expressible: {p.skipped} | | | |")
         elif p.predicted_step_s is None:
-            lines.append(f"{head} out of memory: {p.rejected} | | {p.peak_memory_bytes / 2**30:.1f} GiB needed | no |")
+            sim = f" (simulated rank peak {p.simulated_peak_bytes / 2**30:.1f} GiB)" if p.simulated_peak_bytes else ""
+            lines.append(f"{head} out of memory: {p.rejected} | | {p.peak_memory_bytes / 2**30:.1f} GiB needed{sim} | no |")
         else:
             fits = "yes" if p.rejected_default is None else "no"
             lines.append(f"{head} {p.predicted_step_s:.3g} s | {p.error * 100:+.1f}% | {p.peak_memory_bytes / 2**30:.1f} GiB | {fits} |")
     lines += [
         "",
-        "| group | rows | priced | not expressible | out of memory at 1.0 | mean abs. error | max abs. error | mean signed error |",
+        "| group | rows | priced | not expressible | out of memory at 1.0 | mean abs. error | worst row | mean signed error |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     groups: dict[str, list[Prediction]] = {}
@@ -338,11 +369,19 @@ def markdown(preds: list[Prediction]) -> str:
         groups[f"**all {split}**"] = [p for p in preds if p.run.split == split]
     groups["**all**"] = list(preds)
     for name, ps in groups.items():
-        errs = [p.error for p in ps if p.error is not None]
+        priced = [p for p in ps if p.error is not None]
+        errs = [p.error for p in priced]
         skipped = sum(1 for p in ps if p.skipped)
         oom = sum(1 for p in ps if not p.skipped and p.predicted_step_s is None)
-        stats = f"{100 * _mean([abs(e) for e in errs]):.1f}% | {100 * max(abs(e) for e in errs):.1f}% | {100 * _mean(errs):+.1f}%" if errs else "| |"
+        worst = max(priced, key=lambda p: abs(p.error)) if priced else None
+        stats = f"{100 * _mean([abs(e) for e in errs]):.1f}% | {worst.run.id} {100 * worst.error:+.1f}% | {100 * _mean(errs):+.1f}%" if worst else "| |"
         lines.append(f"| {name} | {len(ps)} | {len(errs)} | {skipped} | {oom} | {stats} |")
+    refused = [p for p in preds if not p.skipped and p.predicted_step_s is None]
+    lines.append("")
+    lines.append(
+        "Every expressible published layout predicted to fit at --mem-target 1.0: "
+        + ("yes." if not refused else f"no, {len(refused)} refused: " + ", ".join(f"{p.run.id} ({p.peak_memory_bytes / 2**30:.1f} GiB)" for p in refused) + ".")
+    )
     lines.append("")
     lines.append(
         "For comparison: Calculon (SC'23) reports 3.65% mean, 8.87% max on C4-C7 (full and selective); vTrain (MICRO'24) "
@@ -354,33 +393,17 @@ def markdown(preds: list[Prediction]) -> str:
 # ---- diagnosis: what each priced row's prediction is made of, and counterfactuals ----
 
 
-def _evaluate(run: PublishedRun, recompute: str | None = None, precision: str | None = None, tp_comm: bool = True):
-    """evaluate_layout at --mem-target 1.0 with optional changes: another recomputation, bf16 in place of FP8, TP collectives free."""
+def _evaluate(run: PublishedRun, recompute: str | None = None, fp8: bool | None = None, tp_comm: bool = True):
+    """evaluate_layout at --mem-target 1.0 with optional changes: another recomputation, bf16 GEMMs in place of FP8, TP collectives free."""
     from planner import hardware
     from planner.engines import get_engine
     from planner.solve import search
-    from planner.solve.plan import Layout
 
-    if precision:
-        run = replace(run, precision=precision)
     costs = costs_for(run)
     cluster = hardware.parse_gpus(f"{run.gpus}x{DEVICE_PROFILE[run.source.device]}")
-    m = run.global_batch // (run.dp * run.micro_batch)
-    lay = Layout(
-        "megatron",
-        run.pp,
-        run.tp,
-        run.dp,
-        run.vp,
-        run.micro_batch,
-        m,
-        run.global_batch,
-        "interleaved" if run.vp > 1 else "1f1b",
-        recompute or run.recompute,
-        1 if run.distributed_optimizer else 0,
-        run.sequence_parallel,
-    )
-    ctx = search.Context(costs, cluster, search.SearchOptions(engine="megatron", global_batch=run.global_batch, mem_target=1.0), get_engine("megatron"))
+    lay = layout_for(run, recompute, fp8)
+    opts = search.SearchOptions(engine="megatron", global_batch=run.global_batch, mem_target=1.0, cp=run.cp, fp8=lay.fp8)
+    ctx = search.Context(costs, cluster, opts, get_engine("megatron"))
     if tp_comm:
         return search.evaluate_layout(ctx, lay, costs.dtype)
     with mock.patch.object(search, "tp_collective_time", lambda *a, **k: 0.0):
@@ -389,20 +412,13 @@ def _evaluate(run: PublishedRun, recompute: str | None = None, precision: str | 
 
 def diagnose(run: PublishedRun) -> dict:
     """Break one row's prediction down (seconds): the schedule's makespan, its bubble, exposed data-parallel traffic, the
-    optimizer step, and the step with tensor-parallel collectives free (what full TP overlap could at most remove).
-    FP8 rows (no CP) are priced in bf16 to size the FP8 gap; out-of-memory rows are re-priced with recomputation."""
+    optimizer step, and the step with tensor-parallel collectives free (what the TP overlap left exposed).
+    FP8 rows are also priced with bf16 GEMMs (the speed-up the FP8 model credits); out-of-memory rows are re-priced
+    with recomputation."""
     from planner.solve.search import Rejection
 
-    why = not_expressible(run)
     out: dict = {"id": run.id, "published": run.step_s}
-    if why and run.cp == 1 and run.precision == "fp8" and run.model.arch != "nemotron":
-        ev = _evaluate(run, precision="bf16")
-        if isinstance(ev, Rejection):
-            out["bf16_oom_gib"] = ev.need_bytes / 2**30
-        else:
-            out["bf16_step"] = ev.predicted.step_time_s
-        return out
-    if why:
+    if not_expressible(run):
         return out
     ev = _evaluate(run)
     if isinstance(ev, Rejection):
@@ -416,6 +432,9 @@ def diagnose(run: PublishedRun) -> dict:
     if run.tp > 1:
         free = _evaluate(run, tp_comm=False)
         out["tp_comm"] = pr.step_time_s - free.predicted.step_time_s
+    if run.precision == "fp8":
+        bf16 = _evaluate(run, fp8=False)
+        out["bf16_step"] = None if isinstance(bf16, Rejection) else bf16.predicted.step_time_s
     out["microbatches"] = run.num_microbatches
     return out
 
@@ -429,17 +448,14 @@ def diagnosis_markdown(rows: list[dict]) -> str:
         pub = d["published"]
         if "step" in d:
             tp = d.get("tp_comm", 0.0)
+            fp8 = ""
+            if "bf16_step" in d:
+                fp8 = "; with bf16 GEMMs " + (f"{d['bf16_step']:.3g} s (FP8 credited {d['bf16_step'] / d['step']:.2f}x)" if d["bf16_step"] else "out of memory")
             lines.append(
                 f"| {d['id']} | {pub:.3g} s | {d['step']:.3g} s | {100 * (d['step'] - pub) / pub:+.1f}% | {100 * d['bubble']:.1f}% | {d['dp_exposed']:.3f} s | {d['optimizer']:.3f} s | "
                 f"{tp:.3g} s ({100 * tp / d['step']:.0f}%) | {100 * (d['step'] - tp - pub) / pub:+.1f}% | {d['microbatches']:.0f} micro-batches, "
-                f"(published - predicted) / micro-batch = {1000 * (pub - d['step']) / d['microbatches']:+.0f} ms |"
+                f"(published - predicted) / micro-batch = {1000 * (pub - d['step']) / d['microbatches']:+.0f} ms{fp8} |"
             )
-        elif "bf16_step" in d:
-            lines.append(
-                f"| {d['id']} | {pub:.3g} s | | | | | | | | priced in bf16: {d['bf16_step']:.3g} s = {d['bf16_step'] / pub:.2f} x the published FP8 step |"
-            )
-        elif "bf16_oom_gib" in d:
-            lines.append(f"| {d['id']} | {pub:.3g} s | | | | | | | | priced in bf16: out of memory, {d['bf16_oom_gib']:.1f} GiB needed on 80 GB |")
         elif "selective_step" in d:
             bits = [
                 f"{rc}: "

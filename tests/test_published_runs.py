@@ -9,7 +9,7 @@ published figures that agree with each other. No prediction accuracy is asserted
 import pytest
 import yaml
 
-from bench.published_runs import DATA, RUNS, load_runs, not_expressible, predict
+from bench.published_runs import DATA, RUNS, layout_for, load_runs, not_expressible, predict
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +161,22 @@ def test_split_is_by_source_and_keeps_the_original_runs_in_tune():
 def test_loader_keeps_every_row_and_names_what_the_planner_lacks():
     runs = {r.id: r for r in load_runs()}
     assert len(runs) == len(ROWS)
-    assert "context parallelism" in not_expressible(runs["L3-16k-cp16"])
-    assert "FP8" in not_expressible(runs["N-gpt3-5b"])
-    assert not_expressible(runs["M24-462b"]) is None
-    p = predict(runs["N-llama3-70b"])  # kept and reported, not dropped
-    assert p.predicted_step_s is None and "context parallelism" in p.skipped and "FP8" in p.skipped
+    assert "squared-ReLU" in not_expressible(runs["N-nemotron-8b"])
+    for rid in ("L3-16k-cp16", "N-gpt3-5b", "N-llama3-70b", "M24-462b"):  # context parallelism and FP8 are priced
+        assert not_expressible(runs[rid]) is None, rid
+    p = predict(runs["N-nemotron-8b"])  # kept and reported, not dropped
+    assert p.predicted_step_s is None and "squared-ReLU" in p.skipped
+
+
+def test_layouts_carry_cp_fp8_and_the_sources_overlaps():
+    """The Layout priced for a row is the row's: cp, FP8, and each overlap only where Megatron allows it."""
+    runs = {r.id: r for r in load_runs()}
+    lay = layout_for(runs["N-llama3-70b"])
+    assert (lay.tp, lay.pp, lay.cp, lay.dp, lay.vp, lay.fp8) == (4, 4, 2, 2, 5, True)
+    assert lay.world == 64 and lay.overlaps == ("tp-comm-overlap", "overlap-grad-reduce", "overlap-param-gather")
+    assert layout_for(runs["N-llama3-8b"]).overlaps == ("overlap-grad-reduce", "overlap-param-gather")  # tp 1: no TP overlap
+    assert layout_for(runs["C1"]).overlaps == () and not layout_for(runs["C1"]).fp8
+    assert layout_for(runs["L3-16k-cp16"]).cp == 16
+    for r in runs.values():
+        if r.source.key in ("nemo_2407", "bridge_2602", "llama3"):
+            assert "overlaps" in r.assumed, r.id  # not stated by the source: its software's defaults, marked
