@@ -19,10 +19,10 @@ from planner.solve.schedules import SCHEDULE_INFO
 class TorchEngine(Engine):
     name = "torch"
     description = "torch.distributed.pipelining PipelineStage + schedule classes"
-    schedules = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "interleaved-zb", "zbv", "dualpipev")
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "interleaved-zb", "zbv", "dualpipev")
     #: looped-bfs, interleaved-zb and dualpipev are priced on request with --schedule but not searched by default
-    searched_schedules = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
-    zero_levels = (0,)
+    searched_schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+    zero_levels: tuple[int, ...] = (0,)
 
     def state_recipe(self, precision: str, zero: int, optimizer: str = "adam", layout: Layout | None = None) -> StateRecipe:
         # fp32 master parameters with bf16 autocast compute -> 4 + 4 + 8 (Adam)

@@ -99,7 +99,7 @@ class Timer:
 
     def mark(self) -> None:
         if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch leaves Event.__new__ unannotated
+            e = torch.cuda.Event(enable_timing=True)
             e.record()
             self.marks[-1].append(e)
         else:

@@ -171,7 +171,7 @@ class _TiedParam:
         return iter([self.param])
 
 
-class PlannedPipelineModule(PipelineModule):  # type: ignore[misc]  # deepspeed ships no type information: PipelineModule is Any
+class PlannedPipelineModule(PipelineModule):
     """A ``PipelineModule`` over the planned pieces with the planned stage boundaries.
 
     Args:
