@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from planner.model.analyze import torch_dtype
 from planner.model.load import ModelFile, load_model_file
 from planner.model.trace import LayerGraph, Piece, PiecesModule, _free_nodes, build_layer_graph
+from planner.model_ref import resolve_ref
 
 
 class PlanMismatch(RuntimeError):
@@ -244,14 +245,19 @@ def seed_everything(seed: int) -> None:
 
 
 def load_planned_model(plan: dict[str, Any] | str | Path, model_path: str | Path | None = None) -> PlannedModel:
-    """Trace the user's model as recorded in ``plan`` (a plan.json dict or path) and check its pieces."""
+    """Trace the user's model as recorded in ``plan`` (a plan.json dict or path) and check its pieces.
+
+    Without ``model_path`` the model is the one plan.json names, relative to the plan's directory (as the planner
+    records it); a plan given as a dict is resolved against the working directory."""
+    base = Path.cwd()
     if isinstance(plan, dict):
         doc = plan
     else:
         p = Path(plan)
         doc = json.loads((p / "plan.json" if p.is_dir() else p).read_text())
+        base = p if p.is_dir() else p.parent
     inputs = doc["inputs"]
-    path = Path(model_path or inputs["model_file"])
+    path = Path(model_path) if model_path else Path(resolve_ref(str(inputs["model_file"]), base))
     mf = load_model_file(path, inputs.get("model_args", {}))
     dtype = torch_dtype(inputs.get("dtype", "bf16"))
     meta = mf.build_meta(dtype)

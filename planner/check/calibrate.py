@@ -42,6 +42,7 @@ import yaml
 from planner import hardware
 from planner.check.run_logs import RunMeasurement, read_log, read_smoke
 from planner.errors import UsageError
+from planner.model_ref import ref_exists, resolve_ref
 from planner.planning import PlanRequest, evaluate_pinned
 from planner.solve.memory import RuntimeOverhead
 from planner.solve.plan import Plan, load_plan
@@ -125,9 +126,10 @@ class Run:
 
 
 def _model_path(plan: Plan, plan_dir: Path) -> str:
-    recorded = Path(plan.inputs["model_file"])
-    here = plan_dir / recorded
-    return str(here if not recorded.is_absolute() and here.is_file() else recorded)
+    """The model plan.json names (recorded relative to the plan directory), or as recorded by an older plan."""
+    recorded = str(plan.inputs["model_file"])
+    here = resolve_ref(recorded, plan_dir)
+    return here if ref_exists(here) else recorded
 
 
 def _mismatch(plan_dir: Path, what: str, source: str) -> UsageError:
