@@ -27,6 +27,7 @@ import torch  # noqa: E402
 
 from planner.engines.deepspeed import precision_config  # noqa: E402
 from planner.errors import UsageError  # noqa: E402
+from planner.model_ref import resolve_ref  # noqa: E402
 from planner.render.deepspeed import CONFIG, SCRIPT, ds_config, render_deepspeed  # noqa: E402
 from planner.render.launch import model_path_for  # noqa: E402
 from planner.solve.plan import Plan  # noqa: E402
@@ -467,6 +468,7 @@ def test_bf16_export_traced_float_input_model_trains(tmp_path):
     assert r.exit_code == 0, r.output
     plan = json.loads((out / "plan.json").read_text())
     assert plan["inputs"]["tracer_used"] == "export"
+    plan["inputs"]["model_file"] = resolve_ref(plan["inputs"]["model_file"], out)  # recorded relative to `out`; trained elsewhere
     losses, stats, _ = train(plan, tmp_path, 2, extra=["--precision", "bf16"])
     ref_losses, _ = reference(plan, len(losses), LR, 1.0)
     assert {s["precision"] for s in stats} == {"bf16"}
