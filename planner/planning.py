@@ -78,6 +78,17 @@ class PlanRequest(SearchOptions):
         return d
 
     @classmethod
+    def pinned_to(cls, inputs: dict[str, Any], layout: Layout, bounds: tuple[int, ...] | None, **overrides: Any) -> PlanRequest:
+        """The request recorded in a plan.json's ``inputs`` with every dimension the layout fixes pinned to it (each
+        :class:`SearchOptions` field the :class:`Layout` also has), the stage boundaries ``bounds``, memory target 1.0
+        (the layout is priced, not questioned) and no measured profile; ``overrides`` applied last."""
+        shared = {f.name for f in fields(SearchOptions)} & {f.name for f in fields(Layout)}
+        pins: dict[str, Any] = {name: getattr(layout, name) for name in sorted(shared)}
+        pins.update(mem_target=1.0, profile=None, bounds=bounds)
+        pins.update(overrides)
+        return cls.from_inputs(inputs, **pins)
+
+    @classmethod
     def from_inputs(cls, inputs: dict[str, Any], **overrides: Any) -> PlanRequest:
         """The request recorded in a plan.json's ``inputs`` (unknown keys ignored), with ``overrides`` applied."""
         known = {f.name for f in fields(cls)}

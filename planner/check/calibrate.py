@@ -249,24 +249,8 @@ def run_from_smoke(plan_dir: str | Path, analyses: _Analyses | None = None) -> R
 
 
 def _plan_request(plan: Plan, plan_dir: Path) -> PlanRequest:
-    lay = plan.layout
     bounds_ = tuple([s.pieces[0] for s in plan.stages] + [plan.stages[-1].pieces[1]])
-    return PlanRequest.from_inputs(
-        plan.inputs,
-        model_file=_model_path(plan, plan_dir),
-        pp=lay.pp,
-        tp=lay.tp,
-        dp=lay.dp,
-        vp=lay.vp,
-        micro_batch=lay.micro_batch,
-        global_batch=lay.global_batch,
-        schedule=lay.schedule,
-        recompute=lay.recompute,
-        zero=lay.zero,
-        mem_target=1.0,
-        profile=None,
-        bounds=bounds_,
-    )
+    return PlanRequest.pinned_to(plan.inputs, plan.layout, bounds_, model_file=_model_path(plan, plan_dir))
 
 
 _MEGATRON_LAYOUT = (

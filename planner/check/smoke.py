@@ -161,8 +161,10 @@ def scaled_request(plan: Plan, plan_dir: Path, ranks: int, device: str, model_ar
     gpus = f"{world}xcpu" if device == "cpu" else f"{world}x{plan.stages[0].device}"
     if gpus.lower() != str(plan.inputs.get("gpus", "")).lower():
         notes.append(f"cluster {plan.inputs.get('gpus')} -> {gpus} (this machine)")
-    req = PlanRequest.from_inputs(
+    req = PlanRequest.pinned_to(
         inputs,
+        lay,
+        bounds,
         model_file=str(model_file),
         model_args=args,
         gpus=gpus,
@@ -173,14 +175,7 @@ def scaled_request(plan: Plan, plan_dir: Path, ranks: int, device: str, model_ar
         pp=pp,
         tp=1,
         dp=dp,
-        vp=lay.vp,
-        micro_batch=lay.micro_batch,
-        schedule=lay.schedule,
-        recompute=lay.recompute,
-        zero=lay.zero,
-        mem_target=1.0,
-        profile=None,
-        bounds=bounds,
+        fp8=lay.fp8 and dtype != "fp32",
     )
     return req, notes
 
