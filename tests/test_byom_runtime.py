@@ -209,3 +209,20 @@ def test_reference_runs_with_the_ranks_thread_count(tmp_path):
 def test_per_rank_record_drops_warm_up():
     rec = sm.per_rank_record({"rank": 3, "step_times_s": [2.0, 0.5, 0.4], "peak_memory_bytes": 10, "peak_reserved_bytes": 12})
     assert rec == {"rank": 3, "step_times_s": [0.5, 0.4], "peak_allocated_bytes": 10, "peak_reserved_bytes": 12}
+
+
+def test_loss_of_an_output_without_floating_tensors_is_refused_by_name():
+    """The default loss is the mean of the output's floating tensors; an output with none (token ids, a bool mask)
+    has nothing to train on and is refused with what to add, not summed to the integer 0 that backward cannot use."""
+    from pathlib import Path
+
+    from planner.errors import UsageError
+    from planner.model.load import ModelFile
+    from planner.runtime import PlannedModel
+
+    planned = PlannedModel(ModelFile(Path("m.py"), None, {}, ""), None, [0, 1], ["a"])  # type: ignore[arg-type]
+    out = {"ids": torch.ones(2, 3, dtype=torch.long), "mask": torch.ones(2, dtype=torch.bool)}
+    with pytest.raises(UsageError, match=r"no floating-point tensor to train on \(torch.bool tensor, torch.int64 tensor\).*loss_fn"):
+        planned.loss(out, None)
+    loss = planned.loss({"x": torch.full((2,), 3.0), "ids": out["ids"]}, None)
+    assert isinstance(loss, torch.Tensor) and loss.item() == 3.0
