@@ -698,3 +698,18 @@ def test_drift_is_independent_of_the_working_directory(tmp_path, ds_plan_dir, mo
         for model in (model_file, os.path.relpath(model_file, cwd)):
             found = validate([ds_plan_dir], Options(model=model, model_args={"preset": "gpt2-tiny"}))
             assert not [f for f in found.findings if f.rule.startswith("DRIFT") and f.severity != "info"], (cwd, model, found.findings)
+
+
+def test_context_parallel_plan_launches_its_whole_world_and_validate_counts_cp(tmp_path, model_file):
+    """World = pp x tp x cp x dp: a cp 2 plan on 4 GPUs (pp 2, dp 1) launches 4 processes, validates clean, and a
+    launcher that starts pp x tp x dp = 2 processes (the cp group left out) is an error naming cp."""
+    d = _plan_dir(tmp_path, model_file, "megatron", cp=2)
+    plan = _plan(model_file, "megatron", "4xA100", pp=2, cp=2)
+    assert (plan.layout.pp, plan.layout.cp, plan.layout.dp, plan.layout.world) == (2, 2, 1, 4)
+    script = d / "pretrain_gpt.sh"
+    text = script.read_text()
+    assert "GPUS_PER_NODE=4\n" in text and "--context-parallel-size 2" in text
+    assert _rules(validate([d], Options(model=model_file)).findings, with_info=True) == set()
+    script.write_text(text.replace("GPUS_PER_NODE=4\n", "GPUS_PER_NODE=2\n"))
+    findings = [f for f in validate([d], Options()).findings if f.severity == "error"]
+    assert any("starts 2 processes" in f.message and "x cp 2 x dp 1 = 4" in f.message for f in findings), "\n".join(map(str, findings))

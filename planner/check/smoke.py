@@ -609,12 +609,12 @@ def _megatron_smoke(plan: Plan, plan_dir: Path, device: str, megatron_path: str 
     from planner.megatron_args import check_megatron_args
 
     lay = plan.layout
-    result = SmokeResult(str(plan_dir), "megatron", device, lay.pp * lay.tp * lay.dp, 0, [], lay.to_dict(), trained=False)
+    result = SmokeResult(str(plan_dir), "megatron", device, lay.world, 0, [], lay.to_dict(), trained=False)
     script = plan_dir / "pretrain_gpt.sh"
     if not script.is_file():
         raise UsageError(f"{script} is missing.", "Render the plan with `planner plan ... --engine megatron --out DIR`.")
     args = parse_megatron_args(script.read_text(), "script", path=script)
-    findings = [f for f in check_megatron_args(args, lay.pp * lay.tp * lay.dp) if f.severity == "error"]
+    findings = [f for f in check_megatron_args(args, lay.world) if f.severity == "error"]
     result.checks.append(Check("flags pass Megatron's argument rules", not findings, "; ".join(f"{f.rule}: {f.message}" for f in findings) or "no errors"))
     from planner.check.megatron_core import transformer_config_check
 

@@ -301,6 +301,10 @@ def _json_line(text: str, key: str) -> int | None:
     return text.count("\n", 0, m.start()) + 1 if m else None
 
 
+def _cp_text(lay: Any) -> str:
+    return f" x cp {lay.cp}" if lay.cp > 1 else ""
+
+
 def _unit_context(run: _Run, u: Unit) -> _Ctx:
     ctx = _Ctx(u)
     ctx.plan, ctx.plan_dict = _load_plan(run, u)
@@ -310,7 +314,7 @@ def _unit_context(run: _Run, u: Unit) -> _Ctx:
     planned_world = None
     if ctx.plan is not None:
         lay = ctx.plan.layout
-        planned_world = lay.pp * lay.tp * lay.dp
+        planned_world = lay.world
     if opts.gpus:
         ctx.cluster = run.cluster(opts.gpus, ctx.plan.inputs if ctx.plan is not None else None)
         ctx.cluster_source = f"--gpus {opts.gpus}"
@@ -322,7 +326,7 @@ def _unit_context(run: _Run, u: Unit) -> _Ctx:
                 ctx.plan_file,
                 _json_line(text, "gpus") or 1,
                 f"--gpus {opts.gpus} is {ctx.world} GPUs but plan.json was planned for {planned_world} "
-                f"({ctx.plan.inputs.get('gpus', '?')}: pp {lay.pp} x tp {lay.tp} x dp {lay.dp}).",
+                f"({ctx.plan.inputs.get('gpus', '?')}: pp {lay.pp} x tp {lay.tp}{_cp_text(lay)} x dp {lay.dp}).",
                 "re-plan for this cluster, or pass the --gpus the plan was made for",
             )
     elif ctx.plan is not None and ctx.plan.inputs.get("gpus"):
@@ -574,8 +578,8 @@ def _compare_megatron_plan(run: _Run, rel: str, args, plan) -> None:
         have = args.int(flag, 1 if name in ("tp", "pp") else None)
         if have is not None and have != want:
             differ(flag, f"{flag} is {have} but plan.json has layout.{name} = {want}.")
-    if args.world_size is not None and args.world_size != lay.pp * lay.tp * lay.dp:
-        differ(None, f"torchrun starts {args.world_size} processes but plan.json places pp {lay.pp} x tp {lay.tp} x dp {lay.dp} = {lay.pp * lay.tp * lay.dp}.")
+    if args.world_size is not None and args.world_size != lay.world:
+        differ(None, f"torchrun starts {args.world_size} processes but plan.json places pp {lay.pp} x tp {lay.tp}{_cp_text(lay)} x dp {lay.dp} = {lay.world}.")
     rc = _megatron_recompute(args)
     if rc != lay.recompute:
         differ(

@@ -21,7 +21,7 @@ def cluster_shape(plan: Plan) -> tuple[int, int]:
     groups = plan.cluster.get("groups", [])
     nodes = sum(int(g["nodes"]) for g in groups) or 1
     per_node = max((int(g["gpus_per_node"]) for g in groups), default=1)
-    world = plan.layout.pp * plan.layout.tp * plan.layout.dp
+    world = plan.layout.world
     if nodes * per_node != world:  # fewer GPUs than whole nodes, e.g. 2xA100
         per_node = world // nodes if world % nodes == 0 else world
         nodes = world // per_node
