@@ -48,3 +48,14 @@ def ref_exists(ref: str) -> bool:
     """Whether the file a reference names exists (library names always do as far as files go)."""
     prefix, rest = split_ref(ref)
     return (prefix is not None and not SPEC_PREFIXES[prefix]) or Path(rest).is_file()
+
+
+def resolve_recorded(paths: list[str] | tuple[str, ...], plan_dir: str | os.PathLike[str]) -> tuple[str, ...]:
+    """File paths a plan.json records (hardware profiles), resolved against the plan directory, where the planner
+    records them; a path that is not there is kept as recorded (plans written before paths were made relative named
+    them from where `planner plan` ran)."""
+    out = []
+    for p in paths:
+        here = Path(p) if Path(p).is_absolute() else Path(plan_dir) / p
+        out.append(here.resolve().as_posix() if here.exists() else str(p))
+    return tuple(out)

@@ -729,3 +729,26 @@ def test_directory_with_the_old_bare_marker_is_upgraded(tmp_path, tiny_plan):
     assert (out / "notes.md").read_text() == "mine"
     assert "notes.md" not in json.loads((out / ".planner").read_text())["files"]
     assert "planner plan old command" not in (out / "launch_torchrun.sh").read_text()
+
+
+def test_hardware_profile_paths_are_recorded_relative_to_the_plan_directory(tmp_path):
+    """A --hardware-profile typed relative to where `planner plan` ran is recorded relative to the plan directory (as
+    the model file is), so the recorded command works there and validate finds the device from any directory."""
+    import yaml
+
+    src = yaml.safe_load((ROOT / "hardware_profiles" / "a100-80gb.yaml").read_text())
+    src["aliases"] = ["mygpu"]
+    src["name"] = "My GPU"
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "my-gpu.yaml").write_text(yaml.safe_dump(src))
+    model_file(tmp_path, build="pass")
+    code, _, err = cli("plan", "model.py", "--gpus", "2xmygpu", "--hardware-profile", "profiles/my-gpu.yaml", "--out", "plans/a", "-q", cwd=tmp_path)
+    assert code == 0, err
+    plan = json.loads((tmp_path / "plans" / "a" / "plan.json").read_text())
+    assert plan["inputs"]["hardware_profiles"] == ["../../profiles/my-gpu.yaml"]
+    assert "--hardware-profile ../../profiles/my-gpu.yaml" in (tmp_path / "plans" / "a" / "README.md").read_text()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    code, out, err = cli("validate", tmp_path / "plans" / "a", "--model", tmp_path / "model.py", cwd=elsewhere)
+    assert code == 0, out + err
+    assert "unknown device" not in out + err

@@ -42,7 +42,7 @@ import yaml
 from planner import hardware
 from planner.check.run_logs import RunMeasurement, read_log, read_smoke
 from planner.errors import UsageError
-from planner.model_ref import ref_exists, resolve_ref
+from planner.model_ref import ref_exists, resolve_recorded, resolve_ref
 from planner.planning import PlanRequest, evaluate_pinned
 from planner.solve.memory import RuntimeOverhead
 from planner.solve.plan import Plan, load_plan
@@ -250,7 +250,8 @@ def run_from_smoke(plan_dir: str | Path, analyses: _Analyses | None = None) -> R
 
 def _plan_request(plan: Plan, plan_dir: Path) -> PlanRequest:
     bounds_ = tuple([s.pieces[0] for s in plan.stages] + [plan.stages[-1].pieces[1]])
-    return PlanRequest.pinned_to(plan.inputs, plan.layout, bounds_, model_file=_model_path(plan, plan_dir))
+    profiles = resolve_recorded(plan.inputs.get("hardware_profiles") or (), plan_dir)
+    return PlanRequest.pinned_to(plan.inputs, plan.layout, bounds_, model_file=_model_path(plan, plan_dir), hardware_profiles=profiles)
 
 
 _MEGATRON_LAYOUT = (

@@ -40,7 +40,7 @@ from typing import Any
 
 from planner.errors import InfeasibleError, UsageError
 from planner.fileio import dumps_json, write_text_atomic
-from planner.model_ref import ref_exists, resolve_ref
+from planner.model_ref import ref_exists, resolve_recorded, resolve_ref
 from planner.solve.plan import Plan, load_plan
 
 SCRIPTS = {"deepspeed": "train_deepspeed.py", "torch": "train_pipeline.py"}
@@ -167,6 +167,7 @@ def scaled_request(plan: Plan, plan_dir: Path, ranks: int, device: str, model_ar
         bounds,
         model_file=str(model_file),
         model_args=args,
+        hardware_profiles=resolve_recorded(inputs.get("hardware_profiles") or (), plan_dir),
         gpus=gpus,
         gpus_per_node=None,
         inter_node_gbps=None,

@@ -41,6 +41,7 @@ from planner.check.json_doc import JsonError, parse_json
 from planner.check.plan_fields import plan_problems
 from planner.engines import ENGINES
 from planner.errors import PlannerError, UsageError
+from planner.model_ref import resolve_recorded
 
 GiB = 1024**3
 
@@ -222,17 +223,19 @@ class _Run:
     def add(self, rule: str, file: str, line: int | None, message: str, fix: str, detail: str = "") -> None:
         self.findings.append(Finding(rule, RULES[rule][0], file, line, message, fix, detail))  # type: ignore[arg-type]
 
-    def cluster(self, spec: str, inputs: dict[str, Any] | None = None):
+    def cluster(self, spec: str, inputs: dict[str, Any] | None = None, plan_dir: Path | None = None):
+        """The cluster ``spec`` names, with the hardware profiles plan.json records (relative to ``plan_dir``)."""
         from planner import hardware
 
         inputs = inputs or {}
-        key = (spec, inputs.get("gpus_per_node"), inputs.get("inter_node_gbps"), tuple(inputs.get("hardware_profiles") or ()))
+        profiles = resolve_recorded(inputs.get("hardware_profiles") or (), plan_dir or Path.cwd())
+        key = (spec, inputs.get("gpus_per_node"), inputs.get("inter_node_gbps"), profiles)
         if key not in self._clusters:
             self._clusters[key] = hardware.parse_gpus(
                 spec,
                 gpus_per_node=inputs.get("gpus_per_node"),
                 inter_node_gbps=inputs.get("inter_node_gbps"),
-                profiles=hardware.available_profiles(tuple(inputs.get("hardware_profiles") or ())),
+                profiles=hardware.available_profiles(profiles),
             )
         return self._clusters[key]
 
@@ -316,7 +319,7 @@ def _unit_context(run: _Run, u: Unit) -> _Ctx:
         lay = ctx.plan.layout
         planned_world = lay.world
     if opts.gpus:
-        ctx.cluster = run.cluster(opts.gpus, ctx.plan.inputs if ctx.plan is not None else None)
+        ctx.cluster = run.cluster(opts.gpus, ctx.plan.inputs if ctx.plan is not None else None, u.directory)
         ctx.cluster_source = f"--gpus {opts.gpus}"
         ctx.world = ctx.cluster.world_size
         if planned_world is not None and planned_world != ctx.world:
@@ -331,7 +334,7 @@ def _unit_context(run: _Run, u: Unit) -> _Ctx:
             )
     elif ctx.plan is not None and ctx.plan.inputs.get("gpus"):
         try:
-            ctx.cluster = run.cluster(ctx.plan.inputs["gpus"], ctx.plan.inputs)
+            ctx.cluster = run.cluster(ctx.plan.inputs["gpus"], ctx.plan.inputs, u.directory)
             ctx.cluster_source = f"plan.json ({ctx.plan.inputs['gpus']})"
         except PlannerError:
             ctx.cluster = None
@@ -899,8 +902,8 @@ def _check_drift(run: _Run, ctx: _Ctx) -> None:
     kw["model_file"] = recorded if same else str(model)
     if run.opts.model_args is not None:
         kw["model_args"] = dict(run.opts.model_args)
-    for k in ("leaf", "hardware_profiles"):
-        kw[k] = tuple(kw.get(k) or ())
+    kw["leaf"] = tuple(kw.get("leaf") or ())
+    kw["hardware_profiles"] = resolve_recorded(kw.get("hardware_profiles") or (), u.directory)
     try:
         new_plan, _, _ = plan_model(PlanRequest(**kw))
     except PlannerError as e:

@@ -107,11 +107,16 @@ def check_output_dir(path: str | Path, force: bool = False) -> None:
 
 
 def canonical_plan(plan: Plan, out_dir: Path) -> Plan:
-    """``plan`` with its model file recorded relative to ``out_dir`` (so the bytes do not depend on where we ran)."""
-    model = plan.inputs.get("model_file")
-    if not model:
-        return plan
-    return replace(plan, inputs={**plan.inputs, "model_file": relative_ref(str(model), out_dir)})
+    """``plan`` with the files it names (model file, hardware profiles, measured profile) recorded relative to
+    ``out_dir``, so the bytes do not depend on where we ran and the recorded command works in the plan directory."""
+    inputs = dict(plan.inputs)
+    if inputs.get("model_file"):
+        inputs["model_file"] = relative_ref(str(inputs["model_file"]), out_dir)
+    if inputs.get("hardware_profiles"):
+        inputs["hardware_profiles"] = [relative_ref(str(p), out_dir) for p in inputs["hardware_profiles"]]
+    if inputs.get("profile"):
+        inputs["profile"] = relative_ref(str(inputs["profile"]), out_dir)
+    return replace(plan, inputs=inputs)
 
 
 def _arg_text(value: Any) -> str:
