@@ -36,7 +36,7 @@ language-model loss only).
 
 Published sizes the presets reproduce (tests/test_moe_model.py): Mixtral 8x7B
 46.7B parameters / 12.9B active, Mixtral 8x22B 141B / 39B, DeepSeek-V3 671B /
-37B (without its 14B MTP module), Qwen3-30B-A3B 30.5B / 3.3B.
+37B (without its 14B MTP module), Qwen3-30B-A3B 30.5B / 3.3B, Qwen3-235B-A22B 235B / 22B.
 """
 
 import torch
@@ -125,6 +125,25 @@ PRESETS = {
         num_experts=128,
         top_k=8,
         moe_ffn_dim=768,
+        routed_scale=1.0,
+        seq_len=4096,
+        vocab_size=151936,
+        rope_theta=1e6,
+    )
+    | dict(qk_norm=1),
+    # Qwen3-235B-A22B (the same report and family): 94 layers, 128 experts top-8 of width 1536
+    "qwen3-235b-a22b": dict(
+        _MIXTRAL,
+        **_MLA_OFF,
+        n_layers=94,
+        dim=4096,
+        n_heads=64,
+        n_kv_heads=4,
+        head_dim=128,
+        ffn_dim=12288,
+        num_experts=128,
+        top_k=8,
+        moe_ffn_dim=1536,
         routed_scale=1.0,
         seq_len=4096,
         vocab_size=151936,

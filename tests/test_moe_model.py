@@ -39,6 +39,7 @@ PUBLISHED = {
     "mixtral-8x22b": (141e9, 39e9, 1e9, "round"),  # Mistral AI, Mixtral 8x22B release: 141B, 39B active
     "deepseek-v3": (671e9, 37e9, 1e9, "truncate"),  # DeepSeek-V3 report (arXiv 2412.19437): 671B, 37B activated (MTP excluded)
     "qwen3-30b-a3b": (30.5e9, 3.3e9, 0.1e9, "truncate"),  # Qwen3 report (arXiv 2505.09388) Table 2: 30.5B, 3.3B activated
+    "qwen3-235b-a22b": (235e9, 22e9, 1e9, "truncate"),  # the same table: 235B, 22B activated
 }
 
 
