@@ -526,20 +526,28 @@ def forward_flops_per_token(preset="mixtral-8x7b", **overrides):
 
 
 def architecture(preset="mixtral-8x7b", **overrides):
-    """The dense transformer keys (Megatron-LM's) plus the MoE shape under their Megatron names."""
+    """The transformer and MoE shape under Megatron-LM's names (README.md's architecture() table).
+
+    ``kv_channels`` and ``qk_layernorm`` (Qwen3: head_dim 128 is not dim / heads; per-head q/k RMSNorm) are given
+    for Megatron's --kv-channels and --qk-layernorm."""
     cfg = _config(preset, **overrides)
+    mla = cfg["attention"] == "mla"
     return {
         "num_layers": cfg["n_layers"],
         "hidden_size": cfg["dim"],
         "num_attention_heads": cfg["n_heads"],
-        "num_query_groups": cfg["n_kv_heads"],
+        "num_query_groups": None if mla else cfg["n_kv_heads"],  # MLA excludes grouped-query attention
+        "kv_channels": None if mla else cfg["head_dim"],
+        "qk_layernorm": bool(cfg["qk_norm"]),
         "ffn_hidden_size": cfg["ffn_dim"],
         "seq_length": cfg["seq_len"],
         "max_position_embeddings": cfg["seq_len"],
         "vocab_size": cfg["vocab_size"],
         "normalization": "RMSNorm",
+        "norm_epsilon": 1e-6,
         "activation": "swiglu",
         "position_embedding": "rope",
+        "rotary_base": cfg["rope_theta"],
         "tied_embeddings": False,
         "bias": False,
         "dropout": 0.0,
@@ -550,4 +558,13 @@ def architecture(preset="mixtral-8x7b", **overrides):
         "moe_shared_expert_intermediate_size": cfg["n_shared_experts"] * cfg["shared_ffn_dim"] or None,
         "moe_layer_freq": [int(is_moe_layer(i, cfg["first_k_dense"], cfg["moe_layer_freq"])) for i in range(cfg["n_layers"])],
         "moe_router_score_function": cfg["router"],
+        "moe_router_load_balancing_type": "none",  # loss_fn adds no balancing loss
+        "moe_router_enable_expert_bias": cfg["router"] == "sigmoid" or None,
+        "moe_router_topk_scaling_factor": cfg["routed_scale"] if cfg["routed_scale"] != 1.0 else None,
+        "multi_latent_attention": mla or None,
+        "q_lora_rank": (cfg["q_lora_rank"] or None) if mla else None,
+        "kv_lora_rank": cfg["kv_lora_rank"] if mla else None,
+        "qk_head_dim": cfg["qk_nope_head_dim"] if mla else None,
+        "qk_pos_emb_head_dim": cfg["qk_rope_head_dim"] if mla else None,
+        "v_head_dim": cfg["v_head_dim"] if mla else None,
     }

@@ -177,8 +177,31 @@ def test_bad_model_arguments_are_usage_errors(arg, words):
     assert r.exit_code == 2 and words in r.output
 
 
+@pytest.mark.parametrize("preset", list(moe.PRESETS))
+def test_architecture_maps_onto_megatron(preset):
+    """Every preset's architecture() passes the planner's Megatron architecture rules (MoE rules included where the
+    planner has them); the keys it adds for Megatron are the table's names."""
+    from planner import megatron_args
+
+    assert megatron_args.architecture_problem(moe.architecture(preset)) is None
+    if hasattr(megatron_args, "moe_architecture_problems"):
+        assert megatron_args.moe_architecture_problems(moe.architecture(preset)) == []
+        table = {k.name for k in megatron_args.ARCHITECTURE}
+        extra = set(moe.architecture(preset)) - table - {"block_path"}
+        assert extra <= {"kv_channels", "qk_layernorm"}, extra
+
+
 def test_architecture_carries_the_moe_shape():
     a = moe.architecture("deepseek-v3")
     assert a["num_experts"] == 256 and a["moe_router_topk"] == 8 and a["moe_ffn_hidden_size"] == 2048
     assert a["moe_layer_freq"] == [0, 0, 0] + [1] * 58 and a["moe_shared_expert_intermediate_size"] == 2048
-    assert a["moe_router_score_function"] == "sigmoid"
+    assert a["moe_router_score_function"] == "sigmoid" and a["moe_router_enable_expert_bias"] and a["moe_router_topk_scaling_factor"] == 2.5
+    assert a["multi_latent_attention"] and (a["q_lora_rank"], a["kv_lora_rank"], a["qk_head_dim"], a["qk_pos_emb_head_dim"], a["v_head_dim"]) == (
+        1536,
+        512,
+        128,
+        64,
+        128,
+    )
+    q = moe.architecture("qwen3-30b-a3b")
+    assert q["kv_channels"] == 128 != q["hidden_size"] // q["num_attention_heads"] and q["qk_layernorm"]
