@@ -365,6 +365,7 @@ class Experts(nn.Module):
 
     def __init__(self, dim, num_experts, ffn_dim):
         super().__init__()
+        self.num_experts = num_experts  # with the 3-D weights: how the planner finds routed experts (as transformers 5 writes them)
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))

@@ -205,3 +205,16 @@ def test_architecture_carries_the_moe_shape():
     )
     q = moe.architecture("qwen3-30b-a3b")
     assert q["kv_channels"] == 128 != q["hidden_size"] // q["num_attention_heads"] and q["qk_layernorm"]
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3", "qwen3-30b-a3b"])
+def test_the_planner_finds_the_routed_experts(preset):
+    """Where the planner recognises routed experts by structure, every MoE layer's experts are found with E and k."""
+    experts = pytest.importorskip("planner.model.experts")
+    with torch.device("meta"):
+        m = moe.build_model(preset)
+    c = moe._config(preset)
+    groups = experts.find_experts(m)
+    n_moe = sum(moe.is_moe_layer(i, c["first_k_dense"], c["moe_layer_freq"]) for i in range(c["n_layers"]))
+    assert len(groups) == n_moe and {(g.num_experts, g.top_k) for g in groups} == {(c["num_experts"], c["top_k"])}
+    assert all(g.path.endswith("feed_forward.experts") for g in groups)
