@@ -372,8 +372,9 @@ class Experts(nn.Module):
 
     def forward(self, rows, offsets):
         """rows (N, dim) grouped by expert, ``offsets`` (experts,) int32 cumulative row counts -> (N, dim)."""
-        h = F.silu(torch._grouped_mm(rows, self.w1, offs=offsets)) * torch._grouped_mm(rows, self.w3, offs=offsets)
-        return torch._grouped_mm(h, self.w2, offs=offsets)
+        w1, w3, w2 = (w.to(rows.dtype) for w in (self.w1, self.w3, self.w2))  # autocast does not cover the grouped GEMM
+        h = F.silu(torch._grouped_mm(rows, w1, offs=offsets)) * torch._grouped_mm(rows, w3, offs=offsets)
+        return torch._grouped_mm(h, w2, offs=offsets)
 
 
 class MoE(nn.Module):

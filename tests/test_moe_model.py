@@ -218,3 +218,18 @@ def test_the_planner_finds_the_routed_experts(preset):
     n_moe = sum(moe.is_moe_layer(i, c["first_k_dense"], c["moe_layer_freq"]) for i in range(c["n_layers"]))
     assert len(groups) == n_moe and {(g.num_experts, g.top_k) for g in groups} == {(c["num_experts"], c["top_k"])}
     assert all(g.path.endswith("feed_forward.experts") for g in groups)
+
+
+def test_mixed_precision_over_fp32_weights_runs_the_grouped_gemm():
+    """The torch engine trains under autocast with fp32 master weights: autocast does not cover _grouped_mm, so the
+    experts cast their weights to the routed rows' dtype; the bf16 result is the fp32 one within bf16 precision."""
+    torch.manual_seed(5)
+    m = moe.build_model("moe-tiny")
+    x, target = moe.example_inputs(2, "moe-tiny")[0], moe.example_target(2, "moe-tiny")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = m(x)
+    assert out.dtype == torch.bfloat16
+    moe.loss_fn(out, target).backward()
+    w1 = m.layers[0].feed_forward.experts.w1
+    assert w1.dtype == torch.float32 and w1.grad is not None and w1.grad.abs().sum() > 0
+    assert torch.allclose(out.float(), m(x), atol=0.05, rtol=0.05)
