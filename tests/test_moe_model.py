@@ -232,4 +232,5 @@ def test_mixed_precision_over_fp32_weights_runs_the_grouped_gemm():
     moe.loss_fn(out, target).backward()
     w1 = m.layers[0].feed_forward.experts.w1
     assert w1.dtype == torch.float32 and w1.grad is not None and w1.grad.abs().sum() > 0
-    assert torch.allclose(out.float(), m(x), atol=0.05, rtol=0.05)
+    ref = m(x)
+    assert (out.float() - ref).norm() / ref.norm() < 0.02  # bf16 rounding through 4 layers (relative L2)
