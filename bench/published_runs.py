@@ -219,15 +219,15 @@ def flops_bridge2602(m: Shape, batch: int) -> float:
     return batch * s * l * h * h * (12 + 12 * m.kv_heads / m.heads + 18 * m.ffn / h + 6 * s / h + 6 * m.vocab / (l * h))
 
 
-def flops_megatron_moe(m: Shape, batch: int) -> float:
+def flops_megatron_moe(m: Shape, batch: int, tp: int = 1) -> float:
     """Megatron-Core 0.9 num_floating_point_operations (training.py) for a MoE GPT with every layer MoE:
-    12 B s l h^2 ((1 + g/a + s/h) q/h + ffn/h x topk x 3/2 + shared/h x 3/2 + V/(2 l h)), V padded to 128."""
+    12 B s l h^2 ((1 + g/a + s/h) q/h + ffn/h x topk x 3/2 + shared/h x 3/2 + V/(2 l h)), V padded to 128 x tp."""
     c = moe_config(m)
     s, l, h = m.seq, m.layers, m.hidden
     q = c["n_heads"] * c["head_dim"]
     attention = (1 + c["n_kv_heads"] / c["n_heads"] + s / h) * q / h
     mlp = c["moe_ffn_dim"] / h * c["top_k"] * 1.5 + c["n_shared_experts"] * c["shared_ffn_dim"] / h * 1.5
-    return 12 * batch * s * l * h * h * (attention + mlp + _padded_vocab(c["vocab_size"], 1) / (2 * l * h))
+    return 12 * batch * s * l * h * h * (attention + mlp + _padded_vocab(c["vocab_size"], tp) / (2 * l * h))
 
 
 def _padded_vocab(vocab: int, tp: int, multiple: int = 128) -> int:
@@ -272,9 +272,9 @@ FLOP_FORMULAS = {
 
 
 def step_flops(run: PublishedRun) -> float:
-    """FLOPs per step as the run's source counts them (Bridge pads the vocabulary to 128 x tp)."""
-    if run.source.flop_formula == "bridge_moe":
-        return flops_bridge_moe(run.model, run.global_batch, run.tp)
+    """FLOPs per step as the run's source counts them (the MoE formulas pad the vocabulary to 128 x tp)."""
+    if run.source.flop_formula in ("bridge_moe", "megatron_moe09"):
+        return FLOP_FORMULAS[run.source.flop_formula](run.model, run.global_batch, run.tp)
     return FLOP_FORMULAS[run.source.flop_formula](run.model, run.global_batch)
 
 
