@@ -9,6 +9,11 @@ step time the way its source counts (bench/data/published_runs.yaml, `sources`):
   num_floating_point_operations, 12 B s l h^2 ((1 + g/a + s/h) + ffn/h (x 3/2 gated) + V/2lh);
 * NeMo / Megatron-Bridge tables: step = global batch x sequence / (tokens/s/GPU x GPUs);
 * Korthikanti et al. 2022 and BLOOM publish the step time itself.
+Mixture-of-experts rows live in bench/data/published_moe_runs.yaml (their shapes are examples/moe.py presets):
+* Megatron-LM's MoE README: num_floating_point_operations of Megatron-Core 0.9 (top-k experts, shared experts);
+* Megatron-Bridge tables: tokens/s/GPU, checked against their TFLOP/s by Bridge's flop_utils (MLA, MTP, dense
+  first layers, causal attention counted once);
+* the DeepSeek-V3 report: H800 GPU-hours per trillion tokens.
 Each row's layout carries what the run did: context parallelism, FP8 GEMMs, the overlaps its
 source states (or the defaults of its software at that version, marked assumed in the data).
 Rows the planner cannot express (expert parallelism, a squared-ReLU MLP) are kept and
@@ -18,9 +23,11 @@ test-only set (bench/NOTES.md says why).
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from unittest import mock
 
@@ -28,9 +35,11 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "bench" / "data" / "published_runs.yaml"
+MOE_DATA = ROOT / "bench" / "data" / "published_moe_runs.yaml"
+MOE_MODEL = ROOT / "examples" / "moe.py"
 
-#: planner hardware profile per device name used in the data file
-DEVICE_PROFILE = {"A100-80GB": "A100-80GB", "H100-SXM": "H100-SXM"}
+#: planner hardware profile per device name used in the data files (H800: none yet)
+DEVICE_PROFILE = {"A100-80GB": "A100-80GB", "H100-SXM": "H100-SXM", "B200": "B200"}
 
 
 @dataclass(frozen=True)
@@ -57,7 +66,9 @@ class Shape:
     ffn: int
     vocab: int
     seq: int
-    arch: str  # gpt | llama | nemotron
+    arch: str  # gpt | llama | nemotron | moe
+    preset: str = ""  # moe: the examples/moe.py preset that builds it
+    mtp_layers: int = 0  # moe: multi-token-prediction layers the source counts (not in the model file)
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,8 @@ class PublishedRun:
     reported: dict
     assumed: tuple[str, ...]
     step_s: float  # the published figure converted to seconds per step (stored in the data file)
+    etp: int = 1  # expert tensor-parallel size (MoE rows)
+    dispatcher: str = ""  # MoE token dispatcher: alltoall | flex (DeepEP) | allgather
 
     @property
     def num_microbatches(self) -> float:
@@ -93,11 +106,47 @@ class PublishedRun:
         return self.source.split
 
 
+def moe_config(m: Shape) -> dict:
+    """The examples/moe.py configuration of a MoE shape (its preset at the row's sequence length)."""
+    return _moe_module()._config(m.preset, seq_len=m.seq)
+
+
+@functools.cache
+def _moe_module():
+    """examples/moe.py, loaded once."""
+    spec = importlib.util.spec_from_file_location("planner_example_moe", MOE_MODEL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _moe_shape(name: str, v: dict) -> Shape:
+    cfg = _moe_module()._config(v["preset"], seq_len=v["seq"])
+    return Shape(
+        name,
+        cfg["n_layers"],
+        cfg["dim"],
+        cfg["n_heads"],
+        cfg["n_kv_heads"],
+        cfg["moe_ffn_dim"],
+        cfg["vocab_size"],
+        cfg["seq_len"],
+        "moe",
+        v["preset"],
+        v.get("mtp_layers", 0),
+    )
+
+
+def load_moe_runs(path: Path = MOE_DATA) -> list[PublishedRun]:
+    """Every row of the mixture-of-experts data file (shapes: examples/moe.py presets)."""
+    return load_runs(path)
+
+
 def load_runs(path: Path = DATA) -> list[PublishedRun]:
     """Every row of the data file, with its source and model shape resolved."""
     d = yaml.safe_load(Path(path).read_text())
     sources = {k: Source(key=k, **{**v, "overlaps": tuple(v["overlaps"])}) for k, v in d["sources"].items()}
-    shapes = {k: Shape(k, *v[:7], v[7]) for k, v in d["models"].items()}
+    shapes = {k: _moe_shape(k, v) if isinstance(v, dict) else Shape(k, *v[:7], v[7]) for k, v in d["models"].items()}
     out = []
     for r in d["runs"]:
         out.append(
@@ -122,6 +171,8 @@ def load_runs(path: Path = DATA) -> list[PublishedRun]:
                 reported=dict(r["reported"]),
                 assumed=tuple(r.get("assumed", ())),
                 step_s=float(r["step_s"]),
+                etp=r.get("etp", 1),
+                dispatcher=r.get("dispatcher", ""),
             )
         )
     return out
@@ -168,11 +219,62 @@ def flops_bridge2602(m: Shape, batch: int) -> float:
     return batch * s * l * h * h * (12 + 12 * m.kv_heads / m.heads + 18 * m.ffn / h + 6 * s / h + 6 * m.vocab / (l * h))
 
 
-FLOP_FORMULAS = {"megatron2021": flops_megatron2021, "megatron2024": flops_megatron2024, "nemo2407": flops_nemo2407, "bridge2602": flops_bridge2602}
+def flops_megatron_moe(m: Shape, batch: int, tp: int = 1) -> float:
+    """Megatron-Core 0.9 num_floating_point_operations (training.py) for a MoE GPT with every layer MoE:
+    12 B s l h^2 ((1 + g/a + s/h) q/h + ffn/h x topk x 3/2 + shared/h x 3/2 + V/(2 l h)), V padded to 128 x tp."""
+    c = moe_config(m)
+    s, l, h = m.seq, m.layers, m.hidden
+    q = c["n_heads"] * c["head_dim"]
+    attention = (1 + c["n_kv_heads"] / c["n_heads"] + s / h) * q / h
+    mlp = c["moe_ffn_dim"] / h * c["top_k"] * 1.5 + c["n_shared_experts"] * c["shared_ffn_dim"] / h * 1.5
+    return 12 * batch * s * l * h * h * (attention + mlp + _padded_vocab(c["vocab_size"], tp) / (2 * l * h))
+
+
+def _padded_vocab(vocab: int, tp: int, multiple: int = 128) -> int:
+    """Megatron's padded vocabulary: a multiple of 128 x tp."""
+    step = multiple * tp
+    return -(-vocab // step) * step
+
+
+def flops_bridge_moe(m: Shape, batch: int, tp: int = 1) -> float:
+    """Megatron-Bridge flop_utils.transformer_flops (3 passes): dense and MoE layers (routed top-k + shared), GQA or
+    MLA projections, causal core attention counted once, multi-token-prediction layers, logits on the padded vocabulary."""
+    c = moe_config(m)
+    s, h, L, mtp = m.seq, m.hidden, m.layers, m.mtp_layers
+    moe_mask = [_moe_module().is_moe_layer(i, c["first_k_dense"], c["moe_layer_freq"]) for i in range(L)]
+    n_moe = sum(moe_mask) + (mtp if moe_mask[-1] else 0)
+    n_dense = L + mtp - n_moe
+    layers = L + mtp
+    H = c["n_heads"]
+    if c["attention"] == "mla":
+        qk, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+        q_rank, kv_rank = c["q_lora_rank"], c["kv_lora_rank"]
+        q_term = q_rank * (h + H * (qk + rope) + 1) if q_rank else h * H * (qk + rope)
+        per_layer = q_term + kv_rank * (h + H * (qk + v) + 1) + h * rope + H * v * h + s * H * (qk + rope) / 2 + s * H * v / 2
+    else:
+        q, kv = H * c["head_dim"], c["n_kv_heads"] * c["head_dim"]
+        per_layer = h * (q + 2 * kv) + q * h + q * s
+    attention = 6 * layers * per_layer
+    mlp = 6 * h * 3 * (c["ffn_dim"] * n_dense + (c["moe_ffn_dim"] * c["top_k"] + c["n_shared_experts"] * c["shared_ffn_dim"]) * n_moe)
+    mtp_proj = 6 * mtp * (3 * h + 2 * h * h)
+    logits = 6 * h * _padded_vocab(m.vocab, tp) * (mtp + 1)
+    return batch * s * (mlp + attention + mtp_proj + logits)
+
+
+FLOP_FORMULAS = {
+    "megatron2021": flops_megatron2021,
+    "megatron2024": flops_megatron2024,
+    "nemo2407": flops_nemo2407,
+    "bridge2602": flops_bridge2602,
+    "megatron_moe09": flops_megatron_moe,
+    "bridge_moe": flops_bridge_moe,
+}
 
 
 def step_flops(run: PublishedRun) -> float:
-    """FLOPs per step as the run's source counts them."""
+    """FLOPs per step as the run's source counts them (the MoE formulas pad the vocabulary to 128 x tp)."""
+    if run.source.flop_formula in ("bridge_moe", "megatron_moe09"):
+        return FLOP_FORMULAS[run.source.flop_formula](run.model, run.global_batch, run.tp)
     return FLOP_FORMULAS[run.source.flop_formula](run.model, run.global_batch)
 
 
@@ -185,16 +287,32 @@ def converted_step_s(run: PublishedRun) -> float:
         return run.global_batch * run.model.seq / (rep["tokens"] * run.gpus)
     if how == "tflops":
         return step_flops(run) / (rep["tflops"] * 1e12 * run.gpus)
+    if how == "gpu_hours":  # GPU-hours per trillion tokens -> tokens/s/GPU
+        tokens_per_gpu_s = 1e12 / (rep["gpu_hours_per_trillion_tokens"] * 3600)
+        return run.global_batch * run.model.seq / (tokens_per_gpu_s * run.gpus)
     raise ValueError(f"{run.id}: unknown step_from {how!r}")
 
 
 # ---- what the planner can express today ----
 
 
+def _has_field(cls, name: str) -> bool:
+    return name in {f.name for f in fields(cls)}
+
+
+def _planner_has_ep() -> bool:
+    """Whether the planner's Layout has expert parallelism (field ``ep``)."""
+    from planner.solve.plan import Layout
+
+    return _has_field(Layout, "ep")
+
+
 def not_expressible(run: PublishedRun) -> str | None:
     """Why the planner cannot price this row today (None when it can)."""
     needs = []
-    if run.ep > 1:
+    if run.source.device not in DEVICE_PROFILE:
+        needs.append(f"a hardware profile for the {run.source.device}")
+    if run.ep > 1 and not _planner_has_ep():
         needs.append(f"expert parallelism (ep {run.ep})")
     if run.model.arch == "nemotron":
         needs.append("a squared-ReLU MLP model file")
@@ -206,6 +324,8 @@ def not_expressible(run: PublishedRun) -> str | None:
 def model_file(run: PublishedRun) -> tuple[Path, dict]:
     """The example model file and --model-arg values that build this row's shape."""
     m = run.model
+    if m.arch == "moe":
+        return MOE_MODEL, {"preset": m.preset, "seq_len": m.seq}
     if m.arch == "gpt":
         args = {"preset": "gpt2", "n_layer": m.layers, "n_embd": m.hidden, "n_head": m.heads, "seq_len": m.seq, "vocab_size": m.vocab}
         args["attention"] = "explicit" if run.source.attention == "explicit" else "sdpa"
@@ -223,6 +343,11 @@ def model_file(run: PublishedRun) -> tuple[Path, dict]:
     return ROOT / "examples" / "llama.py", args
 
 
+def _moe_pins(run: PublishedRun, options_cls) -> dict:
+    """ep (and etp) pinned in the search options, once they have those fields."""
+    return {k: v for k, v in (("ep", run.ep), ("etp", run.etp)) if _has_field(options_cls, k)}
+
+
 def layout_for(run: PublishedRun, recompute: str | None = None, fp8: bool | None = None):
     """The row's Megatron Layout: its parallel sizes, schedule, recomputation, FP8 and the overlaps its source ran,
     each overlap kept only where Megatron's validate_args allows it for this layout."""
@@ -230,6 +355,7 @@ def layout_for(run: PublishedRun, recompute: str | None = None, fp8: bool | None
 
     zero = 1 if run.distributed_optimizer else 0
     grad_reduce = "grad_reduce" in run.overlap and (run.dp * run.cp > 1 or zero >= 1)
+    moe = {k: v for k, v in (("ep", run.ep), ("etp", run.etp)) if _has_field(Layout, k)}  # once the Layout has them
     return Layout(
         "megatron",
         run.pp,
@@ -247,7 +373,8 @@ def layout_for(run: PublishedRun, recompute: str | None = None, fp8: bool | None
         tp_comm_overlap="tp_comm" in run.overlap and run.tp > 1 and run.sequence_parallel,
         overlap_grad_reduce=grad_reduce,
         overlap_param_gather="param_gather" in run.overlap and grad_reduce and zero >= 1,
-        fp8=run.precision == "fp8" if fp8 is None else fp8,
+        fp8=run.precision in ("fp8", "mxfp8") if fp8 is None else fp8,
+        **moe,
     )
 
 
@@ -303,15 +430,15 @@ def predict(run: PublishedRun) -> Prediction:
     )
 
     why = not_expressible(run)
+    if why:
+        return Prediction(run, None, run.step_s, None, math.nan, None, skipped=why)
     cluster = hardware.parse_gpus(f"{run.gpus}x{DEVICE_PROFILE[run.source.device]}")
     cap = cluster.device_of(0).memory_bytes
-    if why:
-        return Prediction(run, None, run.step_s, None, cap, None, skipped=why)
     costs = costs_for(run)
     lay = layout_for(run)
     results = {}
     for target in (1.0, DEFAULT_MEM_TARGET, UNCHECKED):
-        opts = SearchOptions(engine="megatron", global_batch=run.global_batch, mem_target=target, cp=run.cp, fp8=lay.fp8)
+        opts = SearchOptions(engine="megatron", global_batch=run.global_batch, mem_target=target, cp=run.cp, fp8=lay.fp8, **_moe_pins(run, SearchOptions))
         results[target] = evaluate_layout(Context(costs, cluster, opts, get_engine("megatron")), lay, costs.dtype)
     ev, ev_default = results[1.0], results[DEFAULT_MEM_TARGET]
     rejected_default = ev_default.reason if isinstance(ev_default, Rejection) else None
@@ -325,7 +452,7 @@ def predict(run: PublishedRun) -> Prediction:
 #: a memory target no layout reaches: prices a layout with the memory check lifted (its simulated per-rank peak)
 UNCHECKED = 100.0
 
-RUNS_ALL = tuple(load_runs())
+RUNS_ALL = tuple(load_runs()) + tuple(load_moe_runs())
 #: the 2021-22 Megatron runs the time model was built against (C1-C7), kept with their own accuracy test
 RUNS = tuple(r for r in RUNS_ALL if r.id.startswith("C"))
 
@@ -346,7 +473,7 @@ def markdown(preds: list[Prediction]) -> str:
     ]
     for p in preds:
         r = p.run
-        lay = f"{r.tp}/{r.pp}/{r.dp}/{r.cp}" + (f", vp {r.vp}" if r.vp > 1 else "")
+        lay = f"{r.tp}/{r.pp}/{r.dp}/{r.cp}" + (f", vp {r.vp}" if r.vp > 1 else "") + (f", ep {r.ep}" if r.ep > 1 else "")
         pub = ", ".join(f"{k} {v}" for k, v in r.reported.items())
         head = f"| {r.id} | {r.source.key} ({r.split}) | {r.gpus} {r.source.device} | {lay} | {r.micro_batch}/{r.global_batch} | {r.recompute}{' + SP' if r.sequence_parallel else ''} | {pub} ({r.precision}) | {p.reported_step_s:.3g} s |"
         if p.skipped:
@@ -402,7 +529,9 @@ def _evaluate(run: PublishedRun, recompute: str | None = None, fp8: bool | None 
     costs = costs_for(run)
     cluster = hardware.parse_gpus(f"{run.gpus}x{DEVICE_PROFILE[run.source.device]}")
     lay = layout_for(run, recompute, fp8)
-    opts = search.SearchOptions(engine="megatron", global_batch=run.global_batch, mem_target=1.0, cp=run.cp, fp8=lay.fp8)
+    opts = search.SearchOptions(
+        engine="megatron", global_batch=run.global_batch, mem_target=1.0, cp=run.cp, fp8=lay.fp8, **_moe_pins(run, search.SearchOptions)
+    )
     ctx = search.Context(costs, cluster, opts, get_engine("megatron"))
     if tp_comm:
         return search.evaluate_layout(ctx, lay, costs.dtype)
