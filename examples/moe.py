@@ -26,10 +26,10 @@ MoE when (i - first_k_dense) % moe_layer_freq == 0), and an MoE layer otherwise:
 Attention is grouped-query (``attention=gqa``, RoPE, optional per-head
 ``qk_norm`` as in Qwen3) or DeepSeek's multi-head latent attention
 (``attention=mla``: low-rank q and kv projections, a decoupled RoPE key
-shared by all heads; ``mla_pad_v=1``, the default of the DeepSeek presets, pads v from
-``v_head_dim`` to the q/k head dim inside attention, as flash-attention-2 kernels and the planner's
-costing of SDPA need: 20% more attention-core FLOPs at 192/128, 4% of DeepSeek-V3's forward at
-s = 4096). Not modelled: DeepSeek-V3's node-limited (group) routing
+shared by all heads; the value head stays ``v_head_dim`` wide, as the fused kernels
+Megatron runs MLA with take it; ``mla_pad_v=1`` pads v to the q/k head dim inside attention,
+as flash-attention-2 kernels need: 20% more attention-core FLOPs at 192/128, 4% of
+DeepSeek-V3's forward at s = 4096). Not modelled: DeepSeek-V3's node-limited (group) routing
 and multi-token-prediction module (neither changes the main model's
 parameters or FLOPs per token), load-balancing losses (loss_fn is the
 language-model loss only).
@@ -102,7 +102,7 @@ PRESETS = {
         n_shared_experts=1,
         shared_ffn_dim=2048,
         routed_scale=2.5,
-        mla_pad_v=1,
+        mla_pad_v=0,
         q_lora_rank=1536,
         kv_lora_rank=512,
         qk_nope_head_dim=128,
@@ -187,7 +187,7 @@ PRESETS = {
         n_shared_experts=1,
         shared_ffn_dim=32,
         routed_scale=2.5,
-        mla_pad_v=1,
+        mla_pad_v=0,
         q_lora_rank=32,
         kv_lora_rank=16,
         qk_nope_head_dim=16,

@@ -65,6 +65,12 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
             query, key, value, bias.expand(query.size(0), query.size(1), query.size(2), key.size(2)), True, dropout_p, is_causal, scale=scale
         )
         return out[0]
+    if value.size(-1) != query.size(-1):
+        # a value head narrower than the query/key head (multi-latent attention: 128 vs 192): the fused kernels that
+        # take it (cuDNN / FlashAttention-3 via Transformer Engine) save what flash saves; torch's flash op assumes
+        # equal heads, its memory-efficient op does not
+        out = _aten._scaled_dot_product_efficient_attention(query, key, value, None, True, dropout_p, is_causal, scale=scale)
+        return out[0]
     out = _aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False, scale=scale)
     return out[0]
 
