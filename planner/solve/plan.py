@@ -62,6 +62,11 @@ class Layout:
     optimizer_state_dtype: str = "fp32"
     #: Transformer Engine FP8 GEMMs (bf16 weights and activations, FP8 matmuls at the device's FP8 peak)
     fp8: bool = False
+    #: expert-parallel size (mixture-of-experts models): each MoE layer's experts are split over ep GPUs of the
+    #: tp x cp x dp GPUs of a pipeline stage (as Megatron forms its expert groups); 1 for dense models
+    ep: int = 1
+    #: tensor-parallel size of the experts (Megatron --expert-tensor-parallel-size); ep x etp divides tp x cp x dp
+    etp: int = 1
 
     @property
     def world(self) -> int:
@@ -95,8 +100,9 @@ class Layout:
         sp = " +sp" if self.sequence_parallel else ""
         cp = f" cp{self.cp}" if self.cp > 1 else ""
         fp8 = " fp8" if self.fp8 else ""
+        ep = f" ep{self.ep}" + (f" etp{self.etp}" if self.etp > 1 else "") if self.ep > 1 else ""
         return (
-            f"pp{self.pp} tp{self.tp}{cp} dp{self.dp}{v} {self.schedule} mb{self.micro_batch}x{self.num_microbatches} "
+            f"pp{self.pp} tp{self.tp}{cp} dp{self.dp}{ep}{v} {self.schedule} mb{self.micro_batch}x{self.num_microbatches} "
             f"recompute={self.recompute} zero={self.zero}{sp}{fp8}"
         )
 
