@@ -62,6 +62,8 @@ class Engine(ABC):
     precision_options: bool = False
     #: Transformer Engine FP8 GEMMs
     fp8: bool = False
+    #: expert parallelism for mixture-of-experts layers (Layout.ep > 1, Layout.etp > 1)
+    expert_parallel: bool = False
 
     # ------------------------------------------------------------------ memory and time
 
@@ -136,6 +138,8 @@ class Engine(ABC):
             out.append(f"{self.name} keeps its own gradient and optimizer-state dtypes (no bf16 main gradients or optimizer states; use --engine megatron)")
         if layout.fp8 and not self.fp8:
             out.append(f"{self.name} has no FP8 training (Transformer Engine FP8 GEMMs: use --engine megatron)")
+        if (layout.ep > 1 or layout.etp > 1) and not self.expert_parallel:
+            out.append(f"{self.name} runs no expert parallelism (ep and etp must be 1; use --engine megatron for ep > 1)")
         return out
 
     def layout_problems(self, layout: Layout, costs: ModelCosts) -> list[str]:

@@ -65,6 +65,7 @@ class MegatronEngine(Engine):
     sub_block_cuts = False
     recompute_modes = ("none", "selective", "full")
     context_parallel = True
+    expert_parallel = True
     overlaps = ("tp-comm-overlap", "overlap-grad-reduce", "overlap-param-gather")
     precision_options = True
     fp8 = True
