@@ -298,7 +298,7 @@ def plan(
 
     with _errors():
         _check_pins(engine, pp, tp, dp, vp, micro_batch, global_batch, schedule, recompute, zero, mem_target)
-        cv.choice("--dtype", dtype, cv.DTYPES)
+        cv.choice("--dtype", dtype, cv.PLAN_DTYPES)
         cv.choice("--tracer", tracer, cv.TRACERS)
         limit = _timeout(timeout)
         req = PlanRequest(

@@ -23,6 +23,8 @@ MAX_GLOBAL_BATCH = 1 << 24
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 #: closed sets (the engine's schedules, recomputation modes and ZeRO stages come from planner.engines)
 DTYPES = ("bf16", "fp16", "fp32")
+#: `plan` also takes fp8: Transformer Engine FP8 GEMMs on bf16 weights and activations (where the GPU has an FP8 peak)
+PLAN_DTYPES = (*DTYPES, "fp8")
 TRACERS = ("auto", "fx", "export")
 VALIDATE_FORMATS = ("text", "json", "github")
 SMOKE_DEVICES = ("auto", "cpu", "cuda")

@@ -89,3 +89,18 @@ def test_profile_on_cpu_feeds_plan(tmp_path):
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
     assert "measured" in plan["assumptions"]["time_sources"]
+
+
+def test_plan_dtype_fp8_plans_on_h100_and_is_refused_on_a100(tmp_path):
+    """`--dtype fp8` reaches the planner: on H100 the plan records FP8 GEMMs and Megatron's FP8 flags; A100 has no FP8
+    tensor cores (its profile lists no fp8 peak), which is a usage error naming the GPU, not an unknown dtype."""
+    args = ("plan", str(ROOT / "examples" / "llama.py"), "--model-arg", "preset=llama-tiny", "--engine", "megatron", "--dtype", "fp8", "--quiet")
+    r = planner(*args, "--gpus", "2xH100", "--out", "h100", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads((tmp_path / "h100" / "plan.json").read_text())
+    assert doc["layout"]["fp8"] is True
+    assert "--fp8-format" in (tmp_path / "h100" / "pretrain_gpt.sh").read_text()
+    r = planner(*args, "--gpus", "2xA100", "--out", "a100", cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "FP8 tensor cores" in r.stderr and "A100" in r.stderr and "not accepted" not in r.stderr
+    assert not (tmp_path / "a100").exists()
