@@ -291,6 +291,9 @@ def plan(
     ),
     main_grads_dtype: str = typer.Option("fp32", "--main-grads-dtype", help="fp32 | bf16: gradients kept and reduced in (Megatron)."),
     optimizer_state_dtype: str = typer.Option("fp32", "--optimizer-state-dtype", help="fp32 | bf16 | fp16: Adam moments (Megatron, zero 1)."),
+    fp8_param_gather: bool = typer.Option(
+        False, "--fp8-param-gather", help="FP8 primary weights, no bf16 copy (Megatron --fp8-param-gather; needs --dtype fp8 and zero 1)."
+    ),
     timeout: float = Timeout,
 ) -> None:
     """Choose the layout and stage split, predict step time and memory, and write the configs."""
@@ -329,8 +332,10 @@ def plan(
             overlap_param_gather=overlap_param_gather,
             main_grads_dtype=main_grads_dtype,
             optimizer_state_dtype=optimizer_state_dtype,
+            fp8_param_gather=fp8_param_gather,
         )
         cv.positive_int("--cp", cp)
+        cv.fp8_param_gather(fp8_param_gather, dtype, engine, zero)
         cv.choice("--main-grads-dtype", main_grads_dtype, ("fp32", "bf16"))
         cv.choice("--optimizer-state-dtype", optimizer_state_dtype, ("fp32", "bf16", "fp16"))
         if out_dir is not None:

@@ -74,3 +74,23 @@ def finite_number(flag: str, value: float | None, low: float, high: float, low_o
         bracket = "(" if low_open else "["
         raise UsageError(f"{flag} must be a finite number in {bracket}{low:g}, {high:g}], got {value!r}.")
     return float(value)
+
+
+def fp8_param_gather(on: bool, dtype: str, engine: str, zero: int | None) -> None:
+    """``--fp8-param-gather`` only where Megatron runs it: FP8 training (``--dtype fp8``), ``--engine megatron`` and the
+    distributed optimizer (validate_args asserts it; a pinned ``--zero 0`` cannot have it). Exit 2 otherwise."""
+    if not on:
+        return
+    if dtype != "fp8":
+        raise UsageError(
+            f"--fp8-param-gather keeps the weights in FP8, which needs FP8 training; got --dtype {dtype}.", "Add --dtype fp8, or drop --fp8-param-gather."
+        )
+    if engine != "megatron":
+        raise UsageError(
+            f"--fp8-param-gather is a Megatron-LM option; engine {engine} has no FP8 primary weights.", "Use --engine megatron, or drop --fp8-param-gather."
+        )
+    if zero == 0:
+        raise UsageError(
+            "--fp8-param-gather needs Megatron's distributed optimizer; --zero 0 pins it off.",
+            "Use --zero 1 (or leave --zero out), or drop --fp8-param-gather.",
+        )

@@ -63,6 +63,7 @@ RULES: dict[str, tuple[str, str]] = {
     "MEG029": ("warning", "a flag is given twice with different values (the last wins)"),
     "MEG030": ("error", "FFN hidden size not divisible by tp"),
     "MEG031": ("error", "the launch script did not reach its launch (it failed, looped or ran past its limits)"),
+    "MEG032": ("error", "--fp8-param-gather without FP8 training or without the distributed optimizer"),
 }
 
 
@@ -480,6 +481,18 @@ class _Checker:
                     a.line("--overlap-param-gather"),
                     f"--overlap-param-gather needs {' and '.join(missing)} (validate_args asserts it).",
                     f"add {' '.join(missing)}",
+                )
+        if a.has("--fp8-param-gather"):
+            # validate_args asserts the distributed optimizer (or an FSDP); TransformerConfig refuses fp8_param without fp8
+            missing = [n for n in ("--fp8-format", "--use-distributed-optimizer") if not a.has(n)]
+            if "--use-distributed-optimizer" in missing and (a.has("--use-megatron-fsdp") or a.has("--use-torch-fsdp2")):
+                missing.remove("--use-distributed-optimizer")
+            if missing:
+                self.add(
+                    "MEG032",
+                    a.line("--fp8-param-gather"),
+                    f"--fp8-param-gather needs {' and '.join(missing)} (validate_args and TransformerConfig assert it).",
+                    f"add {' '.join(missing)}, or drop --fp8-param-gather",
                 )
         self.recompute_rules()
         seq = a.int("--seq-length")

@@ -44,6 +44,7 @@ RECORDED_SEARCH_FIELDS = (
     "overlap_param_gather",
     "main_grads_dtype",
     "optimizer_state_dtype",
+    "fp8_param_gather",
 )
 _KNOBS = frozenset(f.name for f in fields(SearchOptions)) - frozenset(RECORDED_SEARCH_FIELDS)
 

@@ -33,6 +33,10 @@ class Layer:
             (element-wise, normalisation, softmax): the memory-bound part of the time model.
         core_flops_fwd / core_bytes_fwd / core_saved_bytes: the attention core (operators touching an
             s x s tensor): what selective recomputation recomputes and no longer stores.
+        gemm_saved_bytes: the part of ``saved_bytes`` that only weight GEMMs (linear layers) keep, their inputs for the
+            weight gradient: what Transformer Engine's FP8 linear layers keep in FP8 (1 byte per element) instead;
+            ``gemm_shared_bytes`` the part a weight GEMM and another operator both keep (an attention output that is also
+            the projection's input), which FP8 keeps twice: as it is for the other operator and in FP8 for the GEMM.
         shardable_params: parameters of matmul weights and embeddings that tensor parallelism splits.
         buffer_bytes: non-parameter buffers the piece reads (rotary tables, masks).
         max_op_bytes: largest single operator output (bytes): the transient working set while it runs.
@@ -60,6 +64,8 @@ class Layer:
     core_flops_fwd: float = 0.0
     core_bytes_fwd: float = 0.0
     core_saved_bytes: int = 0
+    gemm_saved_bytes: int = 0
+    gemm_shared_bytes: int = 0
     shardable_params: int = 0
     buffer_bytes: int = 0
     max_op_bytes: int = 0
@@ -177,6 +183,8 @@ _SCALED = (
     "core_flops_fwd",
     "core_bytes_fwd",
     "core_saved_bytes",
+    "gemm_saved_bytes",
+    "gemm_shared_bytes",
     "max_op_bytes",
 )
 

@@ -368,6 +368,8 @@ def overlaps_line(lay: Layout) -> str:
         extra.append(f"{lay.main_grads_dtype} gradients")
     if lay.optimizer_state_dtype != "fp32":
         extra.append(f"{lay.optimizer_state_dtype} optimizer states")
+    if lay.fp8_param_gather:
+        extra.append("FP8 primary weights")
     return f"Overlaps assumed: {names}" + (f"; {', '.join(extra)}" if extra else "") + "."
 
 

@@ -289,6 +289,7 @@ RULE_CASES = {
     "MEG028": (_with({}, extra=[("--overlap-p2p-communication", None)]), WORLD, True, True),
     "MEG029": (_with({"--micro-batch-size": "2"}, extra=[("--micro-batch-size", "1")]), WORLD, True, False),
     "MEG030": (_with({}, extra=[("--ffn-hidden-size", "1023")]), WORLD, True, False),  # at model build (parallel linear layers)
+    "MEG032": (_with({}, extra=[("--fp8-format", "hybrid"), ("--fp8-param-gather", None)]), WORLD, True, True),  # no distributed optimizer
 }
 
 

@@ -675,6 +675,7 @@ def _memory_megatron(run: _Run, ctx: _Ctx, rel: str, args, world: int | None) ->
         main_grads_dtype=args.value("--main-grads-dtype") or ("bf16" if args.has("--grad-reduce-in-bf16") else "fp32"),
         optimizer_state_dtype=args.value("--exp-avg-dtype") or "fp32",
         fp8=args.has("--fp8-format"),
+        fp8_param_gather=args.has("--fp8-format") and args.has("--fp8-param-gather"),
     )
     costs = _costs(run, ctx, rel, line, dtype)
     if costs is None:

@@ -22,7 +22,10 @@ OptimizerConfig allows only with Adam and the distributed optimizer): bf16 or fp
 moments (``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``), bf16 main gradients
 (``--main-grads-dtype bf16``; without the precision-aware optimizer ``--grad-reduce-in-bf16``).
 Context parallelism (``--context-parallel-size``) needs the sequence length to divide by 2 x cp.
-FP8 runs Transformer Engine's FP8 GEMMs (``--fp8-format``, ``--fp8-recipe``).
+FP8 runs Transformer Engine's FP8 GEMMs (``--fp8-format``, ``--fp8-recipe``): TE keeps an FP8 copy and an FP8
+transpose of each bf16 weight, cached across the micro-batches of a step (Megatron passes is_first_microbatch), 2 bytes
+per parameter more; ``--fp8-param-gather`` (FP8 primary weights, distributed optimizer only) keeps the weight only in
+FP8 plus its transpose: 2 bytes per parameter in place of 4.
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ class MegatronEngine(Engine):
         states = layout.optimizer_state_dtype if layout is not None else "fp32"
         grad = DTYPE_BYTES[grads] if precision in ("bf16", "fp16") else None
         fp8 = layout is not None and layout.fp8
-        return state_recipe(precision, optimizer, grad_bytes=grad, zero=1 if zero >= 1 else 0, state_dtype=states, fp8=fp8)
+        fp8_params = fp8 and layout is not None and layout.fp8_param_gather and precision in ("bf16", "fp16")
+        return state_recipe(precision, optimizer, grad_bytes=grad, zero=1 if zero >= 1 else 0, state_dtype=states, fp8=fp8, fp8_params=fp8_params)
 
     def exposed_dp_time(
         self, layout: Layout, reduce_s: float, gather_s: float, backward_s: Sequence[float], forward_s: Sequence[float], params: float
@@ -104,6 +108,10 @@ class MegatronEngine(Engine):
             out.append(f"Megatron keeps main gradients in fp32 or bf16 (--main-grads-dtype), not {layout.main_grads_dtype}")
         if layout.optimizer_state_dtype != "fp32" and layout.zero < 1:
             out.append("bf16/fp16 optimizer states need the precision-aware optimizer, which runs only with the distributed optimizer (zero 1)")
+        if layout.fp8_param_gather and not layout.fp8:
+            out.append("--fp8-param-gather keeps the weights in FP8 and needs FP8 training (TransformerConfig: fp8_param needs fp8)")
+        if layout.fp8_param_gather and layout.zero < 1:
+            out.append("--fp8-param-gather needs the distributed optimizer (zero 1; validate_args asserts it)")
         if layout.cp > 1:
             if costs.seq_len and costs.seq_len % (2 * layout.cp):
                 out.append(f"context parallelism needs the sequence length ({costs.seq_len}) to divide by 2 x cp = {2 * layout.cp}")

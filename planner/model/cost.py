@@ -4,7 +4,8 @@ For each piece of a LayerGraph this runs the piece alone on meta tensors and
 records its FLOPs (torch's FlopCounterMode), the bytes moved by operators
 that have no FLOP formula, the activation bytes autograd saves for backward
 (``saved_tensors_hooks``, de-duplicated by storage, parameters and buffers
-excluded), and the share of the backward that computes weight gradients.
+excluded; the part only weight GEMMs keep is recorded apart, for FP8), and the
+share of the backward that computes weight gradients.
 
 Accounting follows the target GPU's kernels, not the CPU's:
 * ``F.scaled_dot_product_attention`` runs as the flash kernel
@@ -51,6 +52,28 @@ class GpuKernels(TorchFunctionMode):
         if func is F.dropout or func is torch.dropout:
             return _dropout(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+#: torch functions that multiply an activation by a weight when a parameter is among their arguments (linear layers)
+_GEMMS = frozenset({F.linear, torch.addmm, torch.mm, torch.matmul, torch.bmm, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.mm})
+
+
+class _WeightGemms(TorchFunctionMode):
+    """Counts how deep the run is inside a call that multiplies by a weight parameter, so that the tensors autograd
+    saves inside it (the GEMM's input, for the weight gradient) can be told apart from those other operators save."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        gemm = func in _GEMMS and any(isinstance(t, nn.Parameter) for t in _flat_tensors((args, kwargs)))
+        self.depth += gemm
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.depth -= gemm
 
 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -176,6 +199,8 @@ class PieceCost:
     core_bytes_fwd: float
     core_saved_bytes: int
     max_op_bytes: int
+    gemm_saved_bytes: int  # saved bytes only weight GEMMs keep (their inputs)
+    gemm_shared_bytes: int  # saved bytes a weight GEMM and another operator both keep
     op_flops_fwd: tuple[float, ...]
     op_flops_bwd: tuple[float, ...]
     op_flops_core: tuple[float, ...]
@@ -215,9 +240,13 @@ def cost_piece(
     core_saved: dict[int, int] = {}
     refs: list[torch.Tensor] = []
     s = seq_len
+    gemms = _WeightGemms()
+    by_gemm: set[int] = set()  # storages a weight GEMM saved ...
+    by_other: set[int] = set()  # ... and those any other operator saved
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
+        (by_gemm if gemms.depth else by_other).add(key)
         if key not in excluded and key not in saved:
             saved[key] = t.untyped_storage().nbytes()
             if s and s > 1 and _is_scores(t, s, batch):
@@ -228,7 +257,7 @@ def cost_piece(
     floats = [t for t in _flat_tensors(inputs) if t.is_floating_point()]
     resid = tuple(floats[0].shape) if floats else None
     fwd_meter = _OpMeter(seq_len, batch, resid)
-    with torch.device("meta"), GpuKernels(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.device("meta"), GpuKernels(), gemms, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with flop_counter() as fc_fwd, fwd_meter:
             out = module(*run_inputs)
             target = loss(out) if loss is not None else None
@@ -265,6 +294,8 @@ def cost_piece(
         core_bytes_fwd=fwd_meter.core_bytes,
         core_saved_bytes=sum(core_saved.values()),
         max_op_bytes=max(fwd_meter.max_out, bwd_meter.max_out),
+        gemm_saved_bytes=sum(saved[k] for k in by_gemm - by_other if k in saved),
+        gemm_shared_bytes=sum(saved[k] for k in by_gemm & by_other if k in saved),
         op_flops_fwd=tuple(fwd_meter.op_flops),
         op_flops_bwd=tuple(bwd_meter.op_flops),
         op_flops_core=tuple(fwd_meter.core_op_flops),
@@ -402,6 +433,8 @@ def cost_layers(
                 core_flops_fwd=cost.core_flops_fwd,
                 core_bytes_fwd=cost.core_bytes_fwd,
                 core_saved_bytes=cost.core_saved_bytes,
+                gemm_saved_bytes=cost.gemm_saved_bytes,
+                gemm_shared_bytes=cost.gemm_shared_bytes,
                 shardable_params=min(shardable, n_params),
                 buffer_bytes=sum(b.numel() * b.element_size() for b in mod.buffers()),
                 max_op_bytes=cost.max_op_bytes,

@@ -256,6 +256,8 @@ def feature_flags(plan: Plan) -> tuple[Flags, Flags]:
         training.append(("--grad-reduce-in-bf16", None))
     if lay.fp8:
         training += FP8_FLAGS
+        if lay.fp8_param_gather:  # FP8 primary weights (TransformerConfig.fp8_param), gathered in FP8
+            training.append(("--fp8-param-gather", None))
     parallel: Flags = []
     if lay.cp > 1:
         parallel.append(("--context-parallel-size", str(lay.cp)))

@@ -18,6 +18,10 @@ saves), reduced by recomputation:
   --recompute-num-layers 1`` and DeepSpeed's ``activation_checkpoint_interval=1``
   do; during backward one unit's activations are rebuilt at a time (the
   working set).
+Under FP8 (Transformer Engine's linear layers in the transformer blocks) each weight GEMM keeps its input for the
+weight gradient in FP8, 1 byte per element: the inputs only GEMMs keep shrink from 2 bytes to 1, and an input another
+operator also keeps (the attention output, read by the projection) is kept twice, once in FP8
+(:func:`saved_bytes`). The output layer is Megatron's own ColumnParallelLinear and stays bf16.
 The schedule decides how many micro-batches' activations a rank holds at once
 (the simulator's peak), so activation memory = bytes per micro-batch x held.
 
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.records import ModelCosts
+from planner.records import Layer, ModelCosts
 
 GiB = 2**30
 
@@ -70,6 +74,13 @@ DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0}
 #: Transformer Engine FP8 GEMMs keep, per weight, an FP8 copy and (Hopper's FP8 GEMMs take only the TN layout)
 #: its FP8 transpose, cached across the micro-batches of a step: 2 bytes per parameter besides the bf16 weight
 FP8_WEIGHT_COPY_BYTES = 2.0
+#: FP8 primary weights (Megatron --fp8-param-gather): the weight itself is FP8, 1 byte per parameter in the
+#: distributed-data-parallel param buffer (megatron/core/distributed/distributed_data_parallel.py, core_v0.16.1: a
+#: Float8Tensor parameter goes into a torch.uint8 buffer), and no bf16 weight is kept
+FP8_PARAM_BYTES = 1.0
+#: ... plus the FP8 transpose TE keeps next to an FP8 weight on Hopper (its FP8 GEMMs take only the TN layout, so the
+#: backward's dgrad GEMM reads the transposed copy; Megatron's fp8_utils re-creates it after each param all-gather)
+FP8_PARAM_TRANSPOSE_BYTES = 1.0
 #: FP8 tensors of one TE linear layer with delayed scaling: input, weight, output (forward), two gradients (backward)
 FP8_TENSORS_PER_GEMM = 5
 #: GEMMs per transformer layer that run in FP8 (QKV, attention projection, FC1, FC2)
@@ -89,6 +100,7 @@ def state_recipe(
     zero: int = 0,
     state_dtype: str = "fp32",
     fp8: bool = False,
+    fp8_params: bool = False,
 ) -> StateRecipe:
     """The model-state recipe for a precision, optimizer and ZeRO stage.
 
@@ -96,7 +108,9 @@ def state_recipe(
     fp32 gradients: Megatron's main grads, DeepSpeed's fp32 accumulation).
     ``state_dtype`` is the optimizer moments' dtype (fp32 unless a precision-aware
     optimizer keeps them in bf16 or fp16: Adam 2 x 2 bytes instead of 2 x 4).
-    ``fp8`` adds the FP8 weight copies (:data:`FP8_WEIGHT_COPY_BYTES`) to the weights.
+    ``fp8`` adds the FP8 weight copies (:data:`FP8_WEIGHT_COPY_BYTES`) to the bf16 weights; with ``fp8_params``
+    (FP8 primary weights) the weight is the FP8 tensor itself (:data:`FP8_PARAM_BYTES`) plus its transpose
+    (:data:`FP8_PARAM_TRANSPOSE_BYTES`): 2 bytes per parameter in place of 2 + 2. The fp32 master copy stays.
     """
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"unknown optimizer {optimizer!r}")
@@ -111,7 +125,13 @@ def state_recipe(
         raise ValueError(f"unknown precision {precision!r}")
     if grad_bytes is not None:
         g = float(grad_bytes)
+    if fp8_params and not fp8:
+        raise ValueError("FP8 primary weights need FP8 training")
+    if fp8_params and precision == "fp32":
+        raise ValueError("FP8 primary weights need a half-precision run (their master copy is fp32)")
     copies = FP8_WEIGHT_COPY_BYTES if fp8 else 0.0
+    if fp8_params:
+        w, copies = FP8_PARAM_BYTES, FP8_PARAM_TRANSPOSE_BYTES
     return StateRecipe(w, g, master, moments, shard_optimizer=zero >= 1, shard_grads=zero >= 2, shard_weights=zero >= 3, copy_bytes=copies)
 
 
@@ -137,13 +157,29 @@ class RuntimeOverhead:
     fragmentation: float = 0.05
 
 
-def activation_bytes_per_microbatch(costs: ModelCosts, start: int, stop: int, recompute: str) -> float:
+#: bytes per element of a GEMM input Transformer Engine keeps for the weight gradient under FP8 (its FP8 copy, or its
+#: FP8 transpose): TE 1.x linear.py saves inputmat / inputmat_t in FP8, TE 2.x the quantized input with only the
+#: column-wise usage the wgrad GEMM reads (NVIDIA/TransformerEngine transformer_engine/pytorch/module/linear.py)
+FP8_SAVED_INPUT_BYTES = 1.0
+
+
+def saved_bytes(layer: Layer, fp8: bool = False, dtype_bytes: float = 2.0) -> float:
+    """Bytes one micro-batch leaves saved in ``layer`` until its backward. With ``fp8`` (a transformer-block piece):
+    the GEMM inputs only weight GEMMs keep go from ``dtype_bytes`` to :data:`FP8_SAVED_INPUT_BYTES` per element, those
+    another operator keeps too gain an FP8 copy."""
+    if not (fp8 and layer.block is not None):
+        return float(layer.saved_bytes)
+    f = FP8_SAVED_INPUT_BYTES / dtype_bytes
+    return float(layer.saved_bytes - layer.gemm_saved_bytes * (1.0 - f) + layer.gemm_shared_bytes * f)
+
+
+def activation_bytes_per_microbatch(costs: ModelCosts, start: int, stop: int, recompute: str, fp8: bool = False) -> float:
     """Bytes one micro-batch leaves saved in pieces [start, stop) until its backward (per recompute mode)."""
     layers = costs.layers[start:stop]
     if recompute == "none":
-        return float(sum(l.saved_bytes for l in layers))
+        return float(sum(saved_bytes(l, fp8) for l in layers))
     if recompute == "selective":
-        return float(sum(l.saved_bytes - l.core_saved_bytes for l in layers))
+        return float(sum(saved_bytes(l, fp8) - l.core_saved_bytes for l in layers))
     if recompute == "full":
         return float(sum(costs.cuts[k].bytes for k in checkpoint_starts(costs, start, stop)))
     raise ValueError(f"unknown recompute mode {recompute!r}")
@@ -172,10 +208,11 @@ def stage_params(costs: ModelCosts, start: int, stop: int, tp: int = 1) -> float
     return total
 
 
-def range_matrices(costs: ModelCosts, tp: int, recompute: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def range_matrices(costs: ModelCosts, tp: int, recompute: str, fp8: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(parameters, other static bytes, activation bytes, pending-W bytes) of every piece range [a, b) as (n+1)^2 matrices.
 
-    Other static bytes: point-to-point buffers, buffers the pieces read, and the working set. Only the upper triangle is meaningful.
+    Other static bytes: point-to-point buffers, buffers the pieces read, and the working set. Only the upper triangle is
+    meaningful. ``fp8``: saved bytes as Transformer Engine's FP8 linear layers keep them (:func:`saved_bytes`).
     """
     n = costs.n
     L = costs.layers
@@ -199,7 +236,7 @@ def range_matrices(costs: ModelCosts, tp: int, recompute: str) -> tuple[np.ndarr
         unit = np.zeros(n)
         starts = checkpoint_starts(costs, 0, n) + [n]
         for a, c in zip(starts, starts[1:]):
-            unit[a:c] = sum(l.saved_bytes for l in L[a:c])
+            unit[a:c] = sum(saved_bytes(l, fp8) for l in L[a:c])
         ws_piece = ws_piece + unit
     ws = np.zeros((n + 1, n + 1))
     for a in range(n):
@@ -214,11 +251,11 @@ def range_matrices(costs: ModelCosts, tp: int, recompute: str) -> tuple[np.ndarr
         act = cut[:, None] + (U[None, :] - U[np.minimum(np.arange(n + 1) + 1, n)][:, None])
         act = np.maximum(act, 0.0)
     else:
-        saved = np.array([l.saved_bytes - (l.core_saved_bytes if recompute == "selective" else 0) for l in L], dtype=float)
+        saved = np.array([saved_bytes(l, fp8) - (l.core_saved_bytes if recompute == "selective" else 0) for l in L], dtype=float)
         A = np.concatenate([[0.0], np.cumsum(saved)])
         act = A[None, :] - A[:, None]
     wfrac = np.array([l.flops_bwd_weight / l.flops_bwd if l.flops_bwd > 0 else 0.0 for l in L])
-    wsaved = np.array([l.saved_bytes for l in L], dtype=float) * wfrac
+    wsaved = np.array([saved_bytes(l, fp8) for l in L], dtype=float) * wfrac
     Wc = np.concatenate([[0.0], np.cumsum(wsaved)])
     wgrad = Wc[None, :] - Wc[:, None]
     return params, other, act, wgrad

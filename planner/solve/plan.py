@@ -62,6 +62,9 @@ class Layout:
     optimizer_state_dtype: str = "fp32"
     #: Transformer Engine FP8 GEMMs (bf16 weights and activations, FP8 matmuls at the device's FP8 peak)
     fp8: bool = False
+    #: FP8 primary weights (Megatron --fp8-param-gather, TransformerConfig.fp8_param): each TE weight is kept only as FP8
+    #: (and its FP8 transpose on Hopper), no bf16 copy, and the distributed optimizer all-gathers it in FP8
+    fp8_param_gather: bool = False
     #: expert-parallel size (mixture-of-experts models): each MoE layer's experts are split over ep GPUs of the
     #: tp x cp x dp GPUs of a pipeline stage (as Megatron forms its expert groups); 1 for dense models
     ep: int = 1
@@ -99,7 +102,7 @@ class Layout:
         v = f" v{self.vp}" if self.vp > 1 else ""
         sp = " +sp" if self.sequence_parallel else ""
         cp = f" cp{self.cp}" if self.cp > 1 else ""
-        fp8 = " fp8" if self.fp8 else ""
+        fp8 = (" fp8" + (" fp8-params" if self.fp8_param_gather else "")) if self.fp8 else ""
         ep = f" ep{self.ep}" + (f" etp{self.etp}" if self.etp > 1 else "") if self.ep > 1 else ""
         return (
             f"pp{self.pp} tp{self.tp}{cp} dp{self.dp}{ep}{v} {self.schedule} mb{self.micro_batch}x{self.num_microbatches} "

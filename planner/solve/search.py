@@ -87,6 +87,7 @@ class SearchOptions:
     main_grads_dtype: str = "fp32"  # "bf16": gradients kept and reduced in bf16
     optimizer_state_dtype: str = "fp32"  # "bf16" / "fp16": Adam moments in half precision (precision-aware optimizer)
     fp8: bool = False  # Transformer Engine FP8 GEMMs at the device's FP8 peak
+    fp8_param_gather: bool = False  # FP8 primary weights (Megatron --fp8-param-gather; with fp8 and zero 1)
 
 
 @dataclass
@@ -182,7 +183,7 @@ class Context:
         self.min_gpus_per_node = min(g.gpus_per_node for g in cluster.groups)
         self._sharded: dict[tuple[int, int, bool, int], ModelCosts] = {}
         self._times: dict[tuple[object, ...], PieceTimes] = {}
-        self._memory: dict[tuple[int, int, str, bool, int], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._memory: dict[tuple[int, int, str, bool, int, bool], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
         self._cuts: dict[tuple[int, int, bool, int], tuple[np.ndarray, np.ndarray]] = {}
         self._prefix: dict[int, tuple[PieceTimes, np.ndarray]] = {}
         self._p2p: dict[tuple[int, int, int, int, bool, bool, int], np.ndarray] = {}
@@ -193,11 +194,12 @@ class Context:
             self._sharded[key] = split_context(shard_costs(self.costs.scaled(b), tp, sequence_parallel=sp and tp > 1), cp)
         return self._sharded[key]
 
-    def memory(self, b: int, tp: int, recompute: str, sp: bool = True, cp: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(parameters, other static bytes, activation bytes per micro-batch, pending-W bytes) per piece range."""
-        key = (b, tp, recompute, sp, cp)
+    def memory(self, b: int, tp: int, recompute: str, sp: bool = True, cp: int = 1, fp8: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(parameters, other static bytes, activation bytes per micro-batch, pending-W bytes) per piece range
+        (``fp8``: the saved GEMM inputs as Transformer Engine's FP8 linear layers keep them)."""
+        key = (b, tp, recompute, sp, cp, fp8)
         if key not in self._memory:
-            self._memory[key] = range_matrices(self.sharded(b, tp, sp, cp), tp, recompute)
+            self._memory[key] = range_matrices(self.sharded(b, tp, sp, cp), tp, recompute, fp8)
         return self._memory[key]
 
     def cut_bytes(self, b: int, tp: int, sp: bool = True, cp: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -339,6 +341,7 @@ def with_options(base: Layout, opts: SearchOptions, engine: EngineRules) -> list
             main_grads_dtype=opts.main_grads_dtype,
             optimizer_state_dtype=opts.optimizer_state_dtype,
             fp8=opts.fp8,
+            fp8_param_gather=opts.fp8_param_gather,
         )
         for t in tpo
     ]
@@ -442,7 +445,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     recipe = ctx.engine.state_recipe(costs.dtype, lay.zero, opts.optimizer, lay)
     w, g, o = recipe.per_param(dp * cp)  # gradients are reduced and optimizer state sharded over dp x cp
     per_param = w + g + o
-    params_m, other_m, act, wgrad = ctx.memory(b, tp, lay.recompute, sp, cp)
+    params_m, other_m, act, wgrad = ctx.memory(b, tp, lay.recompute, sp, cp, lay.fp8)
     static = params_m * per_param + other_m
     if ctx.engine.sends_output_copies(lay.schedule):
         act = act + ctx.cut_bytes(b, tp, sp, cp)[0][None, :]

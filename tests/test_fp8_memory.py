@@ -1,0 +1,198 @@
+"""FP8 and precision memory as Megatron-LM and Transformer Engine allocate it, checked against closed forms written out
+by hand (bytes per parameter; the GEMM inputs of a transformer layer), Megatron-core's own config checks for the flag
+the renderer writes, and the command line's refusals (exit 2)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from planner import hardware
+from planner.check.megatron_script import parse_megatron_args
+from planner.engines import get_engine
+from planner.megatron_args import check_megatron_args
+from planner.render.megatron import render_megatron
+from planner.solve.memory import activation_bytes_per_microbatch, saved_bytes, state_recipe
+from planner.solve.plan import Layout, Plan
+from planner.solve.search import Context, SearchOptions, evaluate_layout
+from planner.solve.timing import shard_costs
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures" / "megatron"
+TINY = {"n_layers": 4, "dim": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 176, "seq_len": 32}  # llama-tiny
+
+
+def _lay(**kw) -> Layout:
+    base = Layout("megatron", 2, 8, 4, 1, 1, 8, 32, "1f1b", "none", 1, True, fp8=True)
+    return replace(base, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from planner.model.analyze import analyze
+
+    return analyze(ROOT / "examples" / "llama.py", {"preset": "llama-tiny"}, 1, "bf16").costs
+
+
+@pytest.fixture(scope="module")
+def gpt_tiny():
+    from planner.model.analyze import analyze
+
+    args = {"preset": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "seq_len": 32, "vocab_size": 256}
+    return analyze(ROOT / "examples" / "gpt2.py", args, 1, "bf16").costs
+
+
+# --------------------------------------------------------------------------- model state, bytes per parameter
+
+
+@pytest.mark.parametrize("d", [1, 2, 8, 64])
+def test_fp8_bytes_per_parameter(d):
+    """bf16 weight 2 + TE's cached FP8 copy and FP8 transpose 2; with FP8 primary weights: the FP8 weight 1 + its
+    transpose 1 and no bf16 weight. Main gradients 4 (fp32) or 2 (bf16); fp32 master 4 + Adam 8, sharded over d."""
+    meg = get_engine("megatron")
+    per = lambda lay: sum(meg.state_recipe("bf16", lay.zero, "adam", lay).per_param(d))
+    assert per(_lay(fp8=False)) == pytest.approx(2 + 4 + 12 / d)
+    assert per(_lay()) == pytest.approx(2 + 2 + 4 + 12 / d)
+    assert per(_lay(main_grads_dtype="bf16")) == pytest.approx(2 + 2 + 2 + 12 / d)
+    assert per(_lay(fp8_param_gather=True)) == pytest.approx(1 + 1 + 4 + 12 / d)
+    assert per(_lay(fp8_param_gather=True, main_grads_dtype="bf16")) == pytest.approx(1 + 1 + 2 + 12 / d)
+    # the weights the distributed optimizer all-gathers after the step: FP8 with --fp8-param-gather, bf16 without
+    assert meg.state_recipe("bf16", 1, "adam", _lay(fp8_param_gather=True)).weight_bytes == 1
+    assert meg.state_recipe("bf16", 1, "adam", _lay()).weight_bytes == 2
+
+
+def test_fp8_primary_weights_need_fp8_and_half_precision():
+    with pytest.raises(ValueError, match="FP8 training"):
+        state_recipe("bf16", fp8=False, fp8_params=True)
+    with pytest.raises(ValueError, match="half-precision"):
+        state_recipe("fp32", fp8=True, fp8_params=True)
+
+
+def test_fp8_param_gather_rules(tiny):
+    meg = get_engine("megatron")
+    lay = Layout("megatron", 1, 1, 2, 1, 1, 4, 8, "1f1b", "none", 1, fp8=True, fp8_param_gather=True)
+    assert meg.layout_problems(lay, tiny) == []
+    assert any("distributed optimizer" in p for p in meg.layout_problems(replace(lay, zero=0), tiny))
+    assert any("needs FP8 training" in p for p in meg.layout_problems(replace(lay, fp8=False), tiny))
+    assert "fp8-params" in lay.short()
+
+
+# --------------------------------------------------------------------------- saved activations under FP8
+
+
+def test_gemm_inputs_of_a_llama_layer_written_out_by_hand(tiny):
+    """The inputs the layer's weight GEMMs alone keep, bf16 (2 bytes), s = 32, b = 1: attention = norm output (s x h, read
+    by wq, wk, wv) + the projection's input (s x heads x head_dim); MLP = norm output (s x h, read by w1, w3) + w2's
+    input (s x ffn). Under FP8 each is kept in 1 byte; the output head stays bf16 (Megatron's ColumnParallelLinear)."""
+    s, h, f = TINY["seq_len"], TINY["dim"], TINY["ffn_dim"]
+    attn, mlp = tiny.layers[1], tiny.layers[2]
+    assert (attn.kind, mlp.kind) == ("attention", "mlp")
+    assert attn.gemm_saved_bytes == (s * h + s * h) * 2 and attn.gemm_shared_bytes == 0
+    assert mlp.gemm_saved_bytes == (s * h + s * f) * 2 and mlp.gemm_shared_bytes == 0
+    assert saved_bytes(attn, fp8=True) == attn.saved_bytes - (s * h + s * h)
+    assert saved_bytes(mlp, fp8=True) == mlp.saved_bytes - (s * h + s * f)
+    head = tiny.layers[-1]
+    assert head.kind == "head" and head.gemm_saved_bytes > 0 and saved_bytes(head, fp8=True) == head.saved_bytes
+    per_layer = 2 * s * h + s * h + s * f  # bytes FP8 saves per transformer layer
+    full = activation_bytes_per_microbatch(tiny, 0, tiny.n, "none")
+    assert activation_bytes_per_microbatch(tiny, 0, tiny.n, "none", fp8=True) == full - TINY["n_layers"] * per_layer
+
+
+def test_an_input_another_operator_also_keeps_is_kept_twice_under_fp8(gpt_tiny):
+    """GPT-2's projection reads the flash-attention output itself (its transpose is already contiguous): attention keeps
+    it in bf16 for its own backward and TE adds the projection's FP8 copy (+1 byte per element); the QKV input (ln_1's
+    output, s x h) and the MLP's (ln_2's output s x h, GELU's output s x 4h) shrink to 1 byte."""
+    s, h = 32, 64
+    attn, mlp = gpt_tiny.layers[1], gpt_tiny.layers[2]
+    assert attn.gemm_saved_bytes == s * h * 2 and attn.gemm_shared_bytes == s * h * 2
+    assert saved_bytes(attn, fp8=True) == attn.saved_bytes - s * h + s * h
+    assert mlp.gemm_saved_bytes == (s * h + s * 4 * h) * 2
+    assert saved_bytes(mlp, fp8=True) == mlp.saved_bytes - (s * h + s * 4 * h)
+
+
+def test_gemm_inputs_scale_with_the_micro_batch_and_shard_with_sequence_parallelism(tiny):
+    attn = tiny.layers[1]
+    assert tiny.scaled(4).layers[1].gemm_saved_bytes == 4 * attn.gemm_saved_bytes
+    assert shard_costs(tiny, 2, sequence_parallel=True).layers[1].gemm_saved_bytes == attn.gemm_saved_bytes // 2
+    assert shard_costs(tiny, 2, sequence_parallel=False).layers[1].gemm_saved_bytes == attn.gemm_saved_bytes
+
+
+def test_priced_fp8_layout_holds_the_fp8_activations_and_state(tiny):
+    """evaluate_layout's per-micro-batch activations and weights under FP8 against the closed forms above."""
+    cluster = hardware.parse_gpus("2xH100-SXM")
+    ctx = Context(tiny, cluster, SearchOptions(engine="megatron", global_batch=8, mem_target=1.0, fp8=True), get_engine("megatron"))
+    base = Layout("megatron", 1, 1, 2, 1, 1, 4, 8, "1f1b", "none", 1)
+    bf16 = evaluate_layout(ctx, base, "bf16")
+    fp8 = evaluate_layout(ctx, replace(base, fp8=True), "bf16")
+    fp8p = evaluate_layout(ctx, replace(base, fp8=True, fp8_param_gather=True, main_grads_dtype="bf16"), "bf16")
+    s, h, f = TINY["seq_len"], TINY["dim"], TINY["ffn_dim"]
+    assert sum(bf16.act_per_mb) - sum(fp8.act_per_mb) == pytest.approx(TINY["n_layers"] * (3 * s * h + s * f))
+    prm = sum(bf16.stage_params)
+    assert fp8.stage_memory[0]["weights"] == pytest.approx(prm * 4)  # bf16 + FP8 copy + FP8 transpose
+    assert fp8p.stage_memory[0]["weights"] == pytest.approx(prm * 2)  # FP8 weight + FP8 transpose
+    assert fp8p.stage_memory[0]["grads"] == pytest.approx(prm * 2)
+    assert fp8p.stage_memory[0]["optimizer"] == pytest.approx(prm * 12 / 2)
+
+
+# --------------------------------------------------------------------------- the rendered flag and Megatron's own checks
+
+
+def _plan(**layout) -> Plan:
+    d = copy.deepcopy(json.loads((FIXTURES / "llama7b.json").read_text()))
+    d["layout"].update(layout)
+    return Plan.from_dict(d)
+
+
+def test_rendered_fp8_param_gather_passes_megatron_validation():
+    from megatron.core.transformer import TransformerConfig
+
+    from planner.check.megatron_core import core_config
+
+    plan = _plan(zero=1, fp8=True, fp8_param_gather=True, main_grads_dtype="bf16", overlap_grad_reduce=True, overlap_param_gather=True)
+    args = parse_megatron_args(render_megatron(plan, "planner plan", None)["pretrain_gpt.sh"])
+    assert args.has("--fp8-param-gather") and args.has("--use-distributed-optimizer") and args.value("--fp8-format") == "hybrid"
+    assert check_megatron_args(args, plan.layout.world) == []
+    cfg = core_config(args)
+    # Megatron-LM passes --fp8-param-gather to TransformerConfig as fp8_param (arguments.py core_v0.16.1), which
+    # accepts it with fp8 and refuses it without
+    ok = replace(cfg, fp8=args.value("--fp8-format"), fp8_recipe=args.value("--fp8-recipe"), fp8_param=args.has("--fp8-param-gather"))
+    assert isinstance(ok, TransformerConfig) and ok.fp8_param
+    with pytest.raises(ValueError, match="fp8_param"):
+        replace(cfg, fp8=None, fp8_param=True)
+    # the same flag without FP8 or without the distributed optimizer is a finding (MEG032)
+    for drop in ("--fp8-format", "--use-distributed-optimizer"):
+        text = render_megatron(plan, "planner plan", None)["pretrain_gpt.sh"]
+        lines = [ln for ln in text.splitlines() if not ln.strip().startswith(drop)]
+        found = check_megatron_args(parse_megatron_args("\n".join(lines)), plan.layout.world)
+        assert "MEG032" in {f.rule for f in found}, drop
+    plain = parse_megatron_args(render_megatron(_plan(zero=1, fp8=True), "planner plan", None)["pretrain_gpt.sh"])
+    assert not plain.has("--fp8-param-gather")
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _planner(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "planner", *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (("--engine", "megatron", "--dtype", "bf16"), "--dtype fp8"),
+        (("--engine", "deepspeed", "--dtype", "fp8"), "Megatron-LM option"),
+        (("--engine", "megatron", "--dtype", "fp8", "--zero", "0"), "distributed optimizer"),
+    ],
+    ids=["no-fp8", "deepspeed", "zero0"],
+)
+def test_cli_refuses_fp8_param_gather_where_megatron_cannot_run_it(tmp_path, extra, says):
+    model = str(ROOT / "examples" / "llama.py")
+    r = _planner("plan", model, "--model-arg", "preset=llama-tiny", "--gpus", "2xH100", "--fp8-param-gather", *extra, "--quiet", cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert says in r.stderr and "Traceback" not in r.stderr
