@@ -53,18 +53,25 @@ def gpt_tiny():
 
 @pytest.mark.parametrize("d", [1, 2, 8, 64])
 def test_fp8_bytes_per_parameter(d):
-    """bf16 weight 2 + TE's cached FP8 copy and FP8 transpose 2; with FP8 primary weights: the FP8 weight 1 + its
-    transpose 1 and no bf16 weight. Main gradients 4 (fp32) or 2 (bf16); fp32 master 4 + Adam 8, sharded over d."""
+    """Per parameter of a transformer block's linear layer (an FP8 GEMM weight): bf16 weight 2 + TE's cached FP8 copy
+    and FP8 transpose 2; with FP8 primary weights the FP8 weight 1 + its transpose 1 and no bf16 weight. Embeddings,
+    the output layer and norms stay bf16 (2). Main gradients 4 (fp32) or 2 (bf16); fp32 master 4 + Adam 8 over d."""
     meg = get_engine("megatron")
-    per = lambda lay: sum(meg.state_recipe("bf16", lay.zero, "adam", lay).per_param(d))
-    assert per(_lay(fp8=False)) == pytest.approx(2 + 4 + 12 / d)
-    assert per(_lay()) == pytest.approx(2 + 2 + 4 + 12 / d)
-    assert per(_lay(main_grads_dtype="bf16")) == pytest.approx(2 + 2 + 2 + 12 / d)
-    assert per(_lay(fp8_param_gather=True)) == pytest.approx(1 + 1 + 4 + 12 / d)
-    assert per(_lay(fp8_param_gather=True, main_grads_dtype="bf16")) == pytest.approx(1 + 1 + 2 + 12 / d)
-    # the weights the distributed optimizer all-gathers after the step: FP8 with --fp8-param-gather, bf16 without
-    assert meg.state_recipe("bf16", 1, "adam", _lay(fp8_param_gather=True)).weight_bytes == 1
-    assert meg.state_recipe("bf16", 1, "adam", _lay()).weight_bytes == 2
+
+    def per(lay: Layout) -> tuple[float, float]:
+        """(bytes of another parameter, bytes of an FP8 GEMM weight)"""
+        r = meg.state_recipe("bf16", lay.zero, "adam", lay)
+        return sum(r.per_param(d)), sum(r.per_param(d)) + r.fp8_gemm_bytes
+
+    assert per(_lay(fp8=False)) == pytest.approx((2 + 4 + 12 / d,) * 2)
+    assert per(_lay()) == pytest.approx((2 + 4 + 12 / d, 2 + 2 + 4 + 12 / d))
+    assert per(_lay(main_grads_dtype="bf16")) == pytest.approx((2 + 2 + 12 / d, 2 + 2 + 2 + 12 / d))
+    assert per(_lay(fp8_param_gather=True)) == pytest.approx((2 + 4 + 12 / d, 1 + 1 + 4 + 12 / d))
+    assert per(_lay(fp8_param_gather=True, main_grads_dtype="bf16")) == pytest.approx((2 + 2 + 12 / d, 1 + 1 + 2 + 12 / d))
+    # what the distributed optimizer all-gathers after the step: FP8 GEMM weights in FP8 with --fp8-param-gather
+    r = meg.state_recipe("bf16", 1, "adam", _lay(fp8_param_gather=True))
+    assert (r.weight_bytes, r.fp8_gemm_gather_bytes) == (2, 1)
+    assert meg.state_recipe("bf16", 1, "adam", _lay()).fp8_gemm_gather_bytes is None
 
 
 def test_fp8_primary_weights_need_fp8_and_half_precision():
@@ -134,10 +141,16 @@ def test_priced_fp8_layout_holds_the_fp8_activations_and_state(tiny):
     s, h, f = TINY["seq_len"], TINY["dim"], TINY["ffn_dim"]
     assert sum(bf16.act_per_mb) - sum(fp8.act_per_mb) == pytest.approx(TINY["n_layers"] * (3 * s * h + s * f))
     prm = sum(bf16.stage_params)
-    assert fp8.stage_memory[0]["weights"] == pytest.approx(prm * 4)  # bf16 + FP8 copy + FP8 transpose
-    assert fp8p.stage_memory[0]["weights"] == pytest.approx(prm * 2)  # FP8 weight + FP8 transpose
+    # the blocks' weights, per layer: wq h x h, wk and wv h x (h kv / heads) each, wo h x h, w1 and w3 h x ffn, w2, and
+    # the two RMSNorm weights (h each, counted with them)
+    gemm = TINY["n_layers"] * (2 * h * h + 2 * h * h * TINY["n_kv_heads"] // TINY["n_heads"] + 3 * h * f + 2 * h)
+    assert bf16.stage_memory[0]["weights"] == pytest.approx(prm * 2)
+    assert fp8.stage_memory[0]["weights"] == pytest.approx(prm * 2 + gemm * 2)  # + FP8 copy + FP8 transpose
+    assert fp8p.stage_memory[0]["weights"] == pytest.approx(prm * 2)  # FP8 weight + FP8 transpose in the bf16's place
     assert fp8p.stage_memory[0]["grads"] == pytest.approx(prm * 2)
     assert fp8p.stage_memory[0]["optimizer"] == pytest.approx(prm * 12 / 2)
+    for ev in (bf16, fp8, fp8p):  # the stage's parts add up to the static bytes the partition used
+        assert ev.stage_memory[0]["buffers"] == pytest.approx(bf16.stage_memory[0]["buffers"])
 
 
 # --------------------------------------------------------------------------- the rendered flag and Megatron's own checks

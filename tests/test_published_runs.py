@@ -180,3 +180,22 @@ def test_layouts_carry_cp_fp8_and_the_sources_overlaps():
     for r in runs.values():
         if r.source.key in ("nemo_2407", "bridge_2602", "llama3"):
             assert "overlaps" in r.assumed, r.id  # not stated by the source: its software's defaults, marked
+
+
+def test_fp8_rows_carry_the_precision_their_software_ran():
+    """NeMo 24.07's FP8 recipes reduce gradients in bf16 (grad_sync_dtype, not in the table: assumed) and keep bf16
+    weights; Megatron-Bridge 26.02's performance scripts state bf16 gradients and FP8 primary weights. Other rows keep
+    Megatron's defaults (fp32 main gradients, bf16 weights)."""
+    runs = load_runs()
+    for r in runs:
+        lay = layout_for(r)
+        if r.source.key == "nemo_2407":
+            assert (lay.main_grads_dtype, lay.fp8_param_gather) == ("bf16", False) and "main_grads_dtype" in r.assumed, r.id
+        elif r.source.key == "bridge_2602":
+            assert (lay.main_grads_dtype, lay.fp8_param_gather) == ("bf16", True) and "main_grads_dtype" not in r.assumed, r.id
+            assert lay.zero == 1 and lay.fp8  # what --fp8-param-gather needs
+        else:
+            assert (lay.main_grads_dtype, lay.fp8_param_gather) == ("fp32", False), r.id
+    src = {r.source.key: r.source for r in runs}
+    assert "grad_sync_dtype=bf16" in src["nemo_2407"].precision_text
+    assert "fp8_param_gather = True" in src["bridge_2602"].precision_text and "grad_reduce_in_fp32 = False" in src["bridge_2602"].precision_text

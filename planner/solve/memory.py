@@ -57,8 +57,15 @@ class StateRecipe:
     shard_optimizer: bool = False
     shard_grads: bool = False
     shard_weights: bool = False
-    #: copies of the weights in another dtype kept next to them, never sharded (FP8 GEMM weights: 2)
+    #: copies of the weights in another dtype kept next to them, never sharded
     copy_bytes: float = 0.0
+    #: bytes per parameter the FP8 GEMM weights (the Transformer Engine linear layers of the transformer blocks: see
+    #: :func:`gemm_params`) take beyond ``weight_bytes``, never sharded: TE's cached FP8 copy and FP8 transpose of a
+    #: bf16 weight (2); 0 with FP8 primary weights, whose FP8 weight and transpose take the bf16 weight's 2 bytes
+    fp8_gemm_bytes: float = 0.0
+    #: bytes per parameter the distributed optimizer all-gathers of those weights (None: ``weight_bytes``; 1 when
+    #: they are FP8 primary weights, gathered in FP8)
+    fp8_gemm_gather_bytes: float | None = None
 
     def per_param(self, dp: int) -> tuple[float, float, float]:
         """(weights, grads, optimizer) bytes per parameter for a data-parallel group of ``dp``."""
@@ -108,9 +115,10 @@ def state_recipe(
     fp32 gradients: Megatron's main grads, DeepSpeed's fp32 accumulation).
     ``state_dtype`` is the optimizer moments' dtype (fp32 unless a precision-aware
     optimizer keeps them in bf16 or fp16: Adam 2 x 2 bytes instead of 2 x 4).
-    ``fp8`` adds the FP8 weight copies (:data:`FP8_WEIGHT_COPY_BYTES`) to the bf16 weights; with ``fp8_params``
-    (FP8 primary weights) the weight is the FP8 tensor itself (:data:`FP8_PARAM_BYTES`) plus its transpose
-    (:data:`FP8_PARAM_TRANSPOSE_BYTES`): 2 bytes per parameter in place of 2 + 2. The fp32 master copy stays.
+    ``fp8`` adds the FP8 weight copies (:data:`FP8_WEIGHT_COPY_BYTES`) to the bf16 FP8 GEMM weights
+    (``fp8_gemm_bytes``; embeddings, the output layer and norms stay bf16 without copies); with ``fp8_params`` (FP8
+    primary weights) those weights are the FP8 tensor itself (:data:`FP8_PARAM_BYTES`) plus its transpose
+    (:data:`FP8_PARAM_TRANSPOSE_BYTES`): 2 bytes per parameter in place of 2 + 2, gathered in 1. The fp32 master stays.
     """
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"unknown optimizer {optimizer!r}")
@@ -129,10 +137,11 @@ def state_recipe(
         raise ValueError("FP8 primary weights need FP8 training")
     if fp8_params and precision == "fp32":
         raise ValueError("FP8 primary weights need a half-precision run (their master copy is fp32)")
-    copies = FP8_WEIGHT_COPY_BYTES if fp8 else 0.0
+    extra = FP8_WEIGHT_COPY_BYTES if fp8 else 0.0
+    gather = None
     if fp8_params:
-        w, copies = FP8_PARAM_BYTES, FP8_PARAM_TRANSPOSE_BYTES
-    return StateRecipe(w, g, master, moments, shard_optimizer=zero >= 1, shard_grads=zero >= 2, shard_weights=zero >= 3, copy_bytes=copies)
+        extra, gather = FP8_PARAM_BYTES + FP8_PARAM_TRANSPOSE_BYTES - w, FP8_PARAM_BYTES
+    return StateRecipe(w, g, master, moments, zero >= 1, zero >= 2, zero >= 3, fp8_gemm_bytes=extra, fp8_gemm_gather_bytes=gather)
 
 
 @dataclass(frozen=True)
@@ -206,6 +215,22 @@ def stage_params(costs: ModelCosts, start: int, stop: int, tp: int = 1) -> float
         if len(inside) > 1:
             total -= g.params * (len(inside) - 1) / tp
     return total
+
+
+def gemm_params(costs: ModelCosts, start: int, stop: int, tp: int = 1) -> float:
+    """Parameters of the FP8 GEMM weights one rank of a stage holds: those of the transformer-block pieces
+    (Transformer Engine's modules in Megatron's layer spec, experts' grouped GEMMs included; their norm weights and
+    biases, a few per thousand, are counted with them), as :func:`stage_params` splits them. The embedding and the output
+    layer are Megatron's own bf16 layers."""
+    return float(sum(stage_params(costs, k, k + 1, tp) for k in range(start, stop) if costs.layers[k].block is not None))
+
+
+def gemm_param_matrix(costs: ModelCosts, tp: int) -> np.ndarray:
+    """:func:`gemm_params` of every piece range [a, b) as an (n+1)^2 matrix (upper triangle)."""
+    per = [stage_params(costs, k, k + 1, tp) if l.block is not None else 0.0 for k, l in enumerate(costs.layers)]
+    P = np.concatenate([[0.0], np.cumsum(per)])
+    out: np.ndarray = P[None, :] - P[:, None]
+    return out
 
 
 def range_matrices(costs: ModelCosts, tp: int, recompute: str, fp8: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

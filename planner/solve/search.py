@@ -30,7 +30,7 @@ from planner.errors import UsageError
 from planner.hardware import Cluster, DeviceProfile, memory_time
 from planner.records import ModelCosts
 from planner.solve import partition as part
-from planner.solve.memory import GiB, RuntimeOverhead, fp8_amax_bytes, range_matrices, stage_params
+from planner.solve.memory import GiB, RuntimeOverhead, fp8_amax_bytes, gemm_param_matrix, gemm_params, range_matrices, stage_params
 from planner.solve.plan import Layout, Predicted
 from planner.solve.rules import EngineRules, RejectKind
 from planner.solve.schedules import SCHEDULE_INFO, build_schedule
@@ -187,6 +187,7 @@ class Context:
         self._cuts: dict[tuple[int, int, bool, int], tuple[np.ndarray, np.ndarray]] = {}
         self._prefix: dict[int, tuple[PieceTimes, np.ndarray]] = {}
         self._p2p: dict[tuple[int, int, int, int, bool, bool, int], np.ndarray] = {}
+        self._gemm: dict[int, np.ndarray] = {}
 
     def sharded(self, b: int, tp: int, sp: bool = True, cp: int = 1) -> ModelCosts:
         key = (b, tp, sp and tp > 1, cp)
@@ -201,6 +202,12 @@ class Context:
         if key not in self._memory:
             self._memory[key] = range_matrices(self.sharded(b, tp, sp, cp), tp, recompute, fp8)
         return self._memory[key]
+
+    def gemm_params(self, tp: int) -> np.ndarray:
+        """Parameters of the FP8 GEMM weights (transformer blocks' linear layers) per piece range, per GPU."""
+        if tp not in self._gemm:
+            self._gemm[tp] = gemm_param_matrix(self.costs, tp)
+        return self._gemm[tp]
 
     def cut_bytes(self, b: int, tp: int, sp: bool = True, cp: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """Bytes sent forward and backward across each cut, per micro-batch, per GPU."""
@@ -447,6 +454,8 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     per_param = w + g + o
     params_m, other_m, act, wgrad = ctx.memory(b, tp, lay.recompute, sp, cp, lay.fp8)
     static = params_m * per_param + other_m
+    if recipe.fp8_gemm_bytes:  # TE's FP8 copies of the transformer blocks' GEMM weights
+        static = static + ctx.gemm_params(tp) * recipe.fp8_gemm_bytes
     if ctx.engine.sends_output_copies(lay.schedule):
         act = act + ctx.cut_bytes(b, tp, sp, cp)[0][None, :]
     held, pending = _order_peaks(sched.name, p, m_order, v) if p > 1 else ((1,), (0,))
@@ -554,11 +563,14 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     # per-stage and per-rank memory
     stage_mem = []
     params = []
+    gemm: list[float] = []
     for j, (a, c) in enumerate(rng):
         prm = stage_params(sharded, a, c, tp)
         params.append(prm)
+        gemm.append(gemm_params(sharded, a, c, tp))
         st = float(static[a, c])
-        stage_mem.append({"weights": prm * w, "grads": prm * g, "optimizer": prm * o, "buffers": st - prm * per_param, "activations": held[j] * act_mb[j]})
+        wj = prm * w + gemm[j] * recipe.fp8_gemm_bytes
+        stage_mem.append({"weights": wj, "grads": prm * g, "optimizer": prm * o, "buffers": st - wj - prm * (g + o), "activations": held[j] * act_mb[j]})
     rank_mem = []
     for r in range(p):
         js = [j for j in range(S) if stage_rank[j] == r]
@@ -585,7 +597,9 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         if group > 1:
             if recipe.shard_optimizer:
                 reduce = cluster.reduce_scatter_time(prm * recipe.grad_bytes, ranks)
-                gather = cluster.all_gather_time(prm * recipe.weight_bytes, ranks)
+                fp8w = sum(gemm[j] for j in range(S) if stage_rank[j] == r) if recipe.fp8_gemm_gather_bytes is not None else 0.0
+                gathered = (prm - fp8w) * recipe.weight_bytes + fp8w * (recipe.fp8_gemm_gather_bytes or 0.0)
+                gather = cluster.all_gather_time(gathered, ranks)
             else:
                 reduce, gather = cluster.allreduce_time(prm * recipe.grad_bytes, ranks), 0.0
             mine = [j for j in range(S) if stage_rank[j] == r]
