@@ -54,6 +54,7 @@ class Source:
     attention: str  # explicit (s x s scores kept, 2021-22 Megatron) | flash
     overlaps: tuple[str, ...]  # grad_reduce | param_gather | tp_comm: what the source's runs overlapped (stated or its defaults)
     overlaps_text: str  # where the overlaps come from
+    precision_text: str = ""  # where the rows' gradient dtype and FP8 primary weights come from (FP8 sources)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,8 @@ class PublishedRun:
     step_s: float  # the published figure converted to seconds per step (stored in the data file)
     etp: int = 1  # expert tensor-parallel size (MoE rows)
     dispatcher: str = ""  # MoE token dispatcher: alltoall | flex (DeepEP) | allgather
+    main_grads_dtype: str = "fp32"  # dtype of the gradient buffer (bf16: NeMo's grad_sync_dtype, Bridge's grad_reduce_in_fp32 off)
+    fp8_param_gather: bool = False  # FP8 primary weights (Megatron --fp8-param-gather, Bridge's fp8_param_gather)
 
     @property
     def num_microbatches(self) -> float:
@@ -173,6 +176,8 @@ def load_runs(path: Path = DATA) -> list[PublishedRun]:
                 step_s=float(r["step_s"]),
                 etp=r.get("etp", 1),
                 dispatcher=r.get("dispatcher", ""),
+                main_grads_dtype=r.get("main_grads_dtype", "fp32"),
+                fp8_param_gather=bool(r.get("fp8_param_gather", False)),
             )
         )
     return out
@@ -349,13 +354,15 @@ def _moe_pins(run: PublishedRun, options_cls) -> dict:
 
 
 def layout_for(run: PublishedRun, recompute: str | None = None, fp8: bool | None = None):
-    """The row's Megatron Layout: its parallel sizes, schedule, recomputation, FP8 and the overlaps its source ran,
-    each overlap kept only where Megatron's validate_args allows it for this layout."""
+    """The row's Megatron Layout: its parallel sizes, schedule, recomputation, FP8 (with FP8 primary weights where the
+    row ran them), gradient dtype and the overlaps its source ran, each overlap kept only where Megatron's validate_args
+    allows it for this layout."""
     from planner.solve.plan import Layout
 
     zero = 1 if run.distributed_optimizer else 0
     grad_reduce = "grad_reduce" in run.overlap and (run.dp * run.cp > 1 or zero >= 1)
     moe = {k: v for k, v in (("ep", run.ep), ("etp", run.etp)) if _has_field(Layout, k)}  # once the Layout has them
+    fp8_on = run.precision in ("fp8", "mxfp8") if fp8 is None else fp8
     return Layout(
         "megatron",
         run.pp,
@@ -373,7 +380,9 @@ def layout_for(run: PublishedRun, recompute: str | None = None, fp8: bool | None
         tp_comm_overlap="tp_comm" in run.overlap and run.tp > 1 and run.sequence_parallel,
         overlap_grad_reduce=grad_reduce,
         overlap_param_gather="param_gather" in run.overlap and grad_reduce and zero >= 1,
-        fp8=run.precision in ("fp8", "mxfp8") if fp8 is None else fp8,
+        fp8=fp8_on,
+        main_grads_dtype=run.main_grads_dtype,
+        fp8_param_gather=run.fp8_param_gather and fp8_on,
         **moe,
     )
 
