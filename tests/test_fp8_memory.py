@@ -65,13 +65,50 @@ def test_fp8_bytes_per_parameter(d):
 
     assert per(_lay(fp8=False)) == pytest.approx((2 + 4 + 12 / d,) * 2)
     assert per(_lay()) == pytest.approx((2 + 4 + 12 / d, 2 + 2 + 4 + 12 / d))
-    assert per(_lay(main_grads_dtype="bf16")) == pytest.approx((2 + 2 + 12 / d, 2 + 2 + 2 + 12 / d))
+    # bf16 main gradients with the distributed optimizer run the precision-aware optimizer, which keeps the fp32 master
+    # as 16-bit remainders: master 2 + Adam 8 over d
+    assert per(_lay(main_grads_dtype="bf16")) == pytest.approx((2 + 2 + 10 / d, 2 + 2 + 2 + 10 / d))
+    assert per(_lay(main_grads_dtype="bf16", zero=0)) == pytest.approx((2 + 2 + 12, 2 + 2 + 2 + 12))  # --grad-reduce-in-bf16
     assert per(_lay(fp8_param_gather=True)) == pytest.approx((2 + 4 + 12 / d, 1 + 1 + 4 + 12 / d))
+    # FP8 primary weights: the master stays whole fp32 (the remainder needs a bf16 weight to complete it)
     assert per(_lay(fp8_param_gather=True, main_grads_dtype="bf16")) == pytest.approx((2 + 2 + 12 / d, 1 + 1 + 2 + 12 / d))
     # what the distributed optimizer all-gathers after the step: FP8 GEMM weights in FP8 with --fp8-param-gather
     r = meg.state_recipe("bf16", 1, "adam", _lay(fp8_param_gather=True))
     assert (r.weight_bytes, r.fp8_gemm_gather_bytes) == (2, 1)
     assert meg.state_recipe("bf16", 1, "adam", _lay()).fp8_gemm_gather_bytes is None
+
+
+def test_megatron_keeps_master_remainders_under_the_precision_aware_optimizer(monkeypatch):
+    """Megatron-core's own OptimizerConfig: store_param_remainders is on by default, and the precision-aware optimizer
+    hands the master weights to TE's FusedAdam (which stores the remainders) with no FP8 recipe or the delayed one the
+    renderer writes, not with current scaling. TE is absent here: its FusedAdam is stood in for by a class with the
+    signature OptimizerConfig inspects, and TE's version check answers as TE 2.x would."""
+    import types
+
+    import torch
+    from megatron.core.optimizer import OptimizerConfig, optimizer_config
+
+    class FusedAdam:
+        def __init__(self, params, master_weight_dtype=None, exp_avg_dtype=None, exp_avg_sq_dtype=None, use_decoupled_grad=False):
+            pass
+
+    te = types.ModuleType("transformer_engine")
+    te_pt = types.ModuleType("transformer_engine.pytorch")
+    te_opt = types.ModuleType("transformer_engine.pytorch.optimizers")
+    te_opt.FusedAdam = FusedAdam
+    for name, mod in (("transformer_engine", te), ("transformer_engine.pytorch", te_pt), ("transformer_engine.pytorch.optimizers", te_opt)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(optimizer_config, "is_te_min_version", lambda v: True)
+    kw = dict(optimizer="adam", use_distributed_optimizer=True, use_precision_aware_optimizer=True, bf16=True, main_grads_dtype=torch.bfloat16)
+    for recipe in (None, "delayed"):
+        cfg = OptimizerConfig(**kw, fp8_recipe=recipe)
+        assert cfg.store_param_remainders and cfg.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+    assert not OptimizerConfig(**kw, fp8_recipe="tensorwise").use_precision_aware_optimizer_no_fp8_or_ds_fp8
+    # and the renderer writes the precision-aware optimizer exactly where the engine counts remainders
+    plan = _plan(zero=1, main_grads_dtype="bf16")
+    args = parse_megatron_args(render_megatron(plan, "planner plan", None)["pretrain_gpt.sh"])
+    assert args.has("--use-precision-aware-optimizer") and args.value("--fp8-recipe") is None
+    assert get_engine("megatron").state_recipe("bf16", 1, "adam", plan.layout).master_bytes == 2
 
 
 def test_fp8_primary_weights_need_fp8_and_half_precision():
@@ -192,7 +229,23 @@ def test_rendered_fp8_param_gather_passes_megatron_validation():
 
 
 def _planner(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "planner", *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+    env = {"COLUMNS": "200", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "planner", *args], cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_plan_with_fp8_param_gather_renders_the_flag_and_validates(tmp_path):
+    """`--dtype fp8 --fp8-param-gather` plans only distributed-optimizer layouts, records the option in plan.json, writes
+    Megatron's flag, and `planner validate` passes the plan it wrote (MEG032 and the memory check included)."""
+    model = str(ROOT / "examples" / "llama.py")
+    r = _planner("plan", model, "--model-arg", "preset=llama-tiny", "--gpus", "2xH100", "--engine", "megatron", "--dtype", "fp8",
+                 "--fp8-param-gather", "--out", "p", "--quiet", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert doc["layout"]["fp8_param_gather"] is True and doc["layout"]["zero"] == 1 and doc["inputs"]["fp8_param_gather"] is True
+    script = (tmp_path / "p" / "pretrain_gpt.sh").read_text()
+    assert "--fp8-param-gather" in script and "--use-distributed-optimizer" in script
+    r = _planner("validate", str(tmp_path / "p"), "--format", "json", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize(

@@ -56,8 +56,9 @@ def test_megatron_precision_options_bytes_per_parameter(d):
     per = lambda lay: sum(meg.state_recipe("bf16", lay.zero, "adam", lay).per_param(d))
     assert per(_lay(zero=0)) == pytest.approx(18)  # 2 bf16 + 4 fp32 main grad + 12 (master + m + v)
     assert per(_lay()) == pytest.approx(6 + 12 / d)  # distributed optimizer
-    assert per(_lay(optimizer_state_dtype="bf16")) == pytest.approx(6 + (4 + 2 + 2) / d)  # bf16 moments
-    assert per(_lay(optimizer_state_dtype="bf16", main_grads_dtype="bf16")) == pytest.approx(4 + 8 / d)
+    # the precision-aware optimizer: bf16 moments, and the fp32 master kept as its 16-bit remainders (2 bytes)
+    assert per(_lay(optimizer_state_dtype="bf16")) == pytest.approx(6 + (2 + 2 + 2) / d)
+    assert per(_lay(optimizer_state_dtype="bf16", main_grads_dtype="bf16")) == pytest.approx(4 + 6 / d)
     assert per(_lay(main_grads_dtype="bf16", zero=0)) == pytest.approx(2 + 2 + 12)
     assert per(_lay(fp8=True)) == pytest.approx(6 + 12 / d)  # bf16 weights; the FP8 GEMM weights' copies come on top:
     assert meg.state_recipe("bf16", 1, "adam", _lay(fp8=True)).fp8_gemm_bytes == FP8_WEIGHT_COPY_BYTES  # FP8 copy + transpose

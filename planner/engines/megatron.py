@@ -20,7 +20,8 @@ Transformer Engine, the default ``--transformer-impl``.
 Precision options (TE's FusedAdam behind ``--use-precision-aware-optimizer``, which
 OptimizerConfig allows only with Adam and the distributed optimizer): bf16 or fp16 Adam
 moments (``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``), bf16 main gradients
-(``--main-grads-dtype bf16``; without the precision-aware optimizer ``--grad-reduce-in-bf16``).
+(``--main-grads-dtype bf16``; without the precision-aware optimizer ``--grad-reduce-in-bf16``). With bf16 weights the
+precision-aware optimizer keeps 2-byte remainders of the fp32 master weights (:data:`MASTER_REMAINDER_BYTES`).
 Context parallelism (``--context-parallel-size``) needs the sequence length to divide by 2 x cp.
 FP8 runs Transformer Engine's FP8 GEMMs (``--fp8-format``, ``--fp8-recipe``): TE keeps an FP8 copy and an FP8
 transpose of each bf16 weight, cached across the micro-batches of a step (Megatron passes is_first_microbatch), 2 bytes
@@ -31,6 +32,7 @@ FP8 plus its transpose: 2 bytes per parameter in place of 4.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -45,6 +47,19 @@ from planner.solve.plan import Layout
 #: (megatron/core/distributed/distributed_data_parallel.py, core_v0.16.1)
 BUCKET_MIN_PARAMS = 40_000_000
 BUCKET_PARAMS_PER_DP_RANK = 1_000_000
+
+
+#: bytes per parameter of the master weights under the precision-aware optimizer with bf16 weights: TE's FusedAdam stores
+#: the 16-bit remainders of the fp32 master weights (OptimizerConfig.store_param_remainders, True by default, with
+#: use_precision_aware_optimizer_no_fp8_or_ds_fp8: no FP8 recipe or the delayed one the renderer writes;
+#: megatron/core/optimizer/optimizer_config.py and distrib_optimizer.py, core_v0.16.1: the master shard is int16)
+MASTER_REMAINDER_BYTES = 2.0
+
+
+def precision_aware(layout: Layout) -> bool:
+    """Whether the layout runs Megatron's precision-aware optimizer (``--use-precision-aware-optimizer``): half-precision
+    Adam moments, or bf16 main gradients with the distributed optimizer (what the renderer writes for them)."""
+    return layout.optimizer_state_dtype != "fp32" or (layout.main_grads_dtype != "fp32" and layout.zero >= 1)
 
 
 def bucket_params(data_parallel: int) -> int:
@@ -80,7 +95,11 @@ class MegatronEngine(Engine):
         grad = DTYPE_BYTES[grads] if precision in ("bf16", "fp16") else None
         fp8 = layout is not None and layout.fp8
         fp8_params = fp8 and layout is not None and layout.fp8_param_gather and precision in ("bf16", "fp16")
-        return state_recipe(precision, optimizer, grad_bytes=grad, zero=1 if zero >= 1 else 0, state_dtype=states, fp8=fp8, fp8_params=fp8_params)
+        recipe = state_recipe(precision, optimizer, grad_bytes=grad, zero=1 if zero >= 1 else 0, state_dtype=states, fp8=fp8, fp8_params=fp8_params)
+        if layout is not None and precision == "bf16" and not fp8_params and precision_aware(layout):
+            # TE's FusedAdam keeps only the 16 low bits of each fp32 master weight (the high 16 are the bf16 weight)
+            recipe = replace(recipe, master_bytes=MASTER_REMAINDER_BYTES)
+        return recipe
 
     def exposed_dp_time(
         self, layout: Layout, reduce_s: float, gather_s: float, backward_s: Sequence[float], forward_s: Sequence[float], params: float

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
+from planner.engines.megatron import precision_aware
 from planner.errors import UsageError
 from planner.megatron_args import (
     MEGATRON_VERSION,
@@ -244,7 +245,7 @@ def feature_flags(plan: Plan) -> tuple[Flags, Flags]:
         training.append(("--overlap-grad-reduce", None))
     if lay.overlap_param_gather:
         training.append(("--overlap-param-gather", None))
-    if lay.optimizer_state_dtype != "fp32" or (lay.main_grads_dtype != "fp32" and lay.zero >= 1):
+    if precision_aware(lay):
         # TE's FusedAdam keeps the moments (and takes the main gradients) in the asked dtypes
         training += [
             ("--use-precision-aware-optimizer", None),
