@@ -44,6 +44,8 @@ RECORDED_SEARCH_FIELDS = (
     "overlap_param_gather",
     "main_grads_dtype",
     "optimizer_state_dtype",
+    "ep",
+    "etp",
 )
 _KNOBS = frozenset(f.name for f in fields(SearchOptions)) - frozenset(RECORDED_SEARCH_FIELDS)
 
@@ -151,7 +153,7 @@ def evaluate_pinned(costs: ModelCosts, cluster: Cluster, req: PlanRequest) -> Se
     if missing:
         raise UsageError(f"fixed stage boundaries need the whole layout pinned; missing: {', '.join(missing)}.")
     pp, tp, dp, vp, b, gb, zero = (int(getattr(req, k)) for k in ("pp", "tp", "dp", "vp", "micro_batch", "global_batch", "zero"))
-    base = Layout(req.engine, pp, tp, dp, vp, b, gb // (dp * b), gb, str(req.schedule), str(req.recompute), zero, tp > 1, cp=req.cp or 1)
+    base = Layout(req.engine, pp, tp, dp, vp, b, gb // (dp * b), gb, str(req.schedule), str(req.recompute), zero, tp > 1, cp=req.cp or 1, ep=req.ep or 1, etp=req.etp or 1)
     lay = with_options(base, req, get_engine(req.engine))[-1]
     ev = evaluate_layout(Context(costs, cluster, req, get_engine(req.engine)), lay, costs.dtype, bounds=req.bounds)
     if isinstance(ev, Rejection):

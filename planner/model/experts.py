@@ -1,0 +1,50 @@
+"""Find the routed experts of a mixture-of-experts model by its structure (no names, no model registry).
+
+Two ways of writing experts are recognised, both with the expert count as a module attribute:
+
+* per-expert 3-D weights: a module with ``num_experts`` (or ``num_local_experts``) whose own parameters have
+  that many rows in their first dimension (examples/moe.py ``Experts``; transformers 5 writes its MoE experts
+  this way, e.g. ``MixtralExperts`` with ``gate_up_proj`` [E, 2f, h] and ``down_proj`` [E, h, f]);
+* a ``ModuleList`` of that many structurally identical expert MLPs held by a module with the attribute
+  (transformers 4's Mixtral block, Megatron's SequentialMLP).
+
+Shared experts (always-on MLPs) are ordinary dense weights and are not reported.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+_COUNT_ATTRS = ("num_experts", "num_local_experts")
+
+
+def _expert_count(module: nn.Module) -> int:
+    for attr in _COUNT_ATTRS:
+        v = getattr(module, attr, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 1:
+            return v
+    return 0
+
+
+def _shapes(module: nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((n, tuple(p.shape)) for n, p in module.named_parameters())
+
+
+def expert_parameters(model: nn.Module) -> dict[str, int]:
+    """Parameter path -> number of experts, for every parameter that belongs to routed experts."""
+    out: dict[str, int] = {}
+    for path, mod in model.named_modules():
+        e = _expert_count(mod)
+        if not e:
+            continue
+        prefix = f"{path}." if path else ""
+        for name, p in mod.named_parameters(recurse=False):
+            if p.dim() >= 3 and p.shape[0] == e:
+                out[prefix + name] = e
+        for child_name, child in mod.named_children():
+            if isinstance(child, nn.ModuleList) and len(child) == e and len(child) > 1:
+                first = _shapes(child[0])
+                if first and all(_shapes(m) == first for m in child):
+                    for name, _ in child.named_parameters():
+                        out[f"{prefix}{child_name}.{name}"] = e
+    return out
