@@ -202,9 +202,7 @@ def stage_params(costs: ModelCosts, start: int, stop: int, tp: int = 1, ep: int 
     return total
 
 
-def range_matrices(
-    costs: ModelCosts, tp: int, recompute: str, ep: int = 1, etp: int = 1
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def range_matrices(costs: ModelCosts, tp: int, recompute: str, ep: int = 1, etp: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(parameters, other static bytes, activation bytes, pending-W bytes) of every piece range [a, b) as (n+1)^2 matrices.
 
     Other static bytes: point-to-point buffers, buffers the pieces read, and the working set. Only the upper triangle is meaningful.

@@ -30,6 +30,7 @@ from planner.errors import UsageError
 from planner.hardware import Cluster, DeviceProfile, memory_time
 from planner.records import ModelCosts
 from planner.solve import partition as part
+from planner.solve.expert_groups import expert_data_ranks
 from planner.solve.memory import (
     GiB,
     RuntimeOverhead,
@@ -129,6 +130,8 @@ class Evaluation:
     act_per_mb: tuple[float, ...]
     wgrad_per_mb: tuple[float, ...]
     time_source: tuple[str, ...]
+    #: per pipeline rank, the routed experts' share of its memory: parameters, and bytes of weights, grads, optimizer
+    expert_memory: list[dict[str, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -395,7 +398,9 @@ def expert_pin_problems(costs: ModelCosts, opts: SearchOptions, engine: EngineRu
             "Drop --ep and --etp for a dense model (expert parallelism applies to mixture-of-experts layers).",
         )
     if wants and not engine.expert_parallel:
-        raise UsageError(f"engine {engine.name} runs no expert parallelism (--ep {opts.ep or 1}, --etp {opts.etp or 1}).", "Use --engine megatron, or drop --ep/--etp.")
+        raise UsageError(
+            f"engine {engine.name} runs no expert parallelism (--ep {opts.ep or 1}, --etp {opts.etp or 1}).", "Use --engine megatron, or drop --ep/--etp."
+        )
     if opts.ep and experts and experts % opts.ep:
         raise UsageError(f"--ep {opts.ep} does not divide the model's {experts} experts per MoE layer.", "Pick --ep among the divisors of the expert count.")
     return experts
@@ -661,12 +666,21 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         dense = prm - ex
         state = dense * per_param + ex * (we + ge + oe)
         stage_mem.append(
-            {"weights": dense * w + ex * we, "grads": dense * g + ex * ge, "optimizer": dense * o + ex * oe, "buffers": st - state, "activations": held[j] * act_mb[j]}
+            {
+                "weights": dense * w + ex * we,
+                "grads": dense * g + ex * ge,
+                "optimizer": dense * o + ex * oe,
+                "buffers": st - state,
+                "activations": held[j] * act_mb[j],
+            }
         )
     rank_mem = []
+    expert_mem: list[dict[str, float]] = []
     for r in range(p):
         js = [j for j in range(S) if stage_rank[j] == r]
         comp = {k: sum(stage_mem[j][k] for j in js) for k in ("weights", "grads", "optimizer", "buffers")}
+        ex = sum(expert_prm[j] for j in js)
+        expert_mem.append({"params": ex, "weights": ex * we, "grads": ex * ge, "optimizer": ex * oe})
         if sim.peak_bytes and sched.name != "gpipe":  # the simulator's peak of live activations and pending-W inputs
             comp["activations"] = float(sim.peak_bytes[r])
         else:  # GPipe holds every micro-batch (the simulator may have run a shortened step)
@@ -688,7 +702,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         dev = devices[r]
         ranks = [r * block + d * tp for d in range(group)]
         # experts: reduced over the expert-data-parallel group (expert rank order tp-ep-dp: etp x ep ranks apart)
-        eranks = [r * block + d * etp * ep for d in range(edp)]
+        eranks = expert_data_ranks(r * block, ep, etp, edp)
         if group > 1 or (ex > 0 and edp > 1):
             reduce, gather = _dp_exchange(cluster, recipe, prm, ranks)
             e_reduce, e_gather = _dp_exchange(cluster, recipe, ex, eranks) if ex > 0 else (0.0, 0.0)
@@ -715,6 +729,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         act_per_mb=act_mb,
         wgrad_per_mb=wg_mb,
         time_source=tuple(times_by_class[0].source),
+        expert_memory=expert_mem if any(x["params"] for x in expert_mem) else [],
     )
 
 

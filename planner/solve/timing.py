@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from planner import hardware
 from planner.hardware import Cluster, DeviceProfile
 from planner.records import ModelCosts, scale_layer
+from planner.solve.expert_groups import expert_parallel_ranks, expert_tensor_ranks
 
 TP_COLLECTIVES = {"attention": (1, 1), "mlp": (1, 1), "block": (2, 2), "embedding": (1, 0), "head": (0, 1)}
 
@@ -61,9 +62,7 @@ def tp_collective_time(cluster: Cluster, nbytes: float, ranks: Sequence[int], se
     return float(t * SP_PAIR_ALLREDUCES if sequence_parallel else t)
 
 
-def expert_gemm_time(
-    op_flops: Sequence[float], num_experts: int, ep: int, split: int, device: DeviceProfile, dtype: str, floor_s: float = 0.0
-) -> float:
+def expert_gemm_time(op_flops: Sequence[float], num_experts: int, ep: int, split: int, device: DeviceProfile, dtype: str, floor_s: float = 0.0) -> float:
     """Seconds one GPU spends in a piece's routed-expert grouped GEMMs at balanced routing.
 
     ``op_flops`` are the grouped GEMMs over all routed rows of the (context-split) micro-batch. A GPU starts
@@ -91,9 +90,9 @@ def expert_dispatch_time(cluster: Cluster, nbytes: float, first_rank: int, ep: i
     the expert rank order tp-ep-dp (parallel_state.py) puts an expert group's ep GPUs etp ranks apart."""
     if nbytes <= 0 or ep * etp <= 1:
         return 0.0
-    t = cluster.all_to_all_time(nbytes, [first_rank + etp * i for i in range(ep)]) if ep > 1 else 0.0
+    t = cluster.all_to_all_time(nbytes, expert_parallel_ranks(first_rank, ep, etp)) if ep > 1 else 0.0
     if etp > 1:
-        t += cluster.all_gather_time(nbytes * etp, list(range(first_rank, first_rank + etp)))
+        t += cluster.all_gather_time(nbytes * etp, expert_tensor_ranks(first_rank, etp))
     return float(t)
 
 
