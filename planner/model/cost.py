@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from planner.errors import UsageError
-from planner.model.experts import expert_parameters
+from planner.model.experts import expert_parameters, router_parameters
 from planner.model.flops import REGISTRY, flop_counter, uncounted_compute
 from planner.model.trace import LayerGraph, dtype_name
 from planner.records import Cut, Layer, ModelCosts, TiedGroup
@@ -378,6 +378,7 @@ def cost_layers(
     param_owner: dict[int, list[int]] = {}
     param_info: dict[int, tuple[str, int]] = {}
     experts = expert_parameters(lg.model)
+    routers = router_parameters(lg.model)
     loss = _loss_closure(model_file, micro_batch)
     for i, piece in enumerate(lg.pieces):
         mod = lg.stage_module(i, i + 1)
@@ -403,13 +404,13 @@ def cost_layers(
             param_info[pid] = (n, p.numel())
         n_params = sum(p.numel() for _, p in params.values())
         mine = [(experts[n], p.numel()) for n, p in params.values() if n in experts]
-        expert_ids = {pid for pid, (n, _) in params.items() if n in experts}
+        expert_ids = {pid for pid, (n, _) in params.items() if n in experts or n in routers}
         shardable = sum(
             p.numel()
             for name, m in mod.gm.named_modules()
             if isinstance(m, (nn.Linear, nn.Embedding))
             for p in m.parameters(recurse=False)
-            if id(p) not in expert_ids  # experts are split by expert parallelism, not tensor parallelism
+            if id(p) not in expert_ids  # experts are split by expert parallelism, routers kept whole: neither by tp
         )
         if not any(True for _ in mod.gm.modules() if isinstance(_, (nn.Linear, nn.Embedding))):
             shardable = 0

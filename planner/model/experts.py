@@ -8,7 +8,10 @@ Two ways of writing experts are recognised, both with the expert count as a modu
 * a ``ModuleList`` of that many structurally identical expert MLPs held by a module with the attribute
   (transformers 4's Mixtral block, Megatron's SequentialMLP).
 
-Shared experts (always-on MLPs) are ordinary dense weights and are not reported.
+Shared experts (always-on MLPs) are ordinary dense weights and are not reported. The router (a linear map from
+the hidden state to one logit per expert, inside the module that holds the experts) is found the same way: Megatron
+keeps it whole on every GPU (megatron/core/transformer/moe/router.py, core_v0.16: a plain parameter, not split by
+tensor parallelism), so it is replicated rather than sharded.
 """
 
 from __future__ import annotations
@@ -47,4 +50,22 @@ def expert_parameters(model: nn.Module) -> dict[str, int]:
                 if first and all(_shapes(m) == first for m in child):
                     for name, _ in child.named_parameters():
                         out[f"{prefix}{child_name}.{name}"] = e
+    return out
+
+
+def router_parameters(model: nn.Module) -> set[str]:
+    """Paths of the router weights: linear layers producing one logit per expert under a module with an expert count."""
+    experts = expert_parameters(model)
+    out: set[str] = set()
+    for path, mod in model.named_modules():
+        e = _expert_count(mod)
+        if not e:
+            continue
+        prefix = f"{path}." if path else ""
+        for sub, m in mod.named_modules():
+            if isinstance(m, nn.Linear) and m.out_features == e:
+                for name, _ in m.named_parameters(recurse=False):
+                    full = f"{prefix}{sub}.{name}" if sub else f"{prefix}{name}"
+                    if full not in experts:
+                        out.add(full)
     return out
