@@ -113,7 +113,9 @@ def _state_per_gpu(dense_sharded, replicated, experts, tp, dp, cp, ep, etp):
 
 def _priced(costs, gpus, **lay):
     cluster = hardware.parse_gpus(gpus)
-    layout = Layout("megatron", 1, lay["tp"], lay["dp"], 1, 1, lay.get("m", 1), lay["dp"] * lay.get("m", 1), "1f1b", "full", 1, lay["tp"] > 1, ep=lay["ep"], etp=lay["etp"])
+    layout = Layout(
+        "megatron", 1, lay["tp"], lay["dp"], 1, 1, lay.get("m", 1), lay["dp"] * lay.get("m", 1), "1f1b", "full", 1, lay["tp"] > 1, ep=lay["ep"], etp=lay["etp"]
+    )
     opts = SearchOptions(engine="megatron", global_batch=layout.global_batch, mem_target=1.0)
     ev = price_layout(Context(costs, cluster, opts, get_engine("megatron")), layout, costs.dtype, bounds=(0, costs.n))
     assert not hasattr(ev, "reason"), getattr(ev, "reason", "")
