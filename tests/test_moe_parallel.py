@@ -283,3 +283,18 @@ def test_bad_ep_pins_exit_2(args, needle, tmp_path):
 def test_ep_on_a_dense_model_exits_2():
     r = runner.invoke(app, ["plan", str(EXAMPLES / "llama.py"), "--model-arg", "preset=llama-tiny", "--gpus", "8xH100", "--engine", "megatron", "--ep", "2"])
     assert r.exit_code == 2 and "no routed experts" in r.output
+
+
+def test_engines_without_expert_parallelism_keep_experts_as_dense_weights():
+    from dataclasses import replace
+
+    c = costs_of("moe", "deepseek-tiny")
+    plain = replace(c, layers=tuple(replace(l, expert_params=0, num_experts=0) for l in c.layers))
+    cluster = hardware.parse_gpus("8xH100")
+    lay = Layout("deepspeed", 1, 1, 8, 1, 1, 1, 8, "1f1b", "none", 1, False)
+    opts = SearchOptions(engine="deepspeed", global_batch=8, mem_target=1.0)
+    a = price_layout(Context(c, cluster, opts, get_engine("deepspeed")), lay, c.dtype, bounds=(0, c.n))
+    b = price_layout(Context(plain, cluster, opts, get_engine("deepspeed")), lay, c.dtype, bounds=(0, c.n))
+    for k in ("weights", "grads", "optimizer"):
+        assert a.rank_memory[0][k] == pytest.approx(b.rank_memory[0][k], rel=1e-12)
+    assert a.predicted.dp_comm_exposed_s == pytest.approx(b.predicted.dp_comm_exposed_s, rel=1e-12)

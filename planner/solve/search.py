@@ -300,7 +300,7 @@ class Context:
             experts = (ep, split, dispatch)
             t = analytical_times(sharded, dev, dtype, recompute, tp, coll, tp_overlap, "fp8" if fp8 else None, kernel, cp, step, experts)
             measured = self.opts.measured.get(dev.key)
-            if measured and tp == 1 and cp == 1 and not fp8:
+            if measured and tp == 1 and cp == 1 and not fp8 and ep * etp == 1:
                 f = b / self.costs.micro_batch
                 t = with_measured(t, {k: (fw * f, bw * f) for k, (fw, bw) in measured.items()}, recompute)
             self._times[key] = t
@@ -541,7 +541,8 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     w, g, o = recipe.per_param(dp * cp)  # gradients are reduced and optimizer state sharded over dp x cp
     per_param = w + g + o
     ep, etp = lay.ep, lay.etp
-    edp = expert_data_parallel(tp, cp, dp, ep, etp) if (tp * cp * dp) % (ep * etp) == 0 else 1
+    # Megatron's expert-data-parallel group; engines without expert parallelism treat experts as dense weights
+    edp = expert_data_parallel(tp, cp, dp, ep, etp) if ctx.engine.expert_parallel else dp * cp
     we, ge, oe = recipe.per_param(edp)  # expert gradients and optimizer state: over the expert-data-parallel group
     params_m, other_m, act, wgrad = ctx.memory(b, tp, lay.recompute, sp, cp, ep, etp)
     experts_m = expert_range_params(sharded, ep, etp) if ep * etp > 1 or any(l.expert_params for l in sharded.layers) else None
@@ -697,7 +698,8 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     dp_exposed, opt_time = 0.0, 0.0
     group = dp * cp
     for r in range(p):
-        ex = sum(expert_prm[j] for j in range(S) if stage_rank[j] == r)
+        # experts are reduced apart only where the engine has expert groups (elsewhere they are dense weights)
+        ex = sum(expert_prm[j] for j in range(S) if stage_rank[j] == r) if ctx.engine.expert_parallel else 0.0
         prm = sum(params[j] for j in range(S) if stage_rank[j] == r) - ex  # dense: reduced over dp x cp
         dev = devices[r]
         ranks = [r * block + d * tp for d in range(group)]
