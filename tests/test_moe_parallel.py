@@ -298,3 +298,14 @@ def test_engines_without_expert_parallelism_keep_experts_as_dense_weights():
     for k in ("weights", "grads", "optimizer"):
         assert a.rank_memory[0][k] == pytest.approx(b.rank_memory[0][k], rel=1e-12)
     assert a.predicted.dp_comm_exposed_s == pytest.approx(b.predicted.dp_comm_exposed_s, rel=1e-12)
+
+
+def test_mixtral_row_dispatch_is_four_nvlink_all_to_alls_per_layer():
+    """MLM-mixtral-8x7b (tp 1, ep 8 inside one DGX H100): each of the 32 MoE layers moves, per micro-batch, four times
+    the 4096 x 2 routed rows of 4096 bf16 values, 7/8 of them over NVLink at 450 GB/s x 0.82."""
+    from bench.published_runs import load_moe_runs, moe_breakdown
+
+    run = next(r for r in load_moe_runs() if r.id == "MLM-mixtral-8x7b")
+    row = moe_breakdown(run)
+    one = 4096 * 2 * 4096 * 2 * 7 / 8 / (450e9 * 0.82) + 5e-6
+    assert row["dispatch"] == pytest.approx(32 * 4 * one * 1e3, rel=1e-9)
