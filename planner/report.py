@@ -89,6 +89,8 @@ _LAYOUT_FIELDS = (
     ("pp", "pp"),
     ("tp", "tp"),
     ("dp", "dp"),
+    ("ep", "ep"),
+    ("etp", "etp"),
     ("vp", "v"),
     ("schedule", "schedule"),
     ("micro_batch", "micro-batch"),

@@ -309,3 +309,27 @@ def test_mixtral_row_dispatch_is_four_nvlink_all_to_alls_per_layer():
     row = moe_breakdown(run)
     one = 4096 * 2 * 4096 * 2 * 7 / 8 / (450e9 * 0.82) + 5e-6
     assert row["dispatch"] == pytest.approx(32 * 4 * one * 1e3, rel=1e-9)
+
+
+def test_plan_and_report_state_ep_and_the_expert_memory(tmp_path):
+    import json
+
+    from planner.report import layout_differences
+
+    out = tmp_path / "plan"
+    r = runner.invoke(
+        app,
+        ["plan", str(EXAMPLES / "moe.py"), "--model-arg", "preset=deepseek-tiny", "--gpus", "8xH100", "--engine", "megatron"]
+        + ["--ep", "4", "--pp", "1", "--zero", "1", "--out", str(out)],
+    )
+    assert r.exit_code == 0, r.output
+    ex = json.loads((out / "plan.json").read_text())["assumptions"]["experts"]
+    per_gpu = 3 * 8 * 3 * 64 * 32 / 4  # 3 MoE layers x 8 experts x (w1, w3, w2 of 64 x 32) over ep 4
+    assert (ex["ep"], ex["etp"], ex["expert_data_parallel"], ex["num_experts"], ex["moe_pieces"]) == (4, 1, 2, 8, 3)
+    assert ex["params_per_gpu"] == per_gpu
+    # bf16 weights (2), fp32 main grads (4), fp32 master + Adam moments (12) over the expert-data-parallel group of 2
+    assert ex["bytes_per_gpu"] == {"weights": 2 * per_gpu, "grads": 4 * per_gpu, "optimizer": 12 * per_gpu / 2}
+    report = (out / "report.md").read_text()
+    assert "split over ep 4 x etp 1 (expert data parallel 2)" in report and "36.9k expert parameters" in report
+    chosen = Layout("megatron", 1, 1, 8, 1, 1, 1, 8, "1f1b", "none", 1, ep=8)
+    assert "ep 4 (chosen 8)" in layout_differences(Layout("megatron", 1, 1, 8, 1, 1, 1, 8, "1f1b", "none", 1, ep=4), chosen)
