@@ -38,8 +38,8 @@ DATA = ROOT / "bench" / "data" / "published_runs.yaml"
 MOE_DATA = ROOT / "bench" / "data" / "published_moe_runs.yaml"
 MOE_MODEL = ROOT / "examples" / "moe.py"
 
-#: planner hardware profile per device name used in the data files (H800: none yet)
-DEVICE_PROFILE = {"A100-80GB": "A100-80GB", "H100-SXM": "H100-SXM", "B200": "B200"}
+#: planner hardware profile per device name used in the data files
+DEVICE_PROFILE = {"A100-80GB": "A100-80GB", "H100-SXM": "H100-SXM", "B200": "B200", "H800": "H800"}
 
 
 @dataclass(frozen=True)

@@ -333,3 +333,13 @@ def test_plan_and_report_state_ep_and_the_expert_memory(tmp_path):
     assert "split over ep 4 x etp 1 (expert data parallel 2)" in report and "36.9k expert parameters" in report
     chosen = Layout("megatron", 1, 1, 8, 1, 1, 1, 8, "1f1b", "none", 1, ep=8)
     assert "ep 4 (chosen 8)" in layout_differences(Layout("megatron", 1, 1, 8, 1, 1, 1, 8, "1f1b", "none", 1, ep=4), chosen)
+
+
+def test_h800_is_the_h100_sxm_with_nvlink_cut_to_400_gb_s_bidirectional():
+    profiles = hardware.available_profiles()
+    h800, h100 = profiles["h800"], profiles["h100-sxm"]
+    assert h800.peak_flops == h100.peak_flops and h800.memory_bytes == h100.memory_bytes
+    assert h800.memory_bandwidth == h100.memory_bandwidth and h800.inter_bandwidth == h100.inter_bandwidth == 50e9
+    assert 2 * h800.intra_bandwidth == 400e9 and 2 * h100.intra_bandwidth == 900e9
+    # DeepSeek-V3 report 3.2.2: 160 GB/s of NVLink achievable
+    assert h800.intra_bandwidth * h800.allreduce_efficiency_intra == pytest.approx(160e9)
