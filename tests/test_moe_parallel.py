@@ -343,3 +343,18 @@ def test_h800_is_the_h100_sxm_with_nvlink_cut_to_400_gb_s_bidirectional():
     assert 2 * h800.intra_bandwidth == 400e9 and 2 * h100.intra_bandwidth == 900e9
     # DeepSeek-V3 report 3.2.2: 160 GB/s of NVLink achievable
     assert h800.intra_bandwidth * h800.allreduce_efficiency_intra == pytest.approx(160e9)
+
+
+def test_tp_collectives_only_where_moe_pieces_have_shared_experts():
+    """Megatron's MoE layer with sequence parallelism routes each GPU's 1/tp of the tokens (no residual all-gather);
+    shared experts are a tensor-parallel MLP and gather / scatter as a dense MLP does."""
+    dev = hardware.parse_gpus("8xH100").device_of(0)
+    for preset, shared in (("moe-tiny", False), ("deepseek-tiny", True)):
+        c = costs_of("moe", preset)
+        free = analytical_times(c, dev, "bf16", tp=2, tp_collective_time=0.0)
+        coll = analytical_times(c, dev, "bf16", tp=2, tp_collective_time=1e-3)
+        for l, a, b in zip(c.layers, free.fwd, coll.fwd):
+            if l.num_experts:
+                assert b - a == pytest.approx(1e-3 if shared else 0.0, abs=1e-15), (preset, l.name)
+            elif l.kind == "attention":
+                assert b - a == pytest.approx(1e-3, abs=1e-15)

@@ -244,6 +244,10 @@ def analytical_times(
         w = mm_b * w_share
         i = mm_b * (1.0 - w_share) + bytes_time(l.op_bytes_bwd + l.op_bytes_bwd_resid, l.mem_bytes_bwd, device, kernel_floor_s)
         n_f, n_b = TP_COLLECTIVES.get(l.kind, (0, 0)) if tp > 1 else (0, 0)
+        if l.num_experts and l.shardable_params == 0:
+            # routed experts alone: the dispatcher works on the GPU's 1/tp of the tokens (its expert-TP gather is in
+            # the dispatch time); only shared experts, a tensor-parallel MLP, gather and scatter the residual stream
+            n_f = n_b = 0
         if tp_overlap:
             f += overlapped_collective_time(n_f * coll[k], mm_f, tp)
             i += overlapped_collective_time(n_b * coll[k], mm_b, tp)
