@@ -1,5 +1,8 @@
 """Layout search: every (pp, tp, dp, micro-batch, schedule, v, recompute, ZeRO) an engine can run, partitioned and simulated.
 
+Mixture-of-experts models on engines with expert parallelism also search (ep, etp) (:func:`expert_layouts`); dense
+models keep ep = etp = 1 and no extra candidates.
+
 For a fixed global batch, each candidate layout is priced in four steps:
 
 1. costs for its micro-batch, sharded for its tensor-parallel degree (timing.shard_costs);
