@@ -38,8 +38,8 @@ DATA = ROOT / "bench" / "data" / "published_runs.yaml"
 MOE_DATA = ROOT / "bench" / "data" / "published_moe_runs.yaml"
 MOE_MODEL = ROOT / "examples" / "moe.py"
 
-#: planner hardware profile per device name used in the data files (H800: none yet)
-DEVICE_PROFILE = {"A100-80GB": "A100-80GB", "H100-SXM": "H100-SXM", "B200": "B200"}
+#: planner hardware profile per device name used in the data files
+DEVICE_PROFILE = {"A100-80GB": "A100-80GB", "H100-SXM": "H100-SXM", "B200": "B200", "H800": "H800"}
 
 
 @dataclass(frozen=True)
@@ -608,8 +608,55 @@ def diagnosis_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def moe_breakdown(run: PublishedRun) -> dict:
+    """One MoE row priced with its layout and the memory check lifted, and one GPU's share of a micro-batch (forward +
+    backward over all stages, milliseconds) split into dense GEMMs, routed-expert GEMMs, memory-bound operators and the
+    token dispatch (4 all-to-alls per MoE layer)."""
+    from planner import hardware
+    from planner.engines import get_engine
+    from planner.solve import search
+    from planner.solve.timing import bytes_time, expert_dispatch_time, expert_gemm_time, ops_time
+
+    costs = costs_for(run)
+    cluster = hardware.parse_gpus(f"{run.gpus}x{DEVICE_PROFILE[run.source.device]}")
+    lay = layout_for(run)
+    opts = search.SearchOptions(
+        engine="megatron", global_batch=run.global_batch, mem_target=UNCHECKED, cp=run.cp, fp8=lay.fp8, **_moe_pins(run, search.SearchOptions)
+    )
+    ctx = search.Context(costs, cluster, opts, get_engine("megatron"))
+    ev = search.evaluate_layout(ctx, lay, costs.dtype)
+    split = lay.tp if lay.sequence_parallel and lay.tp > 1 else 1
+    dev, mm = cluster.device_of(0), "fp8" if lay.fp8 else "bf16"
+    layers = ctx.sharded(lay.micro_batch, lay.tp, lay.sequence_parallel, lay.cp).layers
+    ms = {
+        "dense_gemm": sum(ops_time(l.op_flops_fwd, l.flops_fwd, dev, mm) + ops_time(l.op_flops_bwd, l.flops_bwd, dev, mm) for l in layers),
+        "expert_gemm": sum(
+            expert_gemm_time(l.expert_op_flops_fwd, l.num_experts, lay.ep, split, dev, mm)
+            + expert_gemm_time(l.expert_op_flops_bwd, l.num_experts, lay.ep, split, dev, mm)
+            for l in layers
+        ),
+        "memory_bound": sum(
+            bytes_time(l.op_bytes_fwd + l.op_bytes_fwd_resid, l.mem_bytes_fwd, dev) + bytes_time(l.op_bytes_bwd + l.op_bytes_bwd_resid, l.mem_bytes_bwd, dev)
+            for l in layers
+        ),
+        "dispatch": sum(4 * expert_dispatch_time(cluster, l.routed_bytes / split, 0, lay.ep, lay.etp) for l in layers if l.num_experts),
+    }
+    priced = not isinstance(ev, search.Rejection)
+    return {
+        "id": run.id,
+        "published_s": run.step_s,
+        "predicted_s": ev.predicted.step_time_s if priced else None,
+        "peak_gib": max(r["total"] for r in ev.rank_memory) / 2**30 if priced else None,
+        **{k: v * 1e3 for k, v in ms.items()},
+    }
+
+
 if __name__ == "__main__":
-    if "--diagnose" in sys.argv:
+    if "--moe" in sys.argv:
+        for r in RUNS_ALL:
+            if r.model.arch == "moe" and not not_expressible(r):
+                print(moe_breakdown(r))
+    elif "--diagnose" in sys.argv:
         print(diagnosis_markdown([diagnose(r) for r in RUNS_ALL]))
     else:
         print(markdown(predict_all()))

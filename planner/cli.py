@@ -280,6 +280,8 @@ def plan(
     mem_target: float = typer.Option(0.85, "--mem-target", help="Fraction of usable GPU memory a plan may use."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Measured per-layer times from `planner profile`."),
     cp: Optional[int] = typer.Option(None, "--cp", help="Pin the context-parallel degree (Megatron; sequence divisible by 2 x cp)."),
+    ep: Optional[int] = typer.Option(None, "--ep", help="Pin the expert-parallel degree (Megatron, MoE models; divides the experts)."),
+    etp: Optional[int] = typer.Option(None, "--etp", help="Pin the expert tensor-parallel degree (Megatron, MoE models)."),
     tp_comm_overlap: Optional[bool] = typer.Option(
         None, "--tp-comm-overlap/--no-tp-comm-overlap", help="Pin TP communication overlap (Megatron, needs tp > 1)."
     ),
@@ -327,6 +329,8 @@ def plan(
             mem_target=mem_target,
             profile=str(profile) if profile else None,
             cp=cp,
+            ep=ep,
+            etp=etp,
             tp_comm_overlap=tp_comm_overlap,
             overlap_grad_reduce=overlap_grad_reduce,
             overlap_param_gather=overlap_param_gather,
@@ -336,6 +340,8 @@ def plan(
         )
         cv.positive_int("--cp", cp)
         cv.fp8_param_gather(fp8_param_gather, dtype, engine, zero)
+        cv.positive_int("--ep", ep)
+        cv.positive_int("--etp", etp)
         cv.choice("--main-grads-dtype", main_grads_dtype, ("fp32", "bf16"))
         cv.choice("--optimizer-state-dtype", optimizer_state_dtype, ("fp32", "bf16", "fp16"))
         if out_dir is not None:

@@ -45,6 +45,8 @@ RECORDED_SEARCH_FIELDS = (
     "main_grads_dtype",
     "optimizer_state_dtype",
     "fp8_param_gather",
+    "ep",
+    "etp",
 )
 _KNOBS = frozenset(f.name for f in fields(SearchOptions)) - frozenset(RECORDED_SEARCH_FIELDS)
 
@@ -152,7 +154,9 @@ def evaluate_pinned(costs: ModelCosts, cluster: Cluster, req: PlanRequest) -> Se
     if missing:
         raise UsageError(f"fixed stage boundaries need the whole layout pinned; missing: {', '.join(missing)}.")
     pp, tp, dp, vp, b, gb, zero = (int(getattr(req, k)) for k in ("pp", "tp", "dp", "vp", "micro_batch", "global_batch", "zero"))
-    base = Layout(req.engine, pp, tp, dp, vp, b, gb // (dp * b), gb, str(req.schedule), str(req.recompute), zero, tp > 1, cp=req.cp or 1)
+    base = Layout(
+        req.engine, pp, tp, dp, vp, b, gb // (dp * b), gb, str(req.schedule), str(req.recompute), zero, tp > 1, cp=req.cp or 1, ep=req.ep or 1, etp=req.etp or 1
+    )
     lay = with_options(base, req, get_engine(req.engine))[-1]
     ev = evaluate_layout(Context(costs, cluster, req, get_engine(req.engine)), lay, costs.dtype, bounds=req.bounds)
     if isinstance(ev, Rejection):
@@ -233,6 +237,8 @@ def build_plan(costs: ModelCosts, cluster: Cluster, req: PlanRequest, result: Se
         "layouts_considered": result.considered,
         "layouts_priced": result.priced,
     }
+    if best.expert_memory:
+        assumptions["experts"] = expert_summary(costs, best)
     ranks = [RankMemory(r, {k: int(round(v)) for k, v in best.rank_memory[r].items()}, int(best.capacity[r])) for r in range(len(best.rank_memory))]
     return Plan(
         layout=best.layout,
@@ -246,6 +252,24 @@ def build_plan(costs: ModelCosts, cluster: Cluster, req: PlanRequest, result: Se
         assumptions=assumptions,
         notes=notes,
     )
+
+
+def expert_summary(costs: ModelCosts, ev: Evaluation) -> dict[str, Any]:
+    """What plan.json records of a mixture-of-experts layout: the expert count, ep / etp, the expert-data-parallel
+    group, and the most loaded rank's expert parameters and their weight, gradient and optimizer bytes."""
+    lay = ev.layout
+    worst = max(ev.expert_memory, key=lambda x: x["params"])
+    return {
+        "num_experts": max(l.num_experts for l in costs.layers),
+        "moe_pieces": sum(1 for l in costs.layers if l.num_experts),
+        "expert_params": sum(l.expert_params for l in costs.layers),
+        "ep": lay.ep,
+        "etp": lay.etp,
+        "expert_data_parallel": lay.tp * lay.cp * lay.dp // (lay.ep * lay.etp),
+        "params_per_gpu": worst["params"],
+        "bytes_per_gpu": {k: worst[k] for k in ("weights", "grads", "optimizer")},
+        "dispatch": "alltoall over the ep group, exposed (no --overlap-moe-expert-parallel-comm)",
+    }
 
 
 def informative_rejections(rejected: list[Rejection], k: int) -> list[Rejection]:

@@ -46,6 +46,13 @@ class Layer:
             efficiency model rates each operator by its size; ``op_bytes_*_resid`` are those of operators whose
             output has the shape of the piece's input (the residual stream: norms, residual adds, dropout),
             which tensor parallelism without sequence parallelism replicates on every GPU.
+        expert_params / num_experts: parameters of the piece's routed experts (held as per-expert 3-D weights, or
+            as a ModuleList of identical expert MLPs) and how many experts hold them; 0 in dense pieces. Expert
+            parallelism splits these over ep x etp GPUs instead of tp.
+        routed_rows / routed_bytes: token-expert pairs of one micro-batch (tokens x top-k, dropless) and the bytes
+            of those rows entering the experts (what each all-to-all dispatch and combine moves).
+        expert_op_flops_fwd / expert_op_flops_bwd: FLOPs of each grouped GEMM over the routed rows (all experts'
+            rows together; not in ``op_flops_*``): the time model splits them into one GEMM per local expert.
     """
 
     name: str
@@ -77,6 +84,12 @@ class Layer:
     op_bytes_core: tuple[float, ...] = ()
     op_bytes_fwd_resid: tuple[float, ...] = ()
     op_bytes_bwd_resid: tuple[float, ...] = ()
+    expert_params: int = 0
+    num_experts: int = 0
+    routed_rows: float = 0.0
+    routed_bytes: float = 0.0
+    expert_op_flops_fwd: tuple[float, ...] = ()
+    expert_op_flops_bwd: tuple[float, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -92,7 +105,18 @@ class Layer:
         return cls(**d)
 
 
-_OP_LISTS = ("op_flops_fwd", "op_flops_bwd", "op_flops_core", "op_bytes_fwd", "op_bytes_bwd", "op_bytes_core", "op_bytes_fwd_resid", "op_bytes_bwd_resid")
+_OP_LISTS = (
+    "op_flops_fwd",
+    "op_flops_bwd",
+    "op_flops_core",
+    "op_bytes_fwd",
+    "op_bytes_bwd",
+    "op_bytes_core",
+    "op_bytes_fwd_resid",
+    "op_bytes_bwd_resid",
+    "expert_op_flops_fwd",
+    "expert_op_flops_bwd",
+)
 
 
 @dataclass(frozen=True)
@@ -186,6 +210,8 @@ _SCALED = (
     "gemm_saved_bytes",
     "gemm_shared_bytes",
     "max_op_bytes",
+    "routed_rows",
+    "routed_bytes",
 )
 
 

@@ -89,6 +89,8 @@ _LAYOUT_FIELDS = (
     ("pp", "pp"),
     ("tp", "tp"),
     ("dp", "dp"),
+    ("ep", "ep"),
+    ("etp", "etp"),
     ("vp", "v"),
     ("schedule", "schedule"),
     ("micro_batch", "micro-batch"),
@@ -267,6 +269,8 @@ def print_summary(console: Console, plan: Plan, result: SearchResult | None = No
         highlight=False,
     )
     console.print(overlaps_line(lay), highlight=False)
+    if experts_line(plan):
+        console.print(experts_line(plan), highlight=False)
     if info is not None:
         console.print(Text(info.description, style="dim"))
     console.print()
@@ -373,6 +377,22 @@ def overlaps_line(lay: Layout) -> str:
     return f"Overlaps assumed: {names}" + (f"; {', '.join(extra)}" if extra else "") + "."
 
 
+def experts_line(plan: Plan) -> str | None:
+    """One sentence on a mixture-of-experts plan: ep / etp, the expert-data-parallel group, and the expert
+    parameters and state the most loaded GPU holds; None for a dense model."""
+    ex = plan.assumptions.get("experts")
+    if not ex:
+        return None
+    state = ex.get("bytes_per_gpu", {})
+    total = sum(float(v) for v in state.values())
+    parts = ", ".join(f"{k} {_gib(float(v))}" for k, v in state.items())
+    return (
+        f"Experts: {ex['num_experts']} per MoE layer in {ex['moe_pieces']} layers, split over ep {ex['ep']} x etp {ex['etp']} "
+        f"(expert data parallel {ex['expert_data_parallel']}); a GPU holds up to {_count(ex['params_per_gpu'])} expert parameters, "
+        f"{_gib(total)} GiB of expert state ({parts} GiB); token dispatch: {ex.get('dispatch', 'alltoall')}."
+    )
+
+
 def _report_context(plan: Plan, command: str) -> dict[str, Any]:
     lay, pr = plan.layout, plan.predicted
     world = lay.world
@@ -477,6 +497,7 @@ def _report_context(plan: Plan, command: str) -> dict[str, Any]:
         "lay": lay,
         "short": _code(lay.short()),
         "overlaps": overlaps_line(lay),
+        "experts": experts_line(plan),
         "schedule_description": info.description if info else lay.schedule,
         "pr": {
             "step": _ms(pr.step_time_s),

@@ -241,6 +241,33 @@ class Cluster:
         """Ring all-gather producing an ``nbytes`` (unsharded) buffer: (n-1)/n * nbytes / busbw + (n-1) * latency."""
         return self._collective(nbytes, ranks, 1.0)
 
+    def all_to_all_time(self, nbytes: float, ranks: Sequence[int]) -> float:
+        """All-to-all where every rank of ``ranks`` holds ``nbytes`` and sends an equal 1/n of it to each member
+        (the expert-parallel dispatch at balanced routing; NCCL runs it as grouped point-to-point sends, all at once).
+
+        A rank with k members on its node sends (k - 1)/n of its bytes over the intra-node link (the device's
+        link to those k - 1 peers, at ``allreduce_efficiency_intra``) and (n - k)/n through its own NIC share
+        (``inter_bandwidth`` x ``allreduce_efficiency_inter``) at the same time: the slower of the two, for the
+        node with the fewest members (the most traffic off the node), plus one message latency of the slowest
+        tier used. One node: nbytes x (n - 1)/n / intra-node bandwidth. 0 for one rank or no bytes.
+        """
+        _check_bytes(nbytes)
+        arr = self._rank_array(ranks)
+        n = int(arr.size)
+        if n <= 1 or nbytes == 0:
+            return 0.0
+        worst = 0.0
+        for g, counts, local in self._node_members(arr):
+            dev = g.device
+            ends = np.cumsum(counts)
+            for k, end in zip(counts.tolist(), ends.tolist()):
+                members = [int(x) for x in local[end - k : end]]
+                intra = nbytes * (k - 1) / n / self._intra_busbw(dev, members) if k > 1 else 0.0
+                inter = nbytes * (n - k) / n / (g.inter_bandwidth * dev.allreduce_efficiency_inter) if n > k else 0.0
+                latency = dev.inter_latency if n > k else dev.intra_latency
+                worst = max(worst, max(intra, inter) + latency)
+        return worst
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary for plan.json (bandwidths in bytes/s and GB/s per GPU per direction)."""
         return {

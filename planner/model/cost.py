@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from planner.errors import UsageError
+from planner.model.experts import expert_parameters, router_parameters
 from planner.model.flops import REGISTRY, flop_counter, uncounted_compute
 from planner.model.trace import LayerGraph, dtype_name
 from planner.records import Cut, Layer, ModelCosts, TiedGroup
@@ -139,6 +140,9 @@ class _OpMeter(TorchDispatchMode):
         self.resid_op_bytes: list[float] = []
         self.core_op_bytes: list[float] = []
         self.uncounted: set[str] = set()
+        self.expert_op_flops: list[float] = []
+        self.routed_rows = 0.0
+        self.routed_bytes = 0.0
 
     def _is_core(self, tensors: list[torch.Tensor]) -> bool:
         s = self.seq_len
@@ -151,7 +155,16 @@ class _OpMeter(TorchDispatchMode):
         outs = _flat_tensors(out)
         core = self._is_core(ins + outs)
         packet = func.overloadpacket
-        if packet in REGISTRY:
+        if packet is _aten._grouped_mm:
+            # routed experts: kept apart, the time model splits them into one GEMM per local expert
+            self.expert_op_flops.append(float(REGISTRY[packet](*args, **kwargs, out_val=out)))
+            rows = ins[0] if ins else None
+            width = self.resid_shape[-1] if self.resid_shape else None
+            if rows is not None and rows.dim() == 2 and len(ins) > 1 and ins[1].dim() == 3 and rows.shape[1] == width:
+                # the 2-D x 3-D forward GEMM reading the dispatched rows (tokens x top-k, the residual width wide)
+                self.routed_rows = max(self.routed_rows, float(rows.shape[0]))
+                self.routed_bytes = max(self.routed_bytes, float(_tensor_bytes(rows)))
+        elif packet in REGISTRY:
             flops = float(REGISTRY[packet](*args, **kwargs, out_val=out))
             self.op_flops.append(flops)
             if core:
@@ -210,6 +223,10 @@ class PieceCost:
     op_bytes_fwd_resid: tuple[float, ...]
     op_bytes_bwd_resid: tuple[float, ...]
     uncounted_ops: tuple[str, ...] = ()
+    expert_op_flops_fwd: tuple[float, ...] = ()
+    expert_op_flops_bwd: tuple[float, ...] = ()
+    routed_rows: float = 0.0
+    routed_bytes: float = 0.0
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -305,6 +322,10 @@ def cost_piece(
         op_bytes_fwd_resid=tuple(fwd_meter.resid_op_bytes),
         op_bytes_bwd_resid=tuple(bwd_meter.resid_op_bytes),
         uncounted_ops=tuple(sorted(fwd_meter.uncounted | bwd_meter.uncounted)),
+        expert_op_flops_fwd=tuple(fwd_meter.expert_op_flops),
+        expert_op_flops_bwd=tuple(bwd_meter.expert_op_flops),
+        routed_rows=fwd_meter.routed_rows,
+        routed_bytes=fwd_meter.routed_bytes,
     )
     detached = torch.utils._pytree.tree_map(lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, out)
     return cost, detached
@@ -387,6 +408,8 @@ def cost_layers(
     uncounted: dict[str, list[str]] = {}
     param_owner: dict[int, list[int]] = {}
     param_info: dict[int, tuple[str, int]] = {}
+    experts = expert_parameters(lg.model)
+    routers = router_parameters(lg.model)
     loss = _loss_closure(model_file, micro_batch)
     for i, piece in enumerate(lg.pieces):
         mod = lg.stage_module(i, i + 1)
@@ -411,7 +434,15 @@ def cost_layers(
             param_owner.setdefault(pid, []).append(i)
             param_info[pid] = (n, p.numel())
         n_params = sum(p.numel() for _, p in params.values())
-        shardable = sum(p.numel() for name, m in mod.gm.named_modules() if isinstance(m, (nn.Linear, nn.Embedding)) for p in m.parameters(recurse=False))
+        mine = [(experts[n], p.numel()) for n, p in params.values() if n in experts]
+        expert_ids = {pid for pid, (n, _) in params.items() if n in experts or n in routers}
+        shardable = sum(
+            p.numel()
+            for name, m in mod.gm.named_modules()
+            if isinstance(m, (nn.Linear, nn.Embedding))
+            for p in m.parameters(recurse=False)
+            if id(p) not in expert_ids  # experts are split by expert parallelism, routers kept whole: neither by tp
+        )
         if not any(True for _ in mod.gm.modules() if isinstance(_, (nn.Linear, nn.Embedding))):
             shardable = 0
         out_bytes = sum(t.bytes for t in lg.cut_tensors(i + 1) if t.name in {v.name for v in piece.nodes})
@@ -446,6 +477,12 @@ def cost_layers(
                 op_bytes_core=cost.op_bytes_core,
                 op_bytes_fwd_resid=cost.op_bytes_fwd_resid,
                 op_bytes_bwd_resid=cost.op_bytes_bwd_resid,
+                expert_params=sum(k for _, k in mine),
+                num_experts=max((e for e, _ in mine), default=0),
+                routed_rows=cost.routed_rows,
+                routed_bytes=cost.routed_bytes,
+                expert_op_flops_fwd=cost.expert_op_flops_fwd,
+                expert_op_flops_bwd=cost.expert_op_flops_bwd,
             )
         )
         if progress:

@@ -204,11 +204,41 @@ def checkpoint_starts(costs: ModelCosts, start: int, stop: int) -> list[int]:
     return starts
 
 
-def stage_params(costs: ModelCosts, start: int, stop: int, tp: int = 1) -> float:
-    """Parameters one rank of a stage holds: shardable weights split over ``tp``, the rest replicated."""
+def piece_params(layer: Layer, tp: int = 1, ep: int = 1, etp: int = 1) -> float:
+    """Parameters one GPU holds of a piece: shardable dense weights split over ``tp``, routed experts over
+    ``ep`` x ``etp`` (Megatron's expert groups), the rest replicated."""
+    dense = layer.params - layer.expert_params
+    return layer.shardable_params / tp + (dense - layer.shardable_params) + layer.expert_params / (ep * etp)
+
+
+def expert_params_per_gpu(costs: ModelCosts, start: int, stop: int, ep: int = 1, etp: int = 1) -> float:
+    """Routed-expert parameters one GPU of a stage holds: the experts of pieces [start, stop) split over ep x etp."""
+    return sum(l.expert_params for l in costs.layers[start:stop]) / (ep * etp)
+
+
+def expert_data_parallel(tp: int, cp: int, dp: int, ep: int, etp: int) -> int:
+    """GPUs holding the same expert shard (Megatron's expert-data-parallel group): tp x cp x dp / (ep x etp).
+
+    Megatron-LM core_v0.16 megatron/core/parallel_state.py builds the expert groups over the same GPUs as the
+    dense ones (RankGenerator with tp = etp, ep, cp = 1 and dp = world / (etp x ep x pp)); the expert gradients
+    are reduced, and the distributed optimizer shards their state, over this group."""
+    if (tp * cp * dp) % (ep * etp):
+        raise ValueError(f"ep x etp = {ep * etp} does not divide tp x cp x dp = {tp * cp * dp}")
+    return tp * cp * dp // (ep * etp)
+
+
+def expert_range_params(costs: ModelCosts, ep: int, etp: int) -> np.ndarray:
+    """Routed-expert parameters per GPU of every piece range [a, b), as an (n+1)^2 matrix (upper triangle)."""
+    E = np.concatenate([[0.0], np.cumsum([l.expert_params / (ep * etp) for l in costs.layers])])
+    return np.asarray(E[None, :] - E[:, None], dtype=float)
+
+
+def stage_params(costs: ModelCosts, start: int, stop: int, tp: int = 1, ep: int = 1, etp: int = 1) -> float:
+    """Parameters one rank of a stage holds: shardable weights split over ``tp``, experts over ep x etp, the rest
+    replicated."""
     total = 0.0
     for l in costs.layers[start:stop]:
-        total += l.shardable_params / tp + (l.params - l.shardable_params)
+        total += piece_params(l, tp, ep, etp)
     # a weight shared by several pieces of the same stage is held once
     for g in costs.tied:
         inside = [i for i in g.layers if start <= i < stop]
@@ -217,23 +247,25 @@ def stage_params(costs: ModelCosts, start: int, stop: int, tp: int = 1) -> float
     return total
 
 
-def gemm_params(costs: ModelCosts, start: int, stop: int, tp: int = 1) -> float:
+def gemm_params(costs: ModelCosts, start: int, stop: int, tp: int = 1, ep: int = 1, etp: int = 1) -> float:
     """Parameters of the FP8 GEMM weights one rank of a stage holds: those of the transformer-block pieces
     (Transformer Engine's modules in Megatron's layer spec, experts' grouped GEMMs included; their norm weights and
     biases, a few per thousand, are counted with them), as :func:`stage_params` splits them. The embedding and the output
     layer are Megatron's own bf16 layers."""
-    return float(sum(stage_params(costs, k, k + 1, tp) for k in range(start, stop) if costs.layers[k].block is not None))
+    return float(sum(stage_params(costs, k, k + 1, tp, ep, etp) for k in range(start, stop) if costs.layers[k].block is not None))
 
 
-def gemm_param_matrix(costs: ModelCosts, tp: int) -> np.ndarray:
+def gemm_param_matrix(costs: ModelCosts, tp: int, ep: int = 1, etp: int = 1) -> np.ndarray:
     """:func:`gemm_params` of every piece range [a, b) as an (n+1)^2 matrix (upper triangle)."""
-    per = [stage_params(costs, k, k + 1, tp) if l.block is not None else 0.0 for k, l in enumerate(costs.layers)]
+    per = [stage_params(costs, k, k + 1, tp, ep, etp) if l.block is not None else 0.0 for k, l in enumerate(costs.layers)]
     P = np.concatenate([[0.0], np.cumsum(per)])
     out: np.ndarray = P[None, :] - P[:, None]
     return out
 
 
-def range_matrices(costs: ModelCosts, tp: int, recompute: str, fp8: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def range_matrices(
+    costs: ModelCosts, tp: int, recompute: str, fp8: bool = False, *, ep: int = 1, etp: int = 1
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(parameters, other static bytes, activation bytes, pending-W bytes) of every piece range [a, b) as (n+1)^2 matrices.
 
     Other static bytes: point-to-point buffers, buffers the pieces read, and the working set. Only the upper triangle is
@@ -241,7 +273,7 @@ def range_matrices(costs: ModelCosts, tp: int, recompute: str, fp8: bool = False
     """
     n = costs.n
     L = costs.layers
-    prm = np.array([l.shardable_params / tp + (l.params - l.shardable_params) for l in L], dtype=float)
+    prm = np.array([piece_params(l, tp, ep, etp) for l in L], dtype=float)
     P = np.concatenate([[0.0], np.cumsum(prm)])
     params = P[None, :] - P[:, None]
     for grp in costs.tied:  # a shared weight inside one stage is held once

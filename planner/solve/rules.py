@@ -42,6 +42,7 @@ class EngineRules(Protocol):
     zero_levels: tuple[int, ...]
     searched_schedules: tuple[str, ...]
     context_parallel: bool
+    expert_parallel: bool
     fp8: bool
     overlaps: tuple[str, ...]
 

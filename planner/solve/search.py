@@ -1,5 +1,8 @@
 """Layout search: every (pp, tp, dp, micro-batch, schedule, v, recompute, ZeRO) an engine can run, partitioned and simulated.
 
+Mixture-of-experts models on engines with expert parallelism also search (ep, etp) (:func:`expert_layouts`); dense
+models keep ep = etp = 1 and no extra candidates.
+
 For a fixed global batch, each candidate layout is priced in four steps:
 
 1. costs for its micro-batch, sharded for its tensor-parallel degree (timing.shard_costs);
@@ -30,12 +33,34 @@ from planner.errors import UsageError
 from planner.hardware import Cluster, DeviceProfile, memory_time
 from planner.records import ModelCosts
 from planner.solve import partition as part
-from planner.solve.memory import GiB, RuntimeOverhead, fp8_amax_bytes, gemm_param_matrix, gemm_params, range_matrices, stage_params
+from planner.solve.expert_groups import expert_data_ranks
+from planner.solve.memory import (
+    GiB,
+    RuntimeOverhead,
+    StateRecipe,
+    expert_data_parallel,
+    expert_params_per_gpu,
+    expert_range_params,
+    fp8_amax_bytes,
+    gemm_param_matrix,
+    gemm_params,
+    range_matrices,
+    stage_params,
+)
 from planner.solve.plan import Layout, Predicted
 from planner.solve.rules import EngineRules, RejectKind
 from planner.solve.schedules import SCHEDULE_INFO, build_schedule
 from planner.solve.simulate import SimResult, StageMemory, StageTimes, simulate
-from planner.solve.timing import PieceTimes, analytical_times, kv_bytes, shard_costs, split_context, tp_collective_time, with_measured
+from planner.solve.timing import (
+    PieceTimes,
+    analytical_times,
+    expert_dispatch_time,
+    kv_bytes,
+    shard_costs,
+    split_context,
+    tp_collective_time,
+    with_measured,
+)
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 #: context-parallel sizes an unpinned search tries, and the shortest sequence it tries them for (ring attention pays off only
@@ -88,6 +113,8 @@ class SearchOptions:
     optimizer_state_dtype: str = "fp32"  # "bf16" / "fp16": Adam moments in half precision (precision-aware optimizer)
     fp8: bool = False  # Transformer Engine FP8 GEMMs at the device's FP8 peak
     fp8_param_gather: bool = False  # FP8 primary weights (Megatron --fp8-param-gather; with fp8 and zero 1)
+    ep: int | None = None  # expert-parallel size (searched over the divisors Megatron allows for MoE models when None)
+    etp: int | None = None  # expert tensor-parallel size (searched in {1, tp} for MoE models when None)
 
 
 @dataclass
@@ -109,6 +136,8 @@ class Evaluation:
     act_per_mb: tuple[float, ...]
     wgrad_per_mb: tuple[float, ...]
     time_source: tuple[str, ...]
+    #: per pipeline rank, the routed experts' share of its memory: parameters, and bytes of weights, grads, optimizer
+    expert_memory: list[dict[str, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -151,6 +180,23 @@ def default_global_batch(world: int) -> int:
     return SAMPLES_PER_GPU * world
 
 
+def expert_rules(lay: Layout, costs: ModelCosts) -> list[str]:
+    """What an (ep, etp) breaks: Megatron's expert groups must tile the tp x cp x dp GPUs of a stage, and ep must
+    divide the expert count (Megatron-LM core_v0.16 parallel_state.py, arguments.py)."""
+    if lay.ep * lay.etp == 1:
+        return []
+    out = []
+    gpus = lay.tp * lay.cp * lay.dp
+    if gpus % (lay.ep * lay.etp):
+        out.append(f"ep x etp = {lay.ep} x {lay.etp} does not divide the tp x cp x dp = {gpus} GPUs of a pipeline stage")
+    experts = model_experts(costs)
+    if not experts:
+        out.append("the model has no routed experts for expert parallelism")
+    elif experts % lay.ep:
+        out.append(f"ep = {lay.ep} does not divide the {experts} experts of an MoE layer")
+    return out
+
+
 def _node_rules(tp: int, gpus_per_node: int) -> list[str]:
     if gpus_per_node % tp:
         return [f"tp = {tp} does not fit in a node of {gpus_per_node} GPUs (tensor parallelism stays inside a node)"]
@@ -183,11 +229,11 @@ class Context:
         self.min_gpus_per_node = min(g.gpus_per_node for g in cluster.groups)
         self._sharded: dict[tuple[int, int, bool, int], ModelCosts] = {}
         self._times: dict[tuple[object, ...], PieceTimes] = {}
-        self._memory: dict[tuple[int, int, str, bool, int, bool], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._memory: dict[tuple[int, int, str, bool, int, bool, int, int], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
         self._cuts: dict[tuple[int, int, bool, int], tuple[np.ndarray, np.ndarray]] = {}
         self._prefix: dict[int, tuple[PieceTimes, np.ndarray]] = {}
         self._p2p: dict[tuple[int, int, int, int, bool, bool, int], np.ndarray] = {}
-        self._gemm: dict[int, np.ndarray] = {}
+        self._gemm: dict[tuple[int, int, int], np.ndarray] = {}
 
     def sharded(self, b: int, tp: int, sp: bool = True, cp: int = 1) -> ModelCosts:
         key = (b, tp, sp and tp > 1, cp)
@@ -195,19 +241,23 @@ class Context:
             self._sharded[key] = split_context(shard_costs(self.costs.scaled(b), tp, sequence_parallel=sp and tp > 1), cp)
         return self._sharded[key]
 
-    def memory(self, b: int, tp: int, recompute: str, sp: bool = True, cp: int = 1, fp8: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def memory(
+        self, b: int, tp: int, recompute: str, sp: bool = True, cp: int = 1, fp8: bool = False, ep: int = 1, etp: int = 1
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(parameters, other static bytes, activation bytes per micro-batch, pending-W bytes) per piece range
-        (``fp8``: the saved GEMM inputs as Transformer Engine's FP8 linear layers keep them)."""
-        key = (b, tp, recompute, sp, cp, fp8)
+        (``fp8``: the saved GEMM inputs as Transformer Engine's FP8 linear layers keep them; ``ep``/``etp``: experts
+        split over the expert groups)."""
+        key = (b, tp, recompute, sp, cp, fp8, ep, etp)
         if key not in self._memory:
-            self._memory[key] = range_matrices(self.sharded(b, tp, sp, cp), tp, recompute, fp8)
+            self._memory[key] = range_matrices(self.sharded(b, tp, sp, cp), tp, recompute, fp8, ep=ep, etp=etp)
         return self._memory[key]
 
-    def gemm_params(self, tp: int) -> np.ndarray:
+    def gemm_params(self, tp: int, ep: int = 1, etp: int = 1) -> np.ndarray:
         """Parameters of the FP8 GEMM weights (transformer blocks' linear layers) per piece range, per GPU."""
-        if tp not in self._gemm:
-            self._gemm[tp] = gemm_param_matrix(self.costs, tp)
-        return self._gemm[tp]
+        key = (tp, ep, etp)
+        if key not in self._gemm:
+            self._gemm[key] = gemm_param_matrix(self.costs, tp, ep, etp)
+        return self._gemm[key]
 
     def cut_bytes(self, b: int, tp: int, sp: bool = True, cp: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """Bytes sent forward and backward across each cut, per micro-batch, per GPU."""
@@ -234,10 +284,21 @@ class Context:
         return self._prefix[key][1]
 
     def times(
-        self, b: int, tp: int, recompute: str, first_rank: int, dtype: str, sp: bool = True, cp: int = 1, tp_overlap: bool = False, fp8: bool = False
+        self,
+        b: int,
+        tp: int,
+        recompute: str,
+        first_rank: int,
+        dtype: str,
+        sp: bool = True,
+        cp: int = 1,
+        tp_overlap: bool = False,
+        fp8: bool = False,
+        ep: int = 1,
+        etp: int = 1,
     ) -> PieceTimes:
         dev = self.cluster.device_of(first_rank)
-        key = (b, tp, recompute, dev.key, sp, cp, tp_overlap, fp8)
+        key = (b, tp, recompute, dev.key, sp, cp, tp_overlap, fp8, ep, etp)
         if key not in self._times:
             sharded = self.sharded(b, tp, sp, cp)
             coll: float | list[float] = 0.0
@@ -250,9 +311,12 @@ class Context:
                 nbytes = kv_bytes(self.costs.scaled(b), tp, cp)
                 step = max(self.cluster.p2p_latency(x, y) + nbytes / self.cluster.p2p_bandwidth(x, y) for x, y in zip(ring, ring[1:] + ring[:1]))
             kernel = fixed_costs(dev)[0]
-            t = analytical_times(sharded, dev, dtype, recompute, tp, coll, tp_overlap, "fp8" if fp8 else None, kernel, cp, step)
+            split = tp if sp and tp > 1 else 1  # tokens per GPU entering the MoE layers: 1/tp with sequence parallelism
+            dispatch = [expert_dispatch_time(self.cluster, l.routed_bytes / split, first_rank, ep, etp) if l.num_experts else 0.0 for l in sharded.layers]
+            experts = (ep, split, dispatch)
+            t = analytical_times(sharded, dev, dtype, recompute, tp, coll, tp_overlap, "fp8" if fp8 else None, kernel, cp, step, experts)
             measured = self.opts.measured.get(dev.key)
-            if measured and tp == 1 and cp == 1 and not fp8:
+            if measured and tp == 1 and cp == 1 and not fp8 and ep * etp == 1:
                 f = b / self.costs.micro_batch
                 t = with_measured(t, {k: (fw * f, bw * f) for k, (fw, bw) in measured.items()}, recompute)
             self._times[key] = t
@@ -290,6 +354,8 @@ def enumerate_layouts(costs: ModelCosts, cluster: Cluster, opts: SearchOptions, 
     else:
         long_seq = (costs.seq_len or 0) >= CP_MIN_SEQ
         cps = [1] + [c for c in CP_SIZES if engine.context_parallel and long_seq and (costs.seq_len or 0) % (2 * c) == 0]
+    experts = expert_pin_problems(costs, opts, engine)
+    experts = experts if engine.expert_parallel else 0  # the other engines run ep = etp = 1 only
     out: list[Layout] = []
     rejected: list[Rejection] = []
     n = costs.n
@@ -323,10 +389,49 @@ def enumerate_layouts(costs: ModelCosts, cluster: Cluster, opts: SearchOptions, 
                                     if opts.zero is None and not engine.searches_zero(z, costs.dtype, dp):
                                         continue
                                     base = Layout(engine.name, pp, tp, dp, v, b, m, global_batch, sched, rc, z, tp > 1, cp=cp)
-                                    out += with_options(base, opts, engine)
+                                    for ep, etp in expert_layouts(experts, tp, cp, dp, opts):
+                                        out += with_options(replace(base, ep=ep, etp=etp), opts, engine)
     if not out:
         raise UsageError(_no_layout_message(world, opts, global_batch, costs), "Relax a pin, or change --global-batch or --gpus.")
     return out, rejected
+
+
+def model_experts(costs: ModelCosts) -> int:
+    """The number of routed experts per MoE layer (the most of any piece); 0 for a dense model."""
+    return max((l.num_experts for l in costs.layers), default=0)
+
+
+def expert_pin_problems(costs: ModelCosts, opts: SearchOptions, engine: EngineRules) -> int:
+    """The model's expert count, after checking ``--ep`` / ``--etp`` against the model and the engine (UsageError)."""
+    experts = model_experts(costs)
+    for flag, value in (("--ep", opts.ep), ("--etp", opts.etp)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}.", f"Use {flag} 1 (no expert parallelism) or a divisor of tp x cp x dp.")
+    wants = (opts.ep or 1) > 1 or (opts.etp or 1) > 1
+    if wants and not experts:
+        raise UsageError(
+            f"--ep {opts.ep or 1} / --etp {opts.etp or 1}: the model has no routed experts to split.",
+            "Drop --ep and --etp for a dense model (expert parallelism applies to mixture-of-experts layers).",
+        )
+    if wants and not engine.expert_parallel:
+        raise UsageError(
+            f"engine {engine.name} runs no expert parallelism (--ep {opts.ep or 1}, --etp {opts.etp or 1}).", "Use --engine megatron, or drop --ep/--etp."
+        )
+    if opts.ep and experts and experts % opts.ep:
+        raise UsageError(f"--ep {opts.ep} does not divide the model's {experts} experts per MoE layer.", "Pick --ep among the divisors of the expert count.")
+    return experts
+
+
+def expert_layouts(experts: int, tp: int, cp: int, dp: int, opts: SearchOptions) -> list[tuple[int, int]]:
+    """(ep, etp) pairs for a stage of tp x cp x dp GPUs: ep over the divisors of the expert count and etp in
+    {1, tp} (or as pinned), such that ep x etp divides tp x cp x dp (Megatron-LM core_v0.16 parallel_state.py:
+    world % (etp x ep x pp) == 0; arguments.py: num_experts % ep == 0). A dense model gets only (1, 1)."""
+    if not experts:
+        return [(1, 1)]
+    gpus = tp * cp * dp
+    etps = [opts.etp] if opts.etp else sorted({1, tp})
+    eps = [opts.ep] if opts.ep else [e for e in divisors(gpus) if experts % e == 0]
+    return [(e, t) for e in eps for t in etps if gpus % (e * t) == 0]
 
 
 def with_options(base: Layout, opts: SearchOptions, engine: EngineRules) -> list[Layout]:
@@ -387,7 +492,7 @@ def lower_bound(ctx: Context, lay: Layout, dtype: str) -> float:
         if key in seen:
             continue
         seen.add(key)
-        t = ctx.times(lay.micro_batch, lay.tp, lay.recompute, first, dtype, lay.sequence_parallel, lay.cp, lay.tp_comm_overlap, lay.fp8).total
+        t = ctx.times(lay.micro_batch, lay.tp, lay.recompute, first, dtype, lay.sequence_parallel, lay.cp, lay.tp_comm_overlap, lay.fp8, lay.ep, lay.etp).total
         best = min(best, lay.num_microbatches * max(sum(t) / lay.pp, max(t)))
     return best
 
@@ -427,7 +532,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     ``explain=False`` skips the second partition that names the overflowing stage of a rejected layout.
     """
     costs, cluster, opts = ctx.costs, ctx.cluster, ctx.opts
-    problems = ctx.engine.layout_problems(lay, costs) + _node_rules(lay.tp, ctx.min_gpus_per_node)
+    problems = ctx.engine.layout_problems(lay, costs) + _node_rules(lay.tp, ctx.min_gpus_per_node) + expert_rules(lay, costs)
     if problems:
         return Rejection(lay, "; ".join(problems), RejectKind.RULE)
     p, v, tp, dp, b, m, cp = lay.pp, lay.vp, lay.tp, lay.dp, lay.micro_batch, lay.num_microbatches, lay.cp
@@ -452,17 +557,25 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     recipe = ctx.engine.state_recipe(costs.dtype, lay.zero, opts.optimizer, lay)
     w, g, o = recipe.per_param(dp * cp)  # gradients are reduced and optimizer state sharded over dp x cp
     per_param = w + g + o
-    params_m, other_m, act, wgrad = ctx.memory(b, tp, lay.recompute, sp, cp, lay.fp8)
+    ep, etp = lay.ep, lay.etp
+    # Megatron's expert-data-parallel group; engines without expert parallelism treat experts as dense weights
+    edp = expert_data_parallel(tp, cp, dp, ep, etp) if ctx.engine.expert_parallel else dp * cp
+    we, ge, oe = recipe.per_param(edp)  # expert gradients and optimizer state: over the expert-data-parallel group
+    params_m, other_m, act, wgrad = ctx.memory(b, tp, lay.recompute, sp, cp, lay.fp8, ep, etp)
+    experts_m = expert_range_params(sharded, ep, etp) if ep * etp > 1 or any(l.expert_params for l in sharded.layers) else None
     static = params_m * per_param + other_m
     if recipe.fp8_gemm_bytes:  # TE's FP8 copies of the transformer blocks' GEMM weights
-        static = static + ctx.gemm_params(tp) * recipe.fp8_gemm_bytes
+        static = static + ctx.gemm_params(tp, ep, etp) * recipe.fp8_gemm_bytes
+    if experts_m is not None:
+        static = static + experts_m * (we + ge + oe - per_param)
+        act = act + expert_saved_extra(sharded, tp if sp and tp > 1 else 1, etp, lay.recompute)
     if ctx.engine.sends_output_copies(lay.schedule):
         act = act + ctx.cut_bytes(b, tp, sp, cp)[0][None, :]
     held, pending = _order_peaks(sched.name, p, m_order, v) if p > 1 else ((1,), (0,))
     if sched.name == "gpipe":
         held = (m,) * S
     frag = 1.0 + opts.overhead.fragmentation
-    fixed = opts.overhead.context + opts.overhead.communicator + feature_buffers(costs, lay)
+    fixed = opts.overhead.context + opts.overhead.communicator + feature_buffers(costs, lay) + dispatch_buffer_bytes(sharded, lay)
     caps = [devices[stage_rank[j]].memory_bytes for j in range(S)]
     rank_budget = [devices[r].memory_bytes * opts.mem_target - fixed for r in range(p)]
     # each stage may use its rank's whole budget; ranks holding several stages are re-checked below
@@ -490,7 +603,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         key = devices[r].key
         if key not in classes:
             classes[key] = len(classes)
-            times_by_class.append(ctx.times(b, tp, lay.recompute, r * block, dtype, sp, cp, lay.tp_comm_overlap, lay.fp8))
+            times_by_class.append(ctx.times(b, tp, lay.recompute, r * block, dtype, sp, cp, lay.tp_comm_overlap, lay.fp8, lay.ep, lay.etp))
     compute = [ctx.prefix(t) for t in times_by_class]
     stage_device = [classes[devices[stage_rank[j]].key] for j in range(S)]
 
@@ -564,17 +677,33 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     stage_mem = []
     params = []
     gemm: list[float] = []
+    expert_prm = []
     for j, (a, c) in enumerate(rng):
-        prm = stage_params(sharded, a, c, tp)
+        prm = stage_params(sharded, a, c, tp, ep, etp)
+        ex = expert_params_per_gpu(sharded, a, c, ep, etp)
         params.append(prm)
-        gemm.append(gemm_params(sharded, a, c, tp))
+        expert_prm.append(ex)
+        gemm.append(gemm_params(sharded, a, c, tp, ep, etp))
         st = float(static[a, c])
-        wj = prm * w + gemm[j] * recipe.fp8_gemm_bytes
-        stage_mem.append({"weights": wj, "grads": prm * g, "optimizer": prm * o, "buffers": st - wj - prm * (g + o), "activations": held[j] * act_mb[j]})
+        dense = prm - ex
+        copies = gemm[j] * recipe.fp8_gemm_bytes
+        state = dense * per_param + ex * (we + ge + oe) + copies
+        stage_mem.append(
+            {
+                "weights": dense * w + ex * we + copies,
+                "grads": dense * g + ex * ge,
+                "optimizer": dense * o + ex * oe,
+                "buffers": st - state,
+                "activations": held[j] * act_mb[j],
+            }
+        )
     rank_mem = []
+    expert_mem: list[dict[str, float]] = []
     for r in range(p):
         js = [j for j in range(S) if stage_rank[j] == r]
         comp = {k: sum(stage_mem[j][k] for j in js) for k in ("weights", "grads", "optimizer", "buffers")}
+        ex = sum(expert_prm[j] for j in js)
+        expert_mem.append({"params": ex, "weights": ex * we, "grads": ex * ge, "optimizer": ex * oe})
         if sim.peak_bytes and sched.name != "gpipe":  # the simulator's peak of live activations and pending-W inputs
             comp["activations"] = float(sim.peak_bytes[r])
         else:  # GPipe holds every micro-batch (the simulator may have run a shortened step)
@@ -591,21 +720,22 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     dp_exposed, opt_time = 0.0, 0.0
     group = dp * cp
     for r in range(p):
-        prm = sum(params[j] for j in range(S) if stage_rank[j] == r)
+        # experts are reduced apart only where the engine has expert groups (elsewhere they are dense weights)
+        ex = sum(expert_prm[j] for j in range(S) if stage_rank[j] == r) if ctx.engine.expert_parallel else 0.0
+        prm = sum(params[j] for j in range(S) if stage_rank[j] == r) - ex  # dense: reduced over dp x cp
         dev = devices[r]
         ranks = [r * block + d * tp for d in range(group)]
-        if group > 1:
-            if recipe.shard_optimizer:
-                reduce = cluster.reduce_scatter_time(prm * recipe.grad_bytes, ranks)
-                fp8w = sum(gemm[j] for j in range(S) if stage_rank[j] == r) if recipe.fp8_gemm_gather_bytes is not None else 0.0
-                gathered = (prm - fp8w) * recipe.weight_bytes + fp8w * (recipe.fp8_gemm_gather_bytes or 0.0)
-                gather = cluster.all_gather_time(gathered, ranks)
-            else:
-                reduce, gather = cluster.allreduce_time(prm * recipe.grad_bytes, ranks), 0.0
+        # experts: reduced over the expert-data-parallel group (expert rank order tp-ep-dp: etp x ep ranks apart)
+        eranks = expert_data_ranks(r * block, ep, etp, edp)
+        if group > 1 or (ex > 0 and edp > 1):
+            # FP8 primary weights are all-gathered in their FP8 bytes (the blocks' GEMM weights, experts among them)
+            fp8w = sum(gemm[j] for j in range(S) if stage_rank[j] == r) if recipe.fp8_gemm_gather_bytes is not None else 0.0
+            reduce, gather = _dp_exchange(cluster, recipe, prm, ranks, max(0.0, fp8w - ex))
+            e_reduce, e_gather = _dp_exchange(cluster, recipe, ex, eranks, ex if fp8w else 0.0) if ex > 0 else (0.0, 0.0)
             mine = [j for j in range(S) if stage_rank[j] == r]
-            exposed = ctx.engine.exposed_dp_time(lay, reduce, gather, [I[j] + W[j] for j in mine], [F[j] for j in mine], prm)
+            exposed = ctx.engine.exposed_dp_time(lay, reduce + e_reduce, gather + e_gather, [I[j] + W[j] for j in mine], [F[j] for j in mine], prm + ex)
             dp_exposed = max(dp_exposed, exposed)
-        local = prm / (group if recipe.shard_optimizer else 1)
+        local = prm / (group if recipe.shard_optimizer else 1) + ex / (edp if recipe.shard_optimizer else 1)
         opt_time = max(opt_time, memory_time(local * OPTIMIZER_STEP_BYTES, dev))
     step = sim.step_time + dp_exposed + opt_time
     predicted = _predicted(ctx, lay, step, sim, dp_exposed, opt_time, max(rm["total"] for rm in rank_mem), devices)
@@ -625,7 +755,44 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         act_per_mb=act_mb,
         wgrad_per_mb=wg_mb,
         time_source=tuple(times_by_class[0].source),
+        expert_memory=expert_mem if any(x["params"] for x in expert_mem) else [],
     )
+
+
+def _dp_exchange(cluster: Cluster, recipe: StateRecipe, prm: float, ranks: Sequence[int], fp8_prm: float = 0.0) -> tuple[float, float]:
+    """(gradient reduce, parameter gather) seconds of ``prm`` parameters over ``ranks``: reduce-scatter + all-gather
+    with a sharded optimizer, else one all-reduce. ``fp8_prm`` of them are FP8 primary weights, gathered in
+    ``recipe.fp8_gemm_gather_bytes`` each."""
+    if len(ranks) <= 1 or prm <= 0:
+        return 0.0, 0.0
+    if recipe.shard_optimizer:
+        fp8_prm = min(fp8_prm, prm) if recipe.fp8_gemm_gather_bytes is not None else 0.0
+        gathered = (prm - fp8_prm) * recipe.weight_bytes + fp8_prm * (recipe.fp8_gemm_gather_bytes or 0.0)
+        return cluster.reduce_scatter_time(prm * recipe.grad_bytes, ranks), cluster.all_gather_time(gathered, ranks)
+    return cluster.allreduce_time(prm * recipe.grad_bytes, ranks), 0.0
+
+
+def expert_saved_extra(sharded: ModelCosts, split: int, etp: int, recompute: str) -> np.ndarray:
+    """Activation bytes per micro-batch that expert tensor parallelism adds per piece range, as an (n+1)^2 matrix:
+    the grouped GEMMs keep their input rows all-gathered over etp GPUs (etp x the 1/split of the routed rows the
+    trace saves per GPU); 0 with etp 1 or under full recomputation (the block keeps only its input)."""
+    n = sharded.n
+    if etp <= 1 or recompute == "full":
+        return np.zeros((n + 1, n + 1))
+    extra = [l.routed_bytes / split * (etp - 1) if l.num_experts else 0.0 for l in sharded.layers]
+    X = np.concatenate([[0.0], np.cumsum(extra)])
+    return np.asarray(X[None, :] - X[:, None], dtype=float)
+
+
+def dispatch_buffer_bytes(sharded: ModelCosts, lay: Layout) -> float:
+    """Bytes of the token-dispatch buffers while an MoE layer runs with expert parallelism: the permuted rows a GPU
+    sends and the rows it receives (each routed_bytes / split, x etp after the expert-TP all-gather), the largest
+    MoE layer's; 0 without ep or etp (the rows are then the traced tensors themselves)."""
+    if lay.ep * lay.etp <= 1:
+        return 0.0
+    split = lay.tp if lay.sequence_parallel and lay.tp > 1 else 1
+    rows = max((l.routed_bytes for l in sharded.layers if l.num_experts), default=0.0) / split
+    return rows * (1 + lay.etp)
 
 
 def feature_buffers(costs: ModelCosts, lay: Layout) -> float:
@@ -799,6 +966,8 @@ def _needs_no_less_memory(lay: Layout, other: Layout) -> bool:
         and lay.tp == other.tp
         and lay.dp == other.dp
         and lay.vp == other.vp
+        and lay.ep == other.ep
+        and lay.etp == other.etp
         and lay.schedule == other.schedule
         and lay.micro_batch >= other.micro_batch
         and _RECOMPUTE_MEMORY[lay.recompute] >= _RECOMPUTE_MEMORY[other.recompute]
@@ -807,6 +976,7 @@ def _needs_no_less_memory(lay: Layout, other: Layout) -> bool:
     )
 
 
-def _layout_key(lay: Layout) -> tuple[int, int, int, int, int, str, int]:
-    """Deterministic tie-break: fewer stages, less tensor parallelism, no recompute, smaller micro-batch."""
-    return (lay.pp, lay.tp, lay.vp, RECOMPUTE_MODES.index(lay.recompute), lay.micro_batch, lay.schedule, lay.zero)
+def _layout_key(lay: Layout) -> tuple[int, int, int, int, int, str, int, int, int]:
+    """Deterministic tie-break: fewer stages, less tensor parallelism, no recompute, smaller micro-batch, less
+    expert parallelism."""
+    return (lay.pp, lay.tp, lay.vp, RECOMPUTE_MODES.index(lay.recompute), lay.micro_batch, lay.schedule, lay.zero, lay.ep, lay.etp)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from planner import hardware
 from planner.hardware import Cluster, DeviceProfile
 from planner.records import ModelCosts, scale_layer
+from planner.solve.expert_groups import expert_parallel_ranks, expert_tensor_ranks
 
 TP_COLLECTIVES = {"attention": (1, 1), "mlp": (1, 1), "block": (2, 2), "embedding": (1, 0), "head": (0, 1)}
 
@@ -59,6 +60,40 @@ def tp_collective_time(cluster: Cluster, nbytes: float, ranks: Sequence[int], se
     an all-gather + reduce-scatter pair with sequence parallelism, else an all-reduce."""
     t = cluster.allreduce_time(nbytes, ranks)
     return float(t * SP_PAIR_ALLREDUCES if sequence_parallel else t)
+
+
+def expert_gemm_time(op_flops: Sequence[float], num_experts: int, ep: int, split: int, device: DeviceProfile, dtype: str, floor_s: float = 0.0) -> float:
+    """Seconds one GPU spends in a piece's routed-expert grouped GEMMs at balanced routing.
+
+    ``op_flops`` are the grouped GEMMs over all routed rows of the (context-split) micro-batch. A GPU starts
+    with 1/``split`` of the tokens (sequence parallelism: split = tp), the all-to-all gives it the rows of its
+    num_experts / ep local experts from the ep GPUs of its expert group, and with expert tensor parallelism
+    etp it all-gathers etp times the rows for 1/etp of each expert's width: either way each GEMM x of the list
+    becomes num_experts / ep GEMMs of x x ep / (split x num_experts) FLOPs, each rated by its own size (the
+    grouped GEMM of Megatron-LM core_v0.16 megatron/core/transformer/moe/experts.py runs one GEMM per local
+    expert). Small experts make small GEMMs: what makes many fine-grained experts slow."""
+    if num_experts <= 0 or not op_flops:
+        return 0.0
+    local = max(1, num_experts // ep)
+    f = ep / (split * num_experts)
+    return sum(local * max(floor_s, hardware.matmul_time(x * f, device, dtype)) for x in op_flops if x > 0)
+
+
+def expert_dispatch_time(cluster: Cluster, nbytes: float, first_rank: int, ep: int, etp: int) -> float:
+    """Seconds of one token dispatch (or combine) of an MoE layer for the GPU group starting at ``first_rank``:
+    the all-to-all of ``nbytes`` (the rows one GPU routes) over the ep GPUs of its expert-parallel group, then
+    with etp > 1 the all-gather (combine: reduce-scatter) of those rows over the etp GPUs of its expert
+    tensor-parallel group.
+
+    Megatron-LM core_v0.16 megatron/core/transformer/moe/token_dispatcher.py (MoEAlltoAllTokenDispatcher):
+    permute -> A2A(EP) -> AG(expert TP) before the experts, RS(expert TP) -> A2A(EP) -> unpermute after;
+    the expert rank order tp-ep-dp (parallel_state.py) puts an expert group's ep GPUs etp ranks apart."""
+    if nbytes <= 0 or ep * etp <= 1:
+        return 0.0
+    t = cluster.all_to_all_time(nbytes, expert_parallel_ranks(first_rank, ep, etp)) if ep > 1 else 0.0
+    if etp > 1:
+        t += cluster.all_gather_time(nbytes * etp, expert_tensor_ranks(first_rank, etp))
+    return float(t)
 
 
 @dataclass(frozen=True)
@@ -173,6 +208,7 @@ def analytical_times(
     kernel_floor_s: float = 0.0,
     cp: int = 1,
     cp_step_s: float = 0.0,
+    experts: tuple[int, int, float | Sequence[float]] = (1, 1, 0.0),
 ) -> PieceTimes:
     """Roofline times of every piece (``costs`` already sharded with :func:`shard_costs`).
 
@@ -184,26 +220,45 @@ def analytical_times(
     the least time one operator takes (the device's back-to-back kernel issue time).
     ``cp_step_s`` is one KV-block transfer around the context-parallel ring of ``cp`` GPUs,
     overlapped with the attention core (:func:`ring_attention_exposed`).
+    ``experts`` is (ep, split, dispatch seconds per piece or one value): the routed experts' GEMMs of each
+    piece timed per local expert (:func:`expert_gemm_time`, the GPU holding 1/split of the tokens), and two
+    dispatches (dispatch and combine, :func:`expert_dispatch_time`) forward and two backward on the critical
+    path (Megatron core_v0.16 overlaps them only with --overlap-moe-expert-parallel-comm, off by default).
     """
     mm_dtype = matmul_dtype or dtype
     n = len(costs.layers)
     coll = [float(tp_collective_time)] * n if isinstance(tp_collective_time, (int, float)) else list(tp_collective_time)
 
+    ep, split, dispatch = experts
+    a2a = [float(dispatch)] * n if isinstance(dispatch, (int, float)) else list(dispatch)
+
     fwd, bi, bw, rc = [], [], [], []
     for k, l in enumerate(costs.layers):
-        mm_f = ops_time(l.op_flops_fwd, l.flops_fwd, device, mm_dtype, kernel_floor_s)
-        mm_b = ops_time(l.op_flops_bwd, l.flops_bwd, device, mm_dtype, kernel_floor_s)
+        dense_f = 0.0 if l.expert_op_flops_fwd and not l.op_flops_fwd else l.flops_fwd
+        dense_b = 0.0 if l.expert_op_flops_bwd and not l.op_flops_bwd else l.flops_bwd
+        mm_f = ops_time(l.op_flops_fwd, dense_f, device, mm_dtype, kernel_floor_s)
+        mm_b = ops_time(l.op_flops_bwd, dense_b, device, mm_dtype, kernel_floor_s)
+        if l.expert_op_flops_fwd:
+            mm_f += expert_gemm_time(l.expert_op_flops_fwd, l.num_experts, ep, split, device, mm_dtype, kernel_floor_s)
+            mm_b += expert_gemm_time(l.expert_op_flops_bwd, l.num_experts, ep, split, device, mm_dtype, kernel_floor_s)
         w_share = l.flops_bwd_weight / l.flops_bwd if l.flops_bwd > 0 else 0.0
         f = mm_f + bytes_time(l.op_bytes_fwd + l.op_bytes_fwd_resid, l.mem_bytes_fwd, device, kernel_floor_s)
         w = mm_b * w_share
         i = mm_b * (1.0 - w_share) + bytes_time(l.op_bytes_bwd + l.op_bytes_bwd_resid, l.mem_bytes_bwd, device, kernel_floor_s)
         n_f, n_b = TP_COLLECTIVES.get(l.kind, (0, 0)) if tp > 1 else (0, 0)
+        if l.num_experts and l.shardable_params == 0:
+            # routed experts alone: the dispatcher works on the GPU's 1/tp of the tokens (its expert-TP gather is in
+            # the dispatch time); only shared experts, a tensor-parallel MLP, gather and scatter the residual stream
+            n_f = n_b = 0
         if tp_overlap:
             f += overlapped_collective_time(n_f * coll[k], mm_f, tp)
             i += overlapped_collective_time(n_b * coll[k], mm_b, tp)
         else:
             f += n_f * coll[k]
             i += n_b * coll[k]
+        if l.num_experts and a2a[k] > 0:  # dispatch + combine, forward and backward
+            f += 2 * a2a[k]
+            i += 2 * a2a[k]
         if cp > 1 and l.core_flops_fwd > 0:
             core = ops_time(l.op_flops_core, l.core_flops_fwd, device, dtype, kernel_floor_s) + bytes_time(
                 l.op_bytes_core, l.core_bytes_fwd, device, kernel_floor_s
