@@ -9,7 +9,7 @@ published figures that agree with each other. No prediction accuracy is asserted
 import pytest
 import yaml
 
-from bench.published_runs import DATA, RUNS, layout_for, load_runs, not_expressible, predict
+from bench.published_runs import DATA, RUNS, layout_for, load_runs, model_file, not_expressible, predict, split_args, stage_bounds
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +180,52 @@ def test_layouts_carry_cp_fp8_and_the_sources_overlaps():
     for r in runs.values():
         if r.source.key in ("nemo_2407", "bridge_2602", "llama3"):
             assert "overlaps" in r.assumed, r.id  # not stated by the source: its software's defaults, marked
+
+
+# --------------------------------------------------------------------------- uneven stage splits (Llama 3 405B)
+
+SPLIT_RUNS = [r for r in load_runs() if r.pipeline_split]
+
+
+def test_llama3_rows_carry_the_papers_schedule():
+    """Section 3.3.2: interleaved, embedding and loss in place of a layer each on the first and last stage; V = 8 is the
+    only V for which that removes exactly one layer from each (one layer per model chunk: (126 + 2) / 16)."""
+    rows = [r for r in load_runs() if r.source.key == "llama3"]
+    assert rows and all(r.pipeline_split == ("embedding", "loss") for r in rows)
+    for r in rows:
+        assert (r.model.layers + 2) == r.pp * r.vp  # one layer per chunk
+        assert layout_for(r).schedule == "interleaved"
+        assert r.num_microbatches % r.pp == 0  # Megatron's interleaving needs m to be a multiple of pp
+        assert "vp" in r.assumed
+
+
+@pytest.mark.parametrize("run", SPLIT_RUNS, ids=[r.id for r in SPLIT_RUNS])
+def test_split_layers_are_megatron_cores(run):
+    """The layers per stage the harness pins are what megatron-core's get_num_layers_to_build builds for the same flags."""
+    from planner.check.megatron_core import core_config, core_stage_layers
+    from planner.megatron_layout import stage_layers
+
+    args = split_args(run)
+    ours = stage_layers(args)
+    assert ours == core_stage_layers(core_config(args))
+    assert ours[0] == 0 and ours[-1] == 0 and set(ours[1:-1]) == {1}
+
+
+def test_stage_bounds_put_the_embedding_alone_first_and_the_head_alone_last():
+    """On a small Llama (6 layers, pp 4 x vp 2, embedding and loss as layers): stage 0 holds only the embedding, the
+    last stage only the final norm and the output layer, every other stage one whole block."""
+    import dataclasses
+
+    from planner.model.analyze import analyze
+
+    run = dataclasses.replace(SPLIT_RUNS[0], pp=4, vp=2, model=dataclasses.replace(SPLIT_RUNS[0].model, layers=6))
+    path, args = model_file(run)
+    args.update(n_layers=6, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, seq_len=32, vocab_size=256)
+    costs = analyze(path, args, 1, "bf16").costs
+    b = stage_bounds(run, costs)
+    assert len(b) == 4 * 2 + 1 and b[0] == 0 and b[-1] == costs.n
+    kinds = [[costs.layers[i].kind for i in range(x, y)] for x, y in zip(b, b[1:])]
+    assert kinds[0] == ["embedding"]
+    assert kinds[-1] == ["norm", "head"]
+    assert all(k == ["attention", "mlp"] for k in kinds[1:-1])
+    assert stage_bounds(dataclasses.replace(run, pipeline_split=()), costs) is None
