@@ -229,3 +229,55 @@ def test_stage_bounds_put_the_embedding_alone_first_and_the_head_alone_last():
     assert kinds[-1] == ["norm", "head"]
     assert all(k == ["attention", "mlp"] for k in kinds[1:-1])
     assert stage_bounds(dataclasses.replace(run, pipeline_split=()), costs) is None
+
+
+# --------------------------------------------------------------------------- fixed costs: the fit and the shipped profiles
+
+
+def test_golden_section_finds_a_closed_form_minimum():
+    from bench.fit_fixed_costs import _golden
+
+    x = _golden(lambda t: (t - 3.7) ** 2 + 1.0, 0.0, 10.0, steps=40)
+    assert x == pytest.approx(3.7, abs=1e-6)
+
+
+def test_fit_tune_rows_are_the_tune_sources_only():
+    from bench.fit_fixed_costs import TUNE_SOURCES, tune_rows
+
+    for device, keys in TUNE_SOURCES.items():
+        rows = tune_rows(device)
+        assert rows and {r.source.key for r in rows} == set(keys)
+        assert all(r.split == "tune" and r.source.device == device for r in rows)
+    assert not {r.id for d in TUNE_SOURCES for r in tune_rows(d)} & {r.id for r in load_runs() if r.split == "test"}
+
+
+def test_profile_fixed_costs_are_written_only_when_plausible(tmp_path):
+    from bench.fit_fixed_costs import Fit, profile_path, write_profile
+    from planner.hardware import load_profile
+
+    src = profile_path("A100-80GB")
+    path = tmp_path / src.name
+    path.write_text(src.read_text())
+    good = Fit("A100-80GB", 4.0, 120.0, ("C1",), (-0.1,), (-0.05,))
+    write_profile(good, path)
+    p = load_profile(path)
+    assert (p.kernel_floor_s, p.p2p_sync_s) == (pytest.approx(4e-6), pytest.approx(120e-6))
+    assert "bench/fit_fixed_costs.py" in p.sources["fixed_costs"]
+    write_profile(Fit("A100-80GB", 1.5, 9000.0, ("C1",), (-0.1,), (-0.02,)), path)  # outside the plausible range: removed
+    p = load_profile(path)
+    assert (p.kernel_floor_s, p.p2p_sync_s) == (0.0, 0.0) and "fixed_costs" not in p.sources
+
+
+@pytest.mark.slow
+def test_shipped_fixed_costs_are_the_fit():
+    """Re-run the fit on the tune rows (minutes): a plausible fit is what the profile ships, an implausible one is not shipped."""
+    from bench.fit_fixed_costs import TUNE_SOURCES, fit_device, profile_path
+    from planner.hardware import load_profile
+
+    for device in TUNE_SOURCES:
+        f = fit_device(device)
+        p = load_profile(profile_path(device))
+        if f.plausible:
+            assert (p.kernel_floor_s, p.p2p_sync_s) == (pytest.approx(f.kernel_us * 1e-6), pytest.approx(f.p2p_sync_us * 1e-6))
+        else:
+            assert (p.kernel_floor_s, p.p2p_sync_s) == (0.0, 0.0)
