@@ -35,7 +35,16 @@ from planner.solve.plan import Layout, Predicted
 from planner.solve.rules import EngineRules, RejectKind
 from planner.solve.schedules import SCHEDULE_INFO, build_schedule
 from planner.solve.simulate import SimResult, StageMemory, StageTimes, simulate
-from planner.solve.timing import PieceTimes, analytical_times, kv_bytes, shard_costs, split_context, tp_collective_time, with_measured
+from planner.solve.timing import (
+    PieceTimes,
+    analytical_times,
+    fp8_cast_bytes,
+    kv_bytes,
+    shard_costs,
+    split_context,
+    tp_collective_time,
+    with_measured,
+)
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 #: context-parallel sizes an unpinned search tries, and the shortest sequence it tries them for (ring attention pays off only
@@ -241,13 +250,24 @@ class Context:
                 nbytes = kv_bytes(self.costs.scaled(b), tp, cp)
                 step = max(self.cluster.p2p_latency(x, y) + nbytes / self.cluster.p2p_bandwidth(x, y) for x, y in zip(ring, ring[1:] + ring[:1]))
             kernel = fixed_costs(dev)[0]
-            t = analytical_times(sharded, dev, dtype, recompute, tp, coll, tp_overlap, "fp8" if fp8 else None, kernel, cp, step)
+            casts = fp8_casts(self.costs, b, tp, cp) if fp8 else None
+            t = analytical_times(sharded, dev, dtype, recompute, tp, coll, tp_overlap, "fp8" if fp8 else None, kernel, cp, step, casts)
             measured = self.opts.measured.get(dev.key)
             if measured and tp == 1 and cp == 1 and not fp8:
                 f = b / self.costs.micro_batch
                 t = with_measured(t, {k: (fw * f, bw * f) for k, (fw, bw) in measured.items()}, recompute)
             self._times[key] = t
         return self._times[key]
+
+
+def fp8_casts(costs: ModelCosts, b: int, tp: int, cp: int) -> list[tuple[list[float], list[float]]] | None:
+    """Per piece, the bytes of each Transformer Engine FP8 cast (forward, backward) at micro-batch ``b`` on one GPU
+    (timing.fp8_cast_bytes, s / cp x b tokens); None without the model's architecture."""
+    arch = costs.architecture
+    if not arch or not costs.seq_len:
+        return None
+    tokens = costs.seq_len / cp * b
+    return [fp8_cast_bytes(arch, l.kind, tokens, tp) for l in costs.layers]
 
 
 def fixed_costs(device: DeviceProfile) -> tuple[float, float]:

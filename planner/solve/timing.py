@@ -46,6 +46,42 @@ TP_COLLECTIVES = {"attention": (1, 1), "mlp": (1, 1), "block": (2, 2), "embeddin
 SP_PAIR_ALLREDUCES = 1.5
 
 
+#: the pieces whose GEMMs Transformer Engine runs in FP8 under Megatron's --fp8-format: the transformer layers' linear
+#: layers. The output layer is megatron.core.tensor_parallel.ColumnParallelLinear, not a TE module, and stays in the
+#: training dtype (megatron/core/models/gpt/gpt_model.py, core_r0.8.0 and core_v0.16.1); the embedding has no GEMM.
+FP8_GEMM_KINDS = ("attention", "mlp", "block")
+#: bytes per element a Transformer Engine FP8 cast moves on Hopper: it reads the bf16 tensor (2) and writes the FP8 copy
+#: (1) and its FP8 transpose (1), which the wgrad / dgrad GEMMs need since Hopper's FP8 GEMMs take only the TN layout
+#: (transformer_engine/pytorch/module/linear.py: cast_transpose of the input forward and of the output gradient
+#: backward; amax is reduced inside the same kernel, the scale update is one per step for all tensors)
+FP8_CAST_BYTES_PER_ELEMENT = 4.0
+
+
+def fp8_gemm_shapes(arch: Mapping[str, object], kind: str, tp: int) -> list[tuple[float, float]]:
+    """(input features, output features) per GPU of each linear layer of a transformer piece under tensor parallelism
+    ``tp``: QKV (h -> (q + 2 kv) / tp) and projection (q / tp -> h) in attention, FC1 (h -> ffn (x 2 gated) / tp) and
+    FC2 (ffn / tp -> h) in the MLP; both for a whole block."""
+    h = float(arch["hidden_size"])  # type: ignore[arg-type]
+    heads = float(arch["num_attention_heads"])  # type: ignore[arg-type]
+    kv = h * float(arch.get("num_query_groups") or heads) / heads  # type: ignore[arg-type]
+    gated = arch.get("activation") == "swiglu"
+    ffn = arch.get("ffn_hidden_size") or (int(8 * h / 3 / 64) * 64 if gated else 4 * h)
+    attn = [(h, (h + 2 * kv) / tp), (h / tp, h)]
+    mlp = [(h, float(ffn) * (2 if gated else 1) / tp), (float(ffn) / tp, h)]  # type: ignore[arg-type]
+    return {"attention": attn, "mlp": mlp, "block": attn + mlp}.get(kind, [])
+
+
+def fp8_cast_bytes(arch: Mapping[str, object], kind: str, tokens: float, tp: int) -> tuple[list[float], list[float]]:
+    """Bytes of each FP8 cast kernel of one piece for ``tokens`` tokens per GPU (forward, backward): every linear
+    layer's input forward and its output gradient backward, :data:`FP8_CAST_BYTES_PER_ELEMENT` each. Counted unfused
+    (TE fuses the QKV and FC1 input casts into the preceding norm, which then writes 1 FP8 byte in place of 2 bf16
+    ones: an over-count of at most 1 byte per element of those two inputs)."""
+    shapes = fp8_gemm_shapes(arch, kind, tp)
+    fwd = [FP8_CAST_BYTES_PER_ELEMENT * tokens * k for k, _ in shapes]
+    bwd = [FP8_CAST_BYTES_PER_ELEMENT * tokens * n for _, n in shapes]
+    return fwd, bwd
+
+
 def overlapped_collective_time(coll_s: float, matmul_s: float, tp: int) -> float:
     """Seconds of ``coll_s`` of tensor-parallel collectives a piece still exposes when they overlap ``matmul_s`` of
     its GEMMs, split into ``tp`` chunks: at least one chunk (coll_s / tp), and whatever the GEMMs are too short to hide."""
@@ -171,6 +207,7 @@ def analytical_times(
     kernel_floor_s: float = 0.0,
     cp: int = 1,
     cp_step_s: float = 0.0,
+    cast_bytes: Sequence[tuple[Sequence[float], Sequence[float]]] | None = None,
 ) -> PieceTimes:
     """Roofline times of every piece (``costs`` already sharded with :func:`shard_costs`).
 
@@ -182,6 +219,9 @@ def analytical_times(
     the least time one operator takes (the device's back-to-back kernel issue time).
     ``cp_step_s`` is one KV-block transfer around the context-parallel ring of ``cp`` GPUs,
     overlapped with the attention core (:func:`ring_attention_exposed`).
+    With ``matmul_dtype`` only the pieces of :data:`FP8_GEMM_KINDS` run their GEMMs at it, and ``cast_bytes``
+    (per piece: forward and backward bytes of each cast kernel, :func:`fp8_cast_bytes`) adds their casts as
+    memory-bound operators.
     """
     mm_dtype = matmul_dtype or dtype
     n = len(costs.layers)
@@ -189,12 +229,17 @@ def analytical_times(
 
     fwd, bi, bw, rc = [], [], [], []
     for k, l in enumerate(costs.layers):
-        mm_f = ops_time(l.op_flops_fwd, l.flops_fwd, device, mm_dtype, kernel_floor_s)
-        mm_b = ops_time(l.op_flops_bwd, l.flops_bwd, device, mm_dtype, kernel_floor_s)
+        gemm_dtype = mm_dtype if matmul_dtype is None or l.kind in FP8_GEMM_KINDS else dtype
+        mm_f = ops_time(l.op_flops_fwd, l.flops_fwd, device, gemm_dtype, kernel_floor_s)
+        mm_b = ops_time(l.op_flops_bwd, l.flops_bwd, device, gemm_dtype, kernel_floor_s)
         w_share = l.flops_bwd_weight / l.flops_bwd if l.flops_bwd > 0 else 0.0
         f = mm_f + bytes_time(l.op_bytes_fwd + l.op_bytes_fwd_resid, l.mem_bytes_fwd, device, kernel_floor_s)
         w = mm_b * w_share
         i = mm_b * (1.0 - w_share) + bytes_time(l.op_bytes_bwd + l.op_bytes_bwd_resid, l.mem_bytes_bwd, device, kernel_floor_s)
+        if cast_bytes is not None and gemm_dtype != dtype:
+            cast_f, cast_b = cast_bytes[k]
+            f += sum(max(kernel_floor_s, hardware.memory_time(x, device, bytes_per_op=x)) for x in cast_f)
+            i += sum(max(kernel_floor_s, hardware.memory_time(x, device, bytes_per_op=x)) for x in cast_b)
         n_f, n_b = TP_COLLECTIVES.get(l.kind, (0, 0)) if tp > 1 else (0, 0)
         if tp_overlap:
             f += overlapped_collective_time(n_f * coll[k], mm_f, tp)
