@@ -72,3 +72,12 @@ def test_fp8_times_add_the_casts_and_keep_the_output_layer_in_bf16():
         want = mm + bytes_time(l.op_bytes_fwd + l.op_bytes_fwd_resid, l.mem_bytes_fwd, dev) + sum(memory_time(x, dev, x) for x in casts[k][0])
         assert f8.fwd[k] == pytest.approx(want, rel=1e-12)
         assert sum(casts[k][0]) > 0 and f8.fwd[k] < bf.fwd[k]  # faster GEMMs, but not free casts
+
+
+def test_hardware_show_lists_the_fp8_ceiling_where_a_profile_has_one():
+    from planner.hardware import describe_profile
+
+    h100 = {k: v for k, v, _ in describe_profile(load_profile(ROOT / "hardware_profiles" / "h100-sxm.yaml"))}
+    a100 = {k for k, _, _ in describe_profile(load_profile(ROOT / "hardware_profiles" / "a100-80gb.yaml"))}
+    assert h100["efficiency.matmul_fp8"].startswith("0.779 ")
+    assert "efficiency.matmul_fp8" not in a100
