@@ -10,7 +10,7 @@ import pytest
 from planner import hardware
 from planner.hardware import load_profile, matmul_efficiency_at, matmul_time, memory_time, size_scale
 from planner.model.analyze import analyze
-from planner.solve.timing import analytical_times, bytes_time, fp8_cast_bytes, ops_time
+from planner.solve.timing import analytical_times, attention_core_flops, bytes_time, fp8_cast_bytes, ops_time
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,14 +62,16 @@ def test_fp8_times_add_the_casts_and_keep_the_output_layer_in_bf16():
     dev = hardware.parse_gpus("8xH100-SXM").device_of(0)
     arch, tokens = costs.architecture, costs.seq_len * 4
     casts = [fp8_cast_bytes(arch, l.kind, tokens, 1) for l in costs.layers]
+    kept = [attention_core_flops(arch, l.kind, costs.seq_len, tokens, 1) for l in costs.layers]
     bf = analytical_times(costs, dev, "bf16")
-    f8 = analytical_times(costs, dev, "bf16", matmul_dtype="fp8", cast_bytes=casts)
+    f8 = analytical_times(costs, dev, "bf16", matmul_dtype="fp8", cast_bytes=casts, kept_flops=kept)
     for k, l in enumerate(costs.layers):
         if l.kind in ("head", "embedding", "norm"):
             assert (f8.fwd[k], f8.bwd_input[k], f8.bwd_weight[k]) == (bf.fwd[k], bf.bwd_input[k], bf.bwd_weight[k]), l.kind
             continue
         mm = ops_time(l.op_flops_fwd, l.flops_fwd, dev, "fp8")
-        want = mm + bytes_time(l.op_bytes_fwd + l.op_bytes_fwd_resid, l.mem_bytes_fwd, dev) + sum(memory_time(x, dev, x) for x in casts[k][0])
+        core = matmul_time(kept[k][0], dev, "bf16") - matmul_time(kept[k][0], dev, "fp8")  # the attention core stays bf16
+        want = mm + core + bytes_time(l.op_bytes_fwd + l.op_bytes_fwd_resid, l.mem_bytes_fwd, dev) + sum(memory_time(x, dev, x) for x in casts[k][0])
         assert f8.fwd[k] == pytest.approx(want, rel=1e-12)
         assert sum(casts[k][0]) > 0 and f8.fwd[k] < bf.fwd[k]  # faster GEMMs, but not free casts
 
@@ -81,3 +83,21 @@ def test_hardware_show_lists_the_fp8_ceiling_where_a_profile_has_one():
     a100 = {k for k, _, _ in describe_profile(load_profile(ROOT / "hardware_profiles" / "a100-80gb.yaml"))}
     assert h100["efficiency.matmul_fp8"].startswith("0.779 ")
     assert "efficiency.matmul_fp8" not in a100
+
+
+@pytest.mark.parametrize(
+    "model,args",
+    [
+        ("gpt2.py", {"preset": "gpt2-medium"}),
+        ("llama.py", {"preset": "llama-7b", "n_layers": 2, "dim": 512, "n_heads": 8, "n_kv_heads": 2, "ffn_dim": 1024, "seq_len": 256, "vocab_size": 512}),
+    ],
+)
+def test_attention_core_flops_are_the_traced_attention_kernel(model, args):
+    """The closed form equals the FLOPs torch's FlopCounterMode gives the fused attention operator (one op of the
+    attention piece forward, one of its backward), GQA or not."""
+    costs = analyze(ROOT / "examples" / model, args, 2, "bf16").costs
+    att = next(l for l in costs.layers if l.kind == "attention")
+    fwd, bwd = attention_core_flops(costs.architecture, "attention", costs.seq_len, costs.seq_len * 2, 1)
+    assert any(x == pytest.approx(fwd, rel=1e-9) for x in att.op_flops_fwd)
+    assert any(x == pytest.approx(bwd, rel=1e-9) for x in att.op_flops_bwd)
+    assert attention_core_flops(costs.architecture, "mlp", costs.seq_len, costs.seq_len, 1) == (0.0, 0.0)

@@ -38,6 +38,7 @@ from planner.solve.simulate import SimResult, StageMemory, StageTimes, simulate
 from planner.solve.timing import (
     PieceTimes,
     analytical_times,
+    attention_core_flops,
     fp8_cast_bytes,
     kv_bytes,
     shard_costs,
@@ -250,8 +251,8 @@ class Context:
                 nbytes = kv_bytes(self.costs.scaled(b), tp, cp)
                 step = max(self.cluster.p2p_latency(x, y) + nbytes / self.cluster.p2p_bandwidth(x, y) for x, y in zip(ring, ring[1:] + ring[:1]))
             kernel = fixed_costs(dev)[0]
-            casts = fp8_casts(self.costs, b, tp, cp) if fp8 else None
-            t = analytical_times(sharded, dev, dtype, recompute, tp, coll, tp_overlap, "fp8" if fp8 else None, kernel, cp, step, casts)
+            casts, kept = fp8_casts(self.costs, b, tp, cp) if fp8 else (None, None)
+            t = analytical_times(sharded, dev, dtype, recompute, tp, coll, tp_overlap, "fp8" if fp8 else None, kernel, cp, step, casts, kept)
             measured = self.opts.measured.get(dev.key)
             if measured and tp == 1 and cp == 1 and not fp8:
                 f = b / self.costs.micro_batch
@@ -260,14 +261,17 @@ class Context:
         return self._times[key]
 
 
-def fp8_casts(costs: ModelCosts, b: int, tp: int, cp: int) -> list[tuple[list[float], list[float]]] | None:
-    """Per piece, the bytes of each Transformer Engine FP8 cast (forward, backward) at micro-batch ``b`` on one GPU
-    (timing.fp8_cast_bytes, s / cp x b tokens); None without the model's architecture."""
+def fp8_casts(costs: ModelCosts, b: int, tp: int, cp: int) -> tuple[list[tuple[list[float], list[float]]] | None, list[tuple[float, float]] | None]:
+    """Per piece at micro-batch ``b`` on one GPU (s / cp x b tokens): the bytes of each Transformer Engine FP8 cast
+    (timing.fp8_cast_bytes) and the attention-core FLOPs that stay in bf16 (timing.attention_core_flops); (None, None)
+    without the model's architecture."""
     arch = costs.architecture
     if not arch or not costs.seq_len:
-        return None
+        return None, None
     tokens = costs.seq_len / cp * b
-    return [fp8_cast_bytes(arch, l.kind, tokens, tp) for l in costs.layers]
+    casts = [fp8_cast_bytes(arch, l.kind, tokens, tp) for l in costs.layers]
+    kept = [attention_core_flops(arch, l.kind, costs.seq_len, tokens, tp) for l in costs.layers]
+    return casts, kept
 
 
 def fixed_costs(device: DeviceProfile) -> tuple[float, float]:

@@ -82,6 +82,17 @@ def fp8_cast_bytes(arch: Mapping[str, object], kind: str, tokens: float, tp: int
     return fwd, bwd
 
 
+def attention_core_flops(arch: Mapping[str, object], kind: str, seq_len: float, tokens: float, tp: int) -> tuple[float, float]:
+    """(forward, backward) FLOPs of the attention core (softmax(QK^T)V) of one piece on one GPU, as the costing counts
+    the fused attention kernel: 4 x tokens x seq_len x q / tp forward (q = hidden: the query heads' width) and 2.5x that
+    backward (torch's FlopCounterMode formulas for scaled_dot_product_attention). Transformer Engine keeps it in bf16
+    under FP8 unless FP8 attention is asked for (--fp8-dot-product-attention, off by default); 0 for pieces without one."""
+    if kind not in ("attention", "block"):
+        return 0.0, 0.0
+    fwd = 4.0 * tokens * seq_len * float(arch["hidden_size"]) / tp  # type: ignore[arg-type]
+    return fwd, 2.5 * fwd
+
+
 def overlapped_collective_time(coll_s: float, matmul_s: float, tp: int) -> float:
     """Seconds of ``coll_s`` of tensor-parallel collectives a piece still exposes when they overlap ``matmul_s`` of
     its GEMMs, split into ``tp`` chunks: at least one chunk (coll_s / tp), and whatever the GEMMs are too short to hide."""
@@ -208,6 +219,7 @@ def analytical_times(
     cp: int = 1,
     cp_step_s: float = 0.0,
     cast_bytes: Sequence[tuple[Sequence[float], Sequence[float]]] | None = None,
+    kept_flops: Sequence[tuple[float, float]] | None = None,
 ) -> PieceTimes:
     """Roofline times of every piece (``costs`` already sharded with :func:`shard_costs`).
 
@@ -221,7 +233,8 @@ def analytical_times(
     overlapped with the attention core (:func:`ring_attention_exposed`).
     With ``matmul_dtype`` only the pieces of :data:`FP8_GEMM_KINDS` run their GEMMs at it, and ``cast_bytes``
     (per piece: forward and backward bytes of each cast kernel, :func:`fp8_cast_bytes`) adds their casts as
-    memory-bound operators.
+    memory-bound operators; ``kept_flops`` (per piece: forward and backward FLOPs, :func:`attention_core_flops`) are
+    the FLOPs of those pieces that stay at ``dtype``'s rate (the attention core).
     """
     mm_dtype = matmul_dtype or dtype
     n = len(costs.layers)
@@ -236,6 +249,10 @@ def analytical_times(
         f = mm_f + bytes_time(l.op_bytes_fwd + l.op_bytes_fwd_resid, l.mem_bytes_fwd, device, kernel_floor_s)
         w = mm_b * w_share
         i = mm_b * (1.0 - w_share) + bytes_time(l.op_bytes_bwd + l.op_bytes_bwd_resid, l.mem_bytes_bwd, device, kernel_floor_s)
+        if kept_flops is not None and gemm_dtype != dtype:
+            keep_f, keep_b = kept_flops[k]
+            f += hardware.matmul_time(keep_f, device, dtype) - hardware.matmul_time(keep_f, device, gemm_dtype)
+            i += hardware.matmul_time(keep_b, device, dtype) - hardware.matmul_time(keep_b, device, gemm_dtype)  # input-gradient work
         if cast_bytes is not None and gemm_dtype != dtype:
             cast_f, cast_b = cast_bytes[k]
             f += sum(max(kernel_floor_s, hardware.memory_time(x, device, bytes_per_op=x)) for x in cast_f)
