@@ -86,7 +86,8 @@ def attention_core_flops(arch: Mapping[str, object], kind: str, seq_len: float, 
     """(forward, backward) FLOPs of the attention core (softmax(QK^T)V) of one piece on one GPU, as the costing counts
     the fused attention kernel: 4 x tokens x seq_len x q / tp forward (q = hidden: the query heads' width) and 2.5x that
     backward (torch's FlopCounterMode formulas for scaled_dot_product_attention). Transformer Engine keeps it in bf16
-    under FP8 unless FP8 attention is asked for (--fp8-dot-product-attention, off by default); 0 for pieces without one."""
+    under FP8 unless FP8 attention is asked for (TransformerConfig.fp8_dot_product_attention, False by default:
+    megatron/core/transformer/transformer_config.py, core_v0.16.1); 0 for pieces without one."""
     if kind not in ("attention", "block"):
         return 0.0, 0.0
     fwd = 4.0 * tokens * seq_len * float(arch["hidden_size"]) / tp  # type: ignore[arg-type]
