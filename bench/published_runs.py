@@ -55,6 +55,7 @@ class Source:
     overlaps: tuple[str, ...]  # grad_reduce | param_gather | tp_comm: what the source's runs overlapped (stated or its defaults)
     overlaps_text: str  # where the overlaps come from
     precision_text: str = ""  # where the rows' gradient dtype and FP8 primary weights come from (FP8 sources)
+    pipeline_text: str = ""  # what the source says of its pipeline schedule and stage split, where it says more than pp
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class PublishedRun:
     dispatcher: str = ""  # MoE token dispatcher: alltoall | flex (DeepEP) | allgather
     main_grads_dtype: str = "fp32"  # dtype of the gradient buffer (bf16: NeMo's grad_sync_dtype, Bridge's grad_reduce_in_fp32 off)
     fp8_param_gather: bool = False  # FP8 primary weights (Megatron --fp8-param-gather, Bridge's fp8_param_gather)
+    pipeline_split: tuple[str, ...] = ()  # embedding / loss: each takes a layer's place in the stage split (Megatron's account-for flags)
 
     @property
     def num_microbatches(self) -> float:
@@ -178,6 +180,7 @@ def load_runs(path: Path = DATA) -> list[PublishedRun]:
                 dispatcher=r.get("dispatcher", ""),
                 main_grads_dtype=r.get("main_grads_dtype", "fp32"),
                 fp8_param_gather=bool(r.get("fp8_param_gather", False)),
+                pipeline_split=tuple(r.get("pipeline_split", ())),
             )
         )
     return out
@@ -387,6 +390,47 @@ def layout_for(run: PublishedRun, recompute: str | None = None, fp8: bool | None
     )
 
 
+def split_args(run: PublishedRun):
+    """Megatron flags for the row's stage split (layers, heads, pp, vp and the account-for flags of ``pipeline_split``)."""
+    from planner.megatron_flags import Flag, MegatronArgs
+
+    unknown = set(run.pipeline_split) - {"embedding", "loss"}
+    if unknown:
+        raise ValueError(f"{run.id}: pipeline_split takes embedding and loss, not {sorted(unknown)}")
+    m = run.model
+    flags = [("--num-layers", str(m.layers)), ("--hidden-size", str(m.hidden)), ("--num-attention-heads", str(m.heads))]
+    flags.append(("--pipeline-model-parallel-size", str(run.pp)))
+    if run.vp > 1:
+        flags.append(("--num-virtual-stages-per-pipeline-rank", str(run.vp)))
+    flags += [(f"--account-for-{what}-in-pipeline-split", None) for what in run.pipeline_split]
+    return MegatronArgs("args", tuple(Flag(n, () if v is None else (v,), k + 1) for k, (n, v) in enumerate(flags)))
+
+
+def stage_bounds(run: PublishedRun, costs) -> tuple[int, ...] | None:
+    """Piece boundaries of the row's stages when its source split them unevenly (``pipeline_split``), else None
+    (the planner's partition chooses). Layers per stage are Megatron's for --account-for-embedding-in-pipeline-split /
+    --account-for-loss-in-pipeline-split (planner.megatron_layout.stage_layers; tests/test_published_runs.py checks
+    them against megatron-core's get_num_layers_to_build); the pieces before the first block go to stage 0, those
+    after the last block to the last stage."""
+    if not run.pipeline_split:
+        return None
+    from planner.megatron_layout import stage_layers
+
+    counts = stage_layers(split_args(run))
+    if counts is None:
+        raise ValueError(f"{run.id}: Megatron cannot split {run.model.layers} layers over pp {run.pp} x vp {run.vp} with {run.pipeline_split}")
+    starts = [i for i, l in enumerate(costs.layers) if l.block is not None and (i == 0 or costs.layers[i - 1].block != l.block)]
+    if len(starts) != run.model.layers:
+        raise ValueError(f"{run.id}: the model file has {len(starts)} blocks, the row {run.model.layers} layers")
+    after_blocks = max(i for i, l in enumerate(costs.layers) if l.block is not None) + 1
+    bounds, layer = [0], 0
+    for k in counts[:-1]:
+        layer += k
+        bounds.append(starts[layer] if layer < len(starts) else after_blocks)
+    bounds.append(costs.n)
+    return tuple(bounds)
+
+
 # ---- prediction ----
 
 
@@ -446,9 +490,10 @@ def predict(run: PublishedRun) -> Prediction:
     costs = costs_for(run)
     lay = layout_for(run)
     results = {}
+    bounds = stage_bounds(run, costs)
     for target in (1.0, DEFAULT_MEM_TARGET, UNCHECKED):
         opts = SearchOptions(engine="megatron", global_batch=run.global_batch, mem_target=target, cp=run.cp, fp8=lay.fp8, **_moe_pins(run, SearchOptions))
-        results[target] = evaluate_layout(Context(costs, cluster, opts, get_engine("megatron")), lay, costs.dtype)
+        results[target] = evaluate_layout(Context(costs, cluster, opts, get_engine("megatron")), lay, costs.dtype, bounds)
     ev, ev_default = results[1.0], results[DEFAULT_MEM_TARGET]
     rejected_default = ev_default.reason if isinstance(ev_default, Rejection) else None
     if isinstance(ev, Rejection):
@@ -529,8 +574,9 @@ def markdown(preds: list[Prediction]) -> str:
 # ---- diagnosis: what each priced row's prediction is made of, and counterfactuals ----
 
 
-def _evaluate(run: PublishedRun, recompute: str | None = None, fp8: bool | None = None, tp_comm: bool = True):
-    """evaluate_layout at --mem-target 1.0 with optional changes: another recomputation, bf16 GEMMs in place of FP8, TP collectives free."""
+def _evaluate(run: PublishedRun, recompute: str | None = None, fp8: bool | None = None, tp_comm: bool = True, mem_target: float = 1.0):
+    """evaluate_layout at ``mem_target`` (--mem-target 1.0; :data:`UNCHECKED` lifts the memory check) with optional changes:
+    another recomputation, bf16 GEMMs in place of FP8, TP collectives free."""
     from planner import hardware
     from planner.engines import get_engine
     from planner.solve import search
@@ -539,13 +585,14 @@ def _evaluate(run: PublishedRun, recompute: str | None = None, fp8: bool | None 
     cluster = hardware.parse_gpus(f"{run.gpus}x{DEVICE_PROFILE[run.source.device]}")
     lay = layout_for(run, recompute, fp8)
     opts = search.SearchOptions(
-        engine="megatron", global_batch=run.global_batch, mem_target=1.0, cp=run.cp, fp8=lay.fp8, **_moe_pins(run, search.SearchOptions)
+        engine="megatron", global_batch=run.global_batch, mem_target=mem_target, cp=run.cp, fp8=lay.fp8, **_moe_pins(run, search.SearchOptions)
     )
     ctx = search.Context(costs, cluster, opts, get_engine("megatron"))
+    bounds = stage_bounds(run, costs)
     if tp_comm:
-        return search.evaluate_layout(ctx, lay, costs.dtype)
+        return search.evaluate_layout(ctx, lay, costs.dtype, bounds)
     with mock.patch.object(search, "tp_collective_time", lambda *a, **k: 0.0):
-        return search.evaluate_layout(ctx, lay, costs.dtype)
+        return search.evaluate_layout(ctx, lay, costs.dtype, bounds)
 
 
 def diagnose(run: PublishedRun) -> dict:
@@ -560,6 +607,9 @@ def diagnose(run: PublishedRun) -> dict:
         return out
     ev = _evaluate(run)
     if isinstance(ev, Rejection):
+        free = _evaluate(run, mem_target=UNCHECKED)  # the same layout priced with the memory check lifted
+        if not isinstance(free, Rejection):
+            out.update(unchecked_step=free.predicted.step_time_s, unchecked_bubble=free.predicted.bubble_fraction)
         for rc in ("selective", "full"):
             alt = _evaluate(run, recompute=rc)
             out[f"{rc}_step"] = None if isinstance(alt, Rejection) else alt.predicted.step_time_s
@@ -604,7 +654,11 @@ def diagnosis_markdown(rows: list[dict]) -> str:
                 )
                 for rc in ("selective", "full")
             ]
-            lines.append(f"| {d['id']} | {pub:.3g} s | out of memory | | | | | | | re-priced with recomputation: {'; '.join(bits)} |")
+            free = ""
+            if "unchecked_step" in d:
+                u = d["unchecked_step"]
+                free = f"memory check lifted: {u:.3g} s ({100 * (u - pub) / pub:+.1f}%, bubble {100 * d['unchecked_bubble']:.1f}%); "
+            lines.append(f"| {d['id']} | {pub:.3g} s | out of memory | | | | | | | {free}re-priced with recomputation: {'; '.join(bits)} |")
     return "\n".join(lines)
 
 

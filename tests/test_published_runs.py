@@ -9,7 +9,7 @@ published figures that agree with each other. No prediction accuracy is asserted
 import pytest
 import yaml
 
-from bench.published_runs import DATA, RUNS, layout_for, load_runs, not_expressible, predict
+from bench.published_runs import DATA, RUNS, layout_for, load_runs, model_file, not_expressible, predict, split_args, stage_bounds
 
 
 @pytest.fixture(scope="module")
@@ -199,3 +199,104 @@ def test_fp8_rows_carry_the_precision_their_software_ran():
     src = {r.source.key: r.source for r in runs}
     assert "grad_sync_dtype=bf16" in src["nemo_2407"].precision_text
     assert "fp8_param_gather = True" in src["bridge_2602"].precision_text and "grad_reduce_in_fp32 = False" in src["bridge_2602"].precision_text
+
+
+# --------------------------------------------------------------------------- uneven stage splits (Llama 3 405B)
+
+SPLIT_RUNS = [r for r in load_runs() if r.pipeline_split]
+
+
+def test_llama3_rows_carry_the_papers_schedule():
+    """Section 3.3.2: interleaved, embedding and loss in place of a layer each on the first and last stage; V = 8 is the
+    only V for which that removes exactly one layer from each (one layer per model chunk: (126 + 2) / 16)."""
+    rows = [r for r in load_runs() if r.source.key == "llama3"]
+    assert rows and all(r.pipeline_split == ("embedding", "loss") for r in rows)
+    for r in rows:
+        assert (r.model.layers + 2) == r.pp * r.vp  # one layer per chunk
+        assert layout_for(r).schedule == "interleaved"
+        assert r.num_microbatches % r.pp == 0  # Megatron's interleaving needs m to be a multiple of pp
+        assert "vp" in r.assumed
+
+
+@pytest.mark.parametrize("run", SPLIT_RUNS, ids=[r.id for r in SPLIT_RUNS])
+def test_split_layers_are_megatron_cores(run):
+    """The layers per stage the harness pins are what megatron-core's get_num_layers_to_build builds for the same flags."""
+    from planner.check.megatron_core import core_config, core_stage_layers
+    from planner.megatron_layout import stage_layers
+
+    args = split_args(run)
+    ours = stage_layers(args)
+    assert ours == core_stage_layers(core_config(args))
+    assert ours[0] == 0 and ours[-1] == 0 and set(ours[1:-1]) == {1}
+
+
+def test_stage_bounds_put_the_embedding_alone_first_and_the_head_alone_last():
+    """On a small Llama (6 layers, pp 4 x vp 2, embedding and loss as layers): stage 0 holds only the embedding, the
+    last stage only the final norm and the output layer, every other stage one whole block."""
+    import dataclasses
+
+    from planner.model.analyze import analyze
+
+    run = dataclasses.replace(SPLIT_RUNS[0], pp=4, vp=2, model=dataclasses.replace(SPLIT_RUNS[0].model, layers=6))
+    path, args = model_file(run)
+    args.update(n_layers=6, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, seq_len=32, vocab_size=256)
+    costs = analyze(path, args, 1, "bf16").costs
+    b = stage_bounds(run, costs)
+    assert len(b) == 4 * 2 + 1 and b[0] == 0 and b[-1] == costs.n
+    kinds = [[costs.layers[i].kind for i in range(x, y)] for x, y in zip(b, b[1:])]
+    assert kinds[0] == ["embedding"]
+    assert kinds[-1] == ["norm", "head"]
+    assert all(k == ["attention", "mlp"] for k in kinds[1:-1])
+    assert stage_bounds(dataclasses.replace(run, pipeline_split=()), costs) is None
+
+
+# --------------------------------------------------------------------------- fixed costs: the fit and the shipped profiles
+
+
+def test_golden_section_finds_a_closed_form_minimum():
+    from bench.fit_fixed_costs import _golden
+
+    x = _golden(lambda t: (t - 3.7) ** 2 + 1.0, 0.0, 10.0, steps=40)
+    assert x == pytest.approx(3.7, abs=1e-6)
+
+
+def test_fit_tune_rows_are_the_tune_sources_only():
+    from bench.fit_fixed_costs import TUNE_SOURCES, tune_rows
+
+    for device, keys in TUNE_SOURCES.items():
+        rows = tune_rows(device)
+        assert rows and {r.source.key for r in rows} == set(keys)
+        assert all(r.split == "tune" and r.source.device == device for r in rows)
+    assert not {r.id for d in TUNE_SOURCES for r in tune_rows(d)} & {r.id for r in load_runs() if r.split == "test"}
+
+
+def test_profile_fixed_costs_are_written_only_when_plausible(tmp_path):
+    from bench.fit_fixed_costs import Fit, profile_path, write_profile
+    from planner.hardware import load_profile
+
+    src = profile_path("A100-80GB")
+    path = tmp_path / src.name
+    path.write_text(src.read_text())
+    good = Fit("A100-80GB", 4.0, 120.0, ("C1",), (-0.1,), (-0.05,))
+    write_profile(good, path)
+    p = load_profile(path)
+    assert (p.kernel_floor_s, p.p2p_sync_s) == (pytest.approx(4e-6), pytest.approx(120e-6))
+    assert "bench/fit_fixed_costs.py" in p.sources["fixed_costs"]
+    write_profile(Fit("A100-80GB", 1.5, 9000.0, ("C1",), (-0.1,), (-0.02,)), path)  # outside the plausible range: removed
+    p = load_profile(path)
+    assert (p.kernel_floor_s, p.p2p_sync_s) == (0.0, 0.0) and "fixed_costs" not in p.sources
+
+
+@pytest.mark.slow
+def test_shipped_fixed_costs_are_the_fit():
+    """Re-run the fit on the tune rows (minutes): a plausible fit is what the profile ships, an implausible one is not shipped."""
+    from bench.fit_fixed_costs import TUNE_SOURCES, fit_device, profile_path
+    from planner.hardware import load_profile
+
+    for device in TUNE_SOURCES:
+        f = fit_device(device)
+        p = load_profile(profile_path(device))
+        if f.plausible:
+            assert (p.kernel_floor_s, p.p2p_sync_s) == (pytest.approx(f.kernel_us * 1e-6), pytest.approx(f.p2p_sync_us * 1e-6))
+        else:
+            assert (p.kernel_floor_s, p.p2p_sync_s) == (0.0, 0.0)

@@ -13,8 +13,8 @@ the last micro-batch's backward (the earlier micro-batches only accumulate);
 ``--overlap-param-gather`` (distributed optimizer only, with --overlap-grad-reduce:
 validate_args asserts both) all-gathers the updated parameters bucket by bucket under
 the next step's first forward. Buckets hold max(40M, 1M x dp) parameters
-(DistributedDataParallel's default ``bucket_size``), and the last bucket reduced (the first
-gathered) cannot hide. ``--tp-comm-overlap`` needs ``--sequence-parallel`` (validate_args) and
+(DistributedDataParallel's default ``bucket_size``); :func:`grad_reduce_exposed` and
+:func:`param_gather_exposed` give what each leaves exposed, bucket by bucket. ``--tp-comm-overlap`` needs ``--sequence-parallel`` (validate_args) and
 Transformer Engine, the default ``--transformer-impl``.
 
 Precision options (TE's FusedAdam behind ``--use-precision-aware-optimizer``, which
@@ -31,6 +31,7 @@ FP8 plus its transpose: 2 bytes per parameter in place of 4.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -65,6 +66,39 @@ def precision_aware(layout: Layout) -> bool:
 def bucket_params(data_parallel: int) -> int:
     """Parameters in one gradient bucket for a data-parallel group of ``data_parallel`` (x cp) ranks."""
     return max(BUCKET_MIN_PARAMS, BUCKET_PARAMS_PER_DP_RANK * data_parallel)
+
+
+def grad_reduce_exposed(comm_s: float, backward_s: float, buckets: int) -> float:
+    """Seconds of a gradient reduction of ``comm_s`` in ``buckets`` equal buckets left after a backward of ``backward_s``.
+
+    Megatron launches a bucket's reduction (asynchronously, on the one communication stream, in issue order) once
+    every gradient in it is ready, and only in the last micro-batch (``Bucket.register_grad_ready`` when
+    ``is_last_microbatch``; the earlier ones run under ``no_sync``: megatron/core/distributed/param_and_grad_buffer.py
+    and pipeline_parallel/schedules.py, core_r0.8.0; the same in core_v0.16.1). Buckets fill in backward order, one
+    every b = backward / n; each takes r = comm / n, so the last finishes at max_k (k b + (n - k + 1) r):
+    ``max(r, comm - backward + b)`` after the backward ends."""
+    if comm_s <= 0:
+        return 0.0
+    n = max(1, buckets)
+    r, b = comm_s / n, backward_s / n
+    return max(r, comm_s - backward_s + b)
+
+
+def param_gather_exposed(comm_s: float, forward_s: float, buckets: int) -> float:
+    """Seconds of a parameter all-gather of ``comm_s`` in ``buckets`` equal buckets left exposed by a forward of
+    ``forward_s``.
+
+    The first bucket's all-gather is dispatched after the optimizer step and waited for by the first forward; each
+    bucket's forward pre-hook waits for its own all-gather and only then dispatches the next one (so communication
+    never head-of-line blocks compute under CUDA_DEVICE_MAX_CONNECTIONS=1: DistributedOptimizer
+    ``_dispatch_gather_model_params`` / ``_finish_param_sync_helper``, megatron/core/optimizer/distrib_optimizer.py,
+    core_r0.8.0; ``next_param_gather_bucket_group`` in param_and_grad_buffer.py, core_v0.16.1). Bucket i + 1's
+    all-gather a = comm / n overlaps bucket i's forward f = forward / n: ``a + (n - 1) max(0, a - f)``."""
+    if comm_s <= 0:
+        return 0.0
+    n = max(1, buckets)
+    a, f = comm_s / n, forward_s / n
+    return a + (n - 1) * max(0.0, a - f)
 
 
 def overlapped(comm_s: float, hiding_s: float, last_share: float) -> float:
@@ -104,9 +138,9 @@ class MegatronEngine(Engine):
     def exposed_dp_time(
         self, layout: Layout, reduce_s: float, gather_s: float, backward_s: Sequence[float], forward_s: Sequence[float], params: float
     ) -> float:
-        share = bucket_params(layout.dp * layout.cp) / params if params > 0 else 1.0
-        reduce = overlapped(reduce_s, sum(backward_s), share) if layout.overlap_grad_reduce else reduce_s
-        gather = overlapped(gather_s, sum(forward_s), share) if layout.overlap_param_gather else gather_s
+        buckets = math.ceil(params / bucket_params(layout.dp * layout.cp)) if params > 0 else 1
+        reduce = grad_reduce_exposed(reduce_s, sum(backward_s), buckets) if layout.overlap_grad_reduce else reduce_s
+        gather = param_gather_exposed(gather_s, sum(forward_s), buckets) if layout.overlap_param_gather else gather_s
         return reduce + gather
 
     def default_overlaps(self, tp: int, zero: int, data_parallel: int) -> dict[str, bool]:

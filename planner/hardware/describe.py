@@ -86,6 +86,8 @@ def describe_profile(profile: DeviceProfile) -> list[tuple[str, str, str]]:
         ("efficiency.allreduce_intra", f"{p.allreduce_efficiency_intra:g} of link (busbw)", s("efficiency", "allreduce_intra")),
         ("efficiency.allreduce_inter", f"{p.allreduce_efficiency_inter:g} of link (busbw)", s("efficiency", "allreduce_inter")),
     ]
+    if p.matmul_fp8_efficiency > 0:
+        rows.append(("efficiency.matmul_fp8", f"{p.matmul_fp8_efficiency:g} of the fp8 peak (large FP8 GEMMs)", s("efficiency", "matmul_fp8")))
     default_curve = "default: after Calculon's a100_80g.json (planner.hardware.profiles)"
     for field, curve, unit in (("matmul_size_scale", p.matmul_size_scale, "FLOPs"), ("memory_size_scale", p.memory_size_scale, "B")):
         text = ", ".join(f"{x:.3g} {unit}: {y:.3f}" for x, y in curve)

@@ -5,13 +5,16 @@ from __future__ import annotations
 import math
 
 from planner.hardware.cluster import _check_bytes
-from planner.hardware.profiles import MATMUL_SIZE_SCALE, MEMORY_SIZE_SCALE, DeviceProfile
+from planner.hardware.profiles import MATMUL_SIZE_SCALE, MEMORY_SIZE_SCALE, DeviceProfile, normalize_dtype
 
 __all__ = ["MATMUL_SIZE_SCALE", "MEMORY_SIZE_SCALE", "matmul_efficiency_at", "matmul_time", "memory_efficiency_at", "memory_time", "size_scale"]
 
 
-def matmul_efficiency_at(flops_per_op: float, device: DeviceProfile) -> float:
-    """Fraction of dense peak that one matmul of ``flops_per_op`` FLOPs reaches on ``device``."""
+def matmul_efficiency_at(flops_per_op: float, device: DeviceProfile, dtype: str | None = None) -> float:
+    """Fraction of the ``dtype`` dense peak that one matmul of ``flops_per_op`` FLOPs reaches on ``device``: FP8 GEMMs
+    by the profile's own FP8 ceiling and size curve where it has them (efficiency.matmul_fp8), else the matmul ones."""
+    if dtype is not None and device.matmul_fp8_efficiency > 0 and normalize_dtype(dtype) == "fp8":
+        return device.matmul_fp8_efficiency * size_scale(flops_per_op, device.matmul_fp8_size_scale or device.matmul_size_scale)
     return device.matmul_efficiency * size_scale(flops_per_op, device.matmul_size_scale)
 
 
@@ -25,7 +28,7 @@ def matmul_time(flops: float, device: DeviceProfile, dtype: str, flops_per_op: f
     if flops == 0:
         return 0.0
     size = flops if flops_per_op is None else flops_per_op
-    return flops / (device.flops(dtype) * matmul_efficiency_at(size, device))
+    return flops / (device.flops(dtype) * matmul_efficiency_at(size, device, dtype))
 
 
 def size_scale(x: float, pts: tuple[tuple[float, float], ...]) -> float:

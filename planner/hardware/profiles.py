@@ -95,6 +95,9 @@ class DeviceProfile:
     matmul_size_scale: tuple[tuple[float, float], ...] = ()
     #: (bytes one memory-bound operator moves, fraction of memory_efficiency it reaches), likewise
     memory_size_scale: tuple[tuple[float, float], ...] = ()
+    #: FP8 GEMMs: large-GEMM fraction of the fp8 peak and its size curve (0 / empty: matmul_efficiency and its curve)
+    matmul_fp8_efficiency: float = 0.0
+    matmul_fp8_size_scale: tuple[tuple[float, float], ...] = ()
     #: least seconds one operator (kernel) takes in an eager training step: back-to-back kernel issue (profile fixed_costs)
     kernel_floor_s: float = 0.0
     #: seconds of synchronisation each pipeline send/recv adds besides its link latency (profile fixed_costs)
@@ -190,13 +193,15 @@ _SUB = {
         "allreduce_inter": ("fraction", "all-reduce busbw / inter-node bandwidth, in (0, 1]"),
         "matmul_size_scale": ("curve", "a list of [FLOPs of one matmul, fraction of efficiency.matmul] points"),
         "memory_size_scale": ("curve", "a list of [bytes one operator moves, fraction of efficiency.memory] points"),
+        "matmul_fp8": ("fraction", "the large-GEMM fraction of the fp8 peak an FP8 GEMM reaches, in (0, 1]"),
+        "matmul_fp8_size_scale": ("curve", "a list of [FLOPs of one FP8 matmul, fraction of efficiency.matmul_fp8] points"),
     },
     "fixed_costs": {
         "kernel_us": ("pos", "microseconds: the least time one kernel of an eager training step takes"),
         "p2p_sync_us": ("pos", "microseconds of synchronisation per pipeline send/recv"),
     },
 }
-_SUB_OPTIONAL = {"matmul_size_scale", "memory_size_scale"}
+_SUB_OPTIONAL = {"matmul_size_scale", "memory_size_scale", "matmul_fp8", "matmul_fp8_size_scale"}
 # Every numeric field group needs sources[group] (or sources["group.sub"] for each sub-field).
 _NUMERIC_GROUPS = (
     "memory_gib",
@@ -479,6 +484,8 @@ def profile_from_dict(data: Any, path: str | Path) -> DeviceProfile:
         inter_fabric=inter["fabric"],
         matmul_size_scale=eff.get("matmul_size_scale", ()),
         memory_size_scale=eff.get("memory_size_scale", ()),
+        matmul_fp8_efficiency=eff.get("matmul_fp8", 0.0),
+        matmul_fp8_size_scale=eff.get("matmul_fp8_size_scale", ()),
         kernel_floor_s=v.get("fixed_costs", {}).get("kernel_us", 0.0) * 1e-6,
         p2p_sync_s=v.get("fixed_costs", {}).get("p2p_sync_us", 0.0) * 1e-6,
     )

@@ -54,7 +54,9 @@ from planner.solve.simulate import SimResult, StageMemory, StageTimes, simulate
 from planner.solve.timing import (
     PieceTimes,
     analytical_times,
+    attention_core_flops,
     expert_dispatch_time,
+    fp8_cast_bytes,
     kv_bytes,
     shard_costs,
     split_context,
@@ -314,13 +316,27 @@ class Context:
             split = tp if sp and tp > 1 else 1  # tokens per GPU entering the MoE layers: 1/tp with sequence parallelism
             dispatch = [expert_dispatch_time(self.cluster, l.routed_bytes / split, first_rank, ep, etp) if l.num_experts else 0.0 for l in sharded.layers]
             experts = (ep, split, dispatch)
-            t = analytical_times(sharded, dev, dtype, recompute, tp, coll, tp_overlap, "fp8" if fp8 else None, kernel, cp, step, experts)
+            casts, kept = fp8_casts(self.costs, b, tp, cp) if fp8 else (None, None)
+            t = analytical_times(sharded, dev, dtype, recompute, tp, coll, tp_overlap, "fp8" if fp8 else None, kernel, cp, step, experts, casts, kept)
             measured = self.opts.measured.get(dev.key)
             if measured and tp == 1 and cp == 1 and not fp8 and ep * etp == 1:
                 f = b / self.costs.micro_batch
                 t = with_measured(t, {k: (fw * f, bw * f) for k, (fw, bw) in measured.items()}, recompute)
             self._times[key] = t
         return self._times[key]
+
+
+def fp8_casts(costs: ModelCosts, b: int, tp: int, cp: int) -> tuple[list[tuple[list[float], list[float]]] | None, list[tuple[float, float]] | None]:
+    """Per piece at micro-batch ``b`` on one GPU (s / cp x b tokens): the bytes of each Transformer Engine FP8 cast
+    (timing.fp8_cast_bytes) and the attention-core FLOPs that stay in bf16 (timing.attention_core_flops); (None, None)
+    without the model's architecture."""
+    arch = costs.architecture
+    if not arch or not costs.seq_len:
+        return None, None
+    tokens = costs.seq_len / cp * b
+    casts = [fp8_cast_bytes(arch, l.kind, tokens, tp) for l in costs.layers]
+    kept = [attention_core_flops(arch, l.kind, costs.seq_len, tokens, tp) for l in costs.layers]
+    return casts, kept
 
 
 def fixed_costs(device: DeviceProfile) -> tuple[float, float]:

@@ -47,6 +47,54 @@ TP_COLLECTIVES = {"attention": (1, 1), "mlp": (1, 1), "block": (2, 2), "embeddin
 SP_PAIR_ALLREDUCES = 1.5
 
 
+#: the pieces whose GEMMs Transformer Engine runs in FP8 under Megatron's --fp8-format: the transformer layers' linear
+#: layers. The output layer is megatron.core.tensor_parallel.ColumnParallelLinear, not a TE module, and stays in the
+#: training dtype (megatron/core/models/gpt/gpt_model.py, core_r0.8.0 and core_v0.16.1); the embedding has no GEMM.
+FP8_GEMM_KINDS = ("attention", "mlp", "block")
+#: bytes per element a Transformer Engine FP8 cast moves on Hopper: it reads the bf16 tensor (2) and writes the FP8 copy
+#: (1) and its FP8 transpose (1), which the wgrad / dgrad GEMMs need since Hopper's FP8 GEMMs take only the TN layout
+#: (transformer_engine/pytorch/module/linear.py: cast_transpose of the input forward and of the output gradient
+#: backward; amax is reduced inside the same kernel, the scale update is one per step for all tensors)
+FP8_CAST_BYTES_PER_ELEMENT = 4.0
+
+
+def fp8_gemm_shapes(arch: Mapping[str, object], kind: str, tp: int) -> list[tuple[float, float]]:
+    """(input features, output features) per GPU of each linear layer of a transformer piece under tensor parallelism
+    ``tp``: QKV (h -> (q + 2 kv) / tp) and projection (q / tp -> h) in attention, FC1 (h -> ffn (x 2 gated) / tp) and
+    FC2 (ffn / tp -> h) in the MLP; both for a whole block."""
+    h = float(arch["hidden_size"])  # type: ignore[arg-type]
+    heads = float(arch["num_attention_heads"])  # type: ignore[arg-type]
+    kv = h * float(arch.get("num_query_groups") or heads) / heads  # type: ignore[arg-type]
+    gated = arch.get("activation") == "swiglu"
+    ffn = arch.get("ffn_hidden_size") or (int(8 * h / 3 / 64) * 64 if gated else 4 * h)
+    attn = [(h, (h + 2 * kv) / tp), (h / tp, h)]
+    mlp = [(h, float(ffn) * (2 if gated else 1) / tp), (float(ffn) / tp, h)]  # type: ignore[arg-type]
+    return {"attention": attn, "mlp": mlp, "block": attn + mlp}.get(kind, [])
+
+
+def fp8_cast_bytes(arch: Mapping[str, object], kind: str, tokens: float, tp: int) -> tuple[list[float], list[float]]:
+    """Bytes of each FP8 cast kernel of one piece for ``tokens`` tokens per GPU (forward, backward): every linear
+    layer's input forward and its output gradient backward, :data:`FP8_CAST_BYTES_PER_ELEMENT` each. Counted unfused
+    (TE fuses the QKV and FC1 input casts into the preceding norm, which then writes 1 FP8 byte in place of 2 bf16
+    ones: an over-count of at most 1 byte per element of those two inputs)."""
+    shapes = fp8_gemm_shapes(arch, kind, tp)
+    fwd = [FP8_CAST_BYTES_PER_ELEMENT * tokens * k for k, _ in shapes]
+    bwd = [FP8_CAST_BYTES_PER_ELEMENT * tokens * n for _, n in shapes]
+    return fwd, bwd
+
+
+def attention_core_flops(arch: Mapping[str, object], kind: str, seq_len: float, tokens: float, tp: int) -> tuple[float, float]:
+    """(forward, backward) FLOPs of the attention core (softmax(QK^T)V) of one piece on one GPU, as the costing counts
+    the fused attention kernel: 4 x tokens x seq_len x q / tp forward (q = hidden: the query heads' width) and 2.5x that
+    backward (torch's FlopCounterMode formulas for scaled_dot_product_attention). Transformer Engine keeps it in bf16
+    under FP8 unless FP8 attention is asked for (TransformerConfig.fp8_dot_product_attention, False by default:
+    megatron/core/transformer/transformer_config.py, core_v0.16.1); 0 for pieces without one."""
+    if kind not in ("attention", "block"):
+        return 0.0, 0.0
+    fwd = 4.0 * tokens * seq_len * float(arch["hidden_size"]) / tp  # type: ignore[arg-type]
+    return fwd, 2.5 * fwd
+
+
 def overlapped_collective_time(coll_s: float, matmul_s: float, tp: int) -> float:
     """Seconds of ``coll_s`` of tensor-parallel collectives a piece still exposes when they overlap ``matmul_s`` of
     its GEMMs, split into ``tp`` chunks: at least one chunk (coll_s / tp), and whatever the GEMMs are too short to hide."""
@@ -209,6 +257,8 @@ def analytical_times(
     cp: int = 1,
     cp_step_s: float = 0.0,
     experts: tuple[int, int, float | Sequence[float]] = (1, 1, 0.0),
+    cast_bytes: Sequence[tuple[Sequence[float], Sequence[float]]] | None = None,
+    kept_flops: Sequence[tuple[float, float]] | None = None,
 ) -> PieceTimes:
     """Roofline times of every piece (``costs`` already sharded with :func:`shard_costs`).
 
@@ -224,6 +274,10 @@ def analytical_times(
     piece timed per local expert (:func:`expert_gemm_time`, the GPU holding 1/split of the tokens), and two
     dispatches (dispatch and combine, :func:`expert_dispatch_time`) forward and two backward on the critical
     path (Megatron core_v0.16 overlaps them only with --overlap-moe-expert-parallel-comm, off by default).
+    With ``matmul_dtype`` only the pieces of :data:`FP8_GEMM_KINDS` run their GEMMs at it, and ``cast_bytes``
+    (per piece: forward and backward bytes of each cast kernel, :func:`fp8_cast_bytes`) adds their casts as
+    memory-bound operators; ``kept_flops`` (per piece: forward and backward FLOPs, :func:`attention_core_flops`) are
+    the FLOPs of those pieces that stay at ``dtype``'s rate (the attention core).
     """
     mm_dtype = matmul_dtype or dtype
     n = len(costs.layers)
@@ -234,17 +288,26 @@ def analytical_times(
 
     fwd, bi, bw, rc = [], [], [], []
     for k, l in enumerate(costs.layers):
+        gemm_dtype = mm_dtype if matmul_dtype is None or l.kind in FP8_GEMM_KINDS else dtype
         dense_f = 0.0 if l.expert_op_flops_fwd and not l.op_flops_fwd else l.flops_fwd
         dense_b = 0.0 if l.expert_op_flops_bwd and not l.op_flops_bwd else l.flops_bwd
-        mm_f = ops_time(l.op_flops_fwd, dense_f, device, mm_dtype, kernel_floor_s)
-        mm_b = ops_time(l.op_flops_bwd, dense_b, device, mm_dtype, kernel_floor_s)
+        mm_f = ops_time(l.op_flops_fwd, dense_f, device, gemm_dtype, kernel_floor_s)
+        mm_b = ops_time(l.op_flops_bwd, dense_b, device, gemm_dtype, kernel_floor_s)
         if l.expert_op_flops_fwd:
-            mm_f += expert_gemm_time(l.expert_op_flops_fwd, l.num_experts, ep, split, device, mm_dtype, kernel_floor_s)
-            mm_b += expert_gemm_time(l.expert_op_flops_bwd, l.num_experts, ep, split, device, mm_dtype, kernel_floor_s)
+            mm_f += expert_gemm_time(l.expert_op_flops_fwd, l.num_experts, ep, split, device, gemm_dtype, kernel_floor_s)
+            mm_b += expert_gemm_time(l.expert_op_flops_bwd, l.num_experts, ep, split, device, gemm_dtype, kernel_floor_s)
         w_share = l.flops_bwd_weight / l.flops_bwd if l.flops_bwd > 0 else 0.0
         f = mm_f + bytes_time(l.op_bytes_fwd + l.op_bytes_fwd_resid, l.mem_bytes_fwd, device, kernel_floor_s)
         w = mm_b * w_share
         i = mm_b * (1.0 - w_share) + bytes_time(l.op_bytes_bwd + l.op_bytes_bwd_resid, l.mem_bytes_bwd, device, kernel_floor_s)
+        if kept_flops is not None and gemm_dtype != dtype:
+            keep_f, keep_b = kept_flops[k]
+            f += hardware.matmul_time(keep_f, device, dtype) - hardware.matmul_time(keep_f, device, gemm_dtype)
+            i += hardware.matmul_time(keep_b, device, dtype) - hardware.matmul_time(keep_b, device, gemm_dtype)  # input-gradient work
+        if cast_bytes is not None and gemm_dtype != dtype:
+            cast_f, cast_b = cast_bytes[k]
+            f += sum(max(kernel_floor_s, hardware.memory_time(x, device, bytes_per_op=x)) for x in cast_f)
+            i += sum(max(kernel_floor_s, hardware.memory_time(x, device, bytes_per_op=x)) for x in cast_b)
         n_f, n_b = TP_COLLECTIVES.get(l.kind, (0, 0)) if tp > 1 else (0, 0)
         if l.num_experts and l.shardable_params == 0:
             # routed experts alone: the dispatcher works on the GPU's 1/tp of the tokens (its expert-TP gather is in
