@@ -112,6 +112,11 @@ ARCHITECTURE: tuple[ArchKey, ...] = (
         "shared experts' total MLP width (count x width); unset means none (`--moe-shared-expert-intermediate-size`)",
     ),
     ArchKey(
+        "moe_shared_expert_gate",
+        MOE_DEFAULTS["moe_shared_expert_gate"],
+        "a sigmoid gate on the shared experts' output, as Qwen2-MoE's (`--moe-shared-expert-gate`)",
+    ),
+    ArchKey(
         "moe_layer_freq",
         MOE_DEFAULTS["moe_layer_freq"],
         "which layers are MoE: N (layers 0, N, 2N, ...) or a 0/1 list, one per layer (`--moe-layer-freq`, its shortest exact form)",
@@ -127,6 +132,8 @@ ARCHITECTURE: tuple[ArchKey, ...] = (
         MOE_DEFAULTS["moe_router_enable_expert_bias"],
         "aux-loss-free balancing bias on the routing scores, sigmoid only (`--moe-router-enable-expert-bias`)",
     ),
+    ArchKey("moe_router_num_groups", None, "expert groups for group-limited routing (DeepSeek-V3's n_group); unset means none (`--moe-router-num-groups`)"),
+    ArchKey("moe_router_group_topk", None, "groups each token's experts come from, with moe_router_num_groups (`--moe-router-group-topk`)"),
     ArchKey("moe_router_topk_scaling_factor", None, "factor on the routed experts' weights; unset means 1 (`--moe-router-topk-scaling-factor`)"),
     ArchKey(
         "moe_router_load_balancing_type",

@@ -28,10 +28,13 @@ MOE_KEYS = (
     "moe_router_topk",
     "moe_ffn_hidden_size",
     "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
     "moe_layer_freq",
     "moe_router_score_function",
     "moe_router_pre_softmax",
     "moe_router_enable_expert_bias",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
     "moe_router_topk_scaling_factor",
     "moe_router_load_balancing_type",
     "moe_aux_loss_coeff",
@@ -40,6 +43,7 @@ MOE_KEYS = (
 MOE_DEFAULTS: dict[str, Any] = {
     "moe_layer_freq": 1,
     "moe_router_score_function": "softmax",
+    "moe_shared_expert_gate": False,
     "moe_router_pre_softmax": False,
     "moe_router_enable_expert_bias": False,
     "moe_router_load_balancing_type": "aux_loss",
@@ -213,13 +217,24 @@ def moe_problems(arch: dict[str, Any]) -> list[str]:
     balance = arch.get("moe_router_load_balancing_type", "aux_loss")
     if balance not in LOAD_BALANCING:
         out.append(f"moe_router_load_balancing_type {balance!r} (Megatron takes {', '.join(LOAD_BALANCING)})")
-    for key in ("moe_router_pre_softmax", "moe_router_enable_expert_bias"):
+    for key in ("moe_shared_expert_gate", "moe_router_pre_softmax", "moe_router_enable_expert_bias"):
         if not isinstance(arch.get(key, False), bool):
             out.append(f"{key} = {arch[key]!r} (True or False)")
     for key in ("moe_router_topk_scaling_factor", "moe_aux_loss_coeff"):
         v = arch.get(key)
         if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0):
             out.append(f"{key} = {v!r} (a non-negative number or unset)")
+    if arch.get("moe_shared_expert_gate") and not arch.get("moe_shared_expert_intermediate_size"):
+        out.append("moe_shared_expert_gate without shared experts (moe_shared_expert_intermediate_size)")
+    groups: Any = arch.get("moe_router_num_groups")
+    group_topk: Any = arch.get("moe_router_group_topk")
+    if (groups is None) != (group_topk is None):
+        out.append("moe_router_num_groups and moe_router_group_topk go together (TransformerConfig: group-limited routing needs both)")
+    elif groups is not None and (not _is_int(groups) or not _is_int(group_topk) or groups < 1 or experts % groups or not 1 <= group_topk <= groups):
+        out.append(
+            f"group-limited routing over {groups!r} groups, {group_topk!r} per token (TransformerConfig asserts the groups divide the "
+            f"{experts} experts and group_topk <= groups)"
+        )
     if arch.get("moe_router_enable_expert_bias") and score != "sigmoid":
         out.append("moe_router_enable_expert_bias with the softmax score function (TransformerConfig: expert bias needs sigmoid scores)")
     if topk == 1 and score == "softmax" and not arch.get("moe_router_pre_softmax") and balance != "sinkhorn":

@@ -112,6 +112,9 @@ def moe_kwargs(args: MegatronArgs, tp: int) -> dict:
         "moe_grouped_gemm": args.has("--moe-grouped-gemm"),
         "moe_token_dispatcher_type": args.value("--moe-token-dispatcher-type") or "allgather",
         "moe_shared_expert_overlap": args.has("--moe-shared-expert-overlap"),
+        "moe_shared_expert_gate": args.has("--moe-shared-expert-gate"),
+        "moe_router_num_groups": args.int("--moe-router-num-groups"),
+        "moe_router_group_topk": args.int("--moe-router-group-topk"),
     }
     return out
 

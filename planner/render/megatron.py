@@ -225,6 +225,8 @@ def moe_flags(arch: dict[str, Any], lay: Any) -> tuple[Flags, Flags]:
         model.append(("--moe-ffn-hidden-size", str(arch["moe_ffn_hidden_size"])))
     if arch.get("moe_shared_expert_intermediate_size") is not None:
         model.append(("--moe-shared-expert-intermediate-size", str(arch["moe_shared_expert_intermediate_size"])))
+    if arch.get("moe_shared_expert_gate"):
+        model.append(("--moe-shared-expert-gate", None))
     pattern = layer_pattern(arch.get("moe_layer_freq", 1), arch["num_layers"])
     if pattern != layer_pattern(1, arch["num_layers"]):
         model.append(("--moe-layer-freq", layer_freq_text(pattern)))
@@ -233,6 +235,8 @@ def moe_flags(arch: dict[str, Any], lay: Any) -> tuple[Flags, Flags]:
         model.append(("--moe-router-pre-softmax", None))
     if arch.get("moe_router_enable_expert_bias"):
         model.append(("--moe-router-enable-expert-bias", None))
+    if arch.get("moe_router_num_groups") is not None:
+        model += [("--moe-router-num-groups", str(arch["moe_router_num_groups"])), ("--moe-router-group-topk", str(arch["moe_router_group_topk"]))]
     if arch.get("moe_router_topk_scaling_factor") is not None:
         model.append(("--moe-router-topk-scaling-factor", repr(float(arch["moe_router_topk_scaling_factor"]))))
     balance = arch.get("moe_router_load_balancing_type", "aux_loss")
