@@ -53,17 +53,21 @@ def arguments_module():
     return arguments
 
 
-def megatron_lm_config(argv: list[str], world_size: int):
-    """(args, TransformerConfig) as pretrain_gpt.py would build them from ``argv``; raises what Megatron-LM raises."""
+def megatron_lm_config(argv: list[str], world_size: int, max_connections: str | None = "1"):
+    """(args, TransformerConfig) as pretrain_gpt.py would build them from ``argv`` with CUDA_DEVICE_MAX_CONNECTIONS set to
+    ``max_connections`` (None: unset); raises what Megatron-LM raises."""
     import torch
 
     A = arguments_module()
+    env = {"WORLD_SIZE": str(world_size), "RANK": "0"} | ({"CUDA_DEVICE_MAX_CONNECTIONS": max_connections} if max_connections else {})
     with (
         mock.patch.object(sys, "argv", ["pretrain_gpt.py", *argv]),
-        mock.patch.dict(os.environ, {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "WORLD_SIZE": str(world_size), "RANK": "0"}),
+        mock.patch.dict(os.environ, env),
         mock.patch.object(torch.cuda, "get_device_capability", lambda *a, **k: (8, 0)),
         mock.patch.object(torch.cuda, "get_device_properties", lambda *a, **k: types.SimpleNamespace(major=8, minor=0, name="A100")),
     ):
+        if max_connections is None:
+            os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)  # patch.dict restores it on exit
         args = A.parse_args()
         args.world_size, args.rank = world_size, 0
         A.validate_args(args, {})

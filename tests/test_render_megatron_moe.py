@@ -148,15 +148,26 @@ def test_megatron_lm_validate_args_accepts_the_rendered_flags(name, ep):
     assert bool(getattr(cfg, "multi_latent_attention", False)) == arch["multi_latent_attention"]
 
 
-def test_megatron_lm_refuses_what_the_moe_rules_refuse():
-    """Each MoE/MLA rule whose failing example Megatron-LM's arguments.py or its config refuses (tests/test_megatron_args.py)."""
+def _rule_cases():
+    from test_megatron_args import RULE_CASES
+
+    return sorted(RULE_CASES)
+
+
+@pytest.mark.parametrize("rule", _rule_cases())
+def test_megatron_lm_refuses_exactly_the_failing_examples_said_to_be_refused(rule):
+    """Every rule's failing example (tests/test_megatron_args.py RULE_CASES) is refused by Megatron-LM's parse_args /
+    validate_args / core_transformer_config_from_args exactly when the case says so (the others fail later: at
+    initialization, model build or run time, or are warnings)."""
     from test_megatron_args import RULE_CASES, _script
 
-    for rule in ("MEG033", "MEG036", "MEG037", "MEG038", "MEG040"):
-        flags, world, export, refused = RULE_CASES[rule]
-        assert refused
-        with pytest.raises((AssertionError, ValueError)):
-            megatron_lm_config(parse_megatron_args(_script(flags, world, export)).argv(), world)
+    flags, world, export, refused = RULE_CASES[rule]
+    argv = parse_megatron_args(_script(flags, world, export)).argv()
+    if refused:
+        with pytest.raises((AssertionError, ValueError, SystemExit)):
+            megatron_lm_config(argv, world, "1" if export else None)
+    else:
+        megatron_lm_config(argv, world, "1" if export else None)
 
 
 def test_megatron_lm_refuses_mla_with_fused_plain_rope():
@@ -281,3 +292,19 @@ def test_moe_defaults_are_transformer_config_s():
 
     defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
     assert MOE_DEFAULTS == {k: defaults[k] for k in MOE_DEFAULTS}
+
+
+def test_flag_table_is_megatron_lm_s_parser():
+    """templates/megatron/flags_core_v0.16.1.tsv lists exactly the long options of Megatron-LM's own parser, with their nargs."""
+    import argparse
+
+    from mlm_validate import arguments_module
+
+    from planner.megatron_flags import flag_table
+
+    parser = arguments_module().add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    options = {o: a for a in parser._actions for o in a.option_strings if o.startswith("--")}
+    assert sorted(options) == sorted(flag_table())
+    for name, action in options.items():
+        nargs = "0" if action.nargs == 0 else "1" if action.nargs is None else str(action.nargs)
+        assert flag_table()[name].nargs == nargs, name
