@@ -4,7 +4,7 @@ of megatron/training/arguments.py, from a Megatron-LM checkout at core_v0.16.1 n
 megatron-core (installed) does not ship megatron/training, so tests that use this are skipped without a checkout:
 ``git clone --branch core_v0.16.1 https://github.com/NVIDIA/Megatron-LM && MEGATRON_LM_PATH=$PWD/Megatron-LM pytest``.
 Only arguments.py and what it imports are loaded (megatron/training/__init__.py imports the trainer and triton).
-This machine has no GPU: the device queries validate_args makes are answered for an A100 (compute capability 8.0),
+This machine has no GPU: the device queries validate_args makes are answered for the given compute capability (an A100's 8.0 by default),
 and rope fusion (a Transformer Engine kernel) is turned off after validation except for multi-latent attention,
 whose config checks only the rope type.
 """
@@ -53,9 +53,9 @@ def arguments_module():
     return arguments
 
 
-def megatron_lm_config(argv: list[str], world_size: int, max_connections: str | None = "1"):
+def megatron_lm_config(argv: list[str], world_size: int, max_connections: str | None = "1", capability: tuple[int, int] = (8, 0)):
     """(args, TransformerConfig) as pretrain_gpt.py would build them from ``argv`` with CUDA_DEVICE_MAX_CONNECTIONS set to
-    ``max_connections`` (None: unset); raises what Megatron-LM raises."""
+    ``max_connections`` (None: unset) on GPUs of compute ``capability``; raises what Megatron-LM raises."""
     import torch
 
     A = arguments_module()
@@ -63,8 +63,8 @@ def megatron_lm_config(argv: list[str], world_size: int, max_connections: str | 
     with (
         mock.patch.object(sys, "argv", ["pretrain_gpt.py", *argv]),
         mock.patch.dict(os.environ, env),
-        mock.patch.object(torch.cuda, "get_device_capability", lambda *a, **k: (8, 0)),
-        mock.patch.object(torch.cuda, "get_device_properties", lambda *a, **k: types.SimpleNamespace(major=8, minor=0, name="A100")),
+        mock.patch.object(torch.cuda, "get_device_capability", lambda *a, **k: capability),
+        mock.patch.object(torch.cuda, "get_device_properties", lambda *a, **k: types.SimpleNamespace(major=capability[0], minor=capability[1], name="GPU")),
     ):
         if max_connections is None:
             os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)  # patch.dict restores it on exit

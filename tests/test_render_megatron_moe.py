@@ -133,7 +133,34 @@ def test_live_moe_plan_from_the_cli_renders_and_validates_clean(tmp_path):
     assert mlp_kinds(core_config(args)) == [0, 1, 1, 1]
 
 
+def _on_v100(plan: Plan) -> Plan:
+    """The plan with its device profile's bf16 peak removed, as the V100 profile has it (compute capability 7.0)."""
+    d = plan.to_dict()
+    for dev in d["assumptions"]["devices"].values():
+        dev["peak_flops"].pop("bf16")
+    return Plan.from_dict(d)
+
+
+def test_no_grouped_gemm_before_ampere_and_megatron_core_runs_the_experts_in_turn():
+    v100 = rendered(_on_v100(load("moe_tiny_tp2")))
+    assert not v100.has("--moe-grouped-gemm") and rendered(load("moe_tiny_tp2")).has("--moe-grouped-gemm")
+    assert check_megatron_args(v100) == []
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
+
+    spec = get_gpt_decoder_layer_specs(core_config(v100), use_transformer_engine=False)[0].submodules.mlp.submodules.experts
+    assert spec.module.__name__ == "SequentialMLP"
+    v100_profile = REPO / "hardware_profiles" / "v100-32gb.yaml"
+    assert "bf16" not in v100_profile.read_text().split("peak_tflops:")[1].split("\n")[0]  # the profile this stands for
+
+
 # --------------------------------------------------------------------------- Megatron-LM's own validation
+
+
+def test_megatron_lm_refuses_grouped_gemm_before_ampere():
+    argv = rendered(load("moe_tiny_tp2")).argv()
+    with pytest.raises(AssertionError, match="GroupedGEMM"):
+        megatron_lm_config(argv, 8, capability=(7, 0))
+    megatron_lm_config(rendered(_on_v100(load("moe_tiny_tp2"))).argv(), 8, capability=(7, 0))
 
 
 @pytest.mark.parametrize("name", MOE_NAMES)

@@ -206,12 +206,21 @@ def attention_flags(arch: dict[str, Any]) -> Flags:
     return flags
 
 
-#: how the routed experts run: one grouped GEMM per expert group (as the planner costs them) and all-to-all token
-#: dispatch, the dispatcher Megatron-LM recommends with expert parallelism (megatron-core 0.16.1 MoE README)
+#: how the routed experts run: grouped GEMMs (as the planner costs them) and all-to-all token dispatch, the
+#: dispatcher Megatron-LM recommends with expert parallelism (megatron-core 0.16.1 MoE README)
 MOE_RUNTIME: Flags = [("--moe-grouped-gemm", None), ("--moe-token-dispatcher-type", "alltoall")]
 
 
-def moe_flags(arch: dict[str, Any], lay: Any) -> tuple[Flags, Flags]:
+def grouped_gemm_devices(plan: Plan) -> bool:
+    """Whether every device of the plan runs Megatron's grouped GEMM: validate_args asserts compute capability >= 8
+    with --moe-grouped-gemm (Megatron-LM core_v0.16.1 arguments.py). Profiles hold no compute capability; bf16 tensor
+    cores came with it (Ampere, 8.0), so a device profile without a bf16 peak (V100 7.0, T4 7.5) runs the experts one
+    after another (SequentialMLP: the same FLOPs) instead."""
+    devices = (plan.assumptions or {}).get("devices") or {}
+    return all("bf16" in (d.get("peak_flops") or {}) for d in devices.values())
+
+
+def moe_flags(arch: dict[str, Any], lay: Any, grouped_gemm: bool = True) -> tuple[Flags, Flags]:
     """(GPT_MODEL_ARGS, MODEL_PARALLEL_ARGS) additions for a mixture of experts; nothing for a dense model.
 
     The expert-parallel sizes are always written for an MoE model: Megatron's --expert-tensor-parallel-size
@@ -243,7 +252,7 @@ def moe_flags(arch: dict[str, Any], lay: Any) -> tuple[Flags, Flags]:
     model.append(("--moe-router-load-balancing-type", balance))
     if balance != "none":
         model.append(("--moe-aux-loss-coeff", repr(float(arch.get("moe_aux_loss_coeff") or 0.0))))
-    model += MOE_RUNTIME
+    model += [f for f in MOE_RUNTIME if grouped_gemm or f[0] != "--moe-grouped-gemm"]
     parallel: Flags = [("--expert-model-parallel-size", str(lay.ep)), ("--expert-tensor-parallel-size", str(lay.etp))]
     return model, parallel
 
@@ -280,7 +289,7 @@ def flag_groups(plan: Plan) -> dict[str, Flags]:
     if lay.tp > 1:
         parallel.append(("--sequence-parallel", None))
     parallel += feature_parallel
-    moe_model, moe_parallel = moe_flags(arch, lay)
+    moe_model, moe_parallel = moe_flags(arch, lay, grouped_gemm_devices(plan))
     parallel += moe_parallel
     vocab_arg, divisible = vocab_flags(arch["vocab_size"], lay.tp)
     data: Flags = [
