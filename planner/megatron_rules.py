@@ -62,7 +62,7 @@ RULES: dict[str, tuple[str, str]] = {
     "MEG027": ("error", "a flag's value is missing or has the wrong type"),
     "MEG028": ("error", "not a Megatron-LM flag, or a stray word"),
     "MEG029": ("warning", "a flag is given twice with different values (the last wins)"),
-    "MEG030": ("error", "FFN hidden size not divisible by tp"),
+    "MEG030": ("error", "FFN hidden size not divisible by tp (routed experts': by etp)"),
     "MEG031": ("error", "the launch script did not reach its launch (it failed, looped or ran past its limits)"),
     "MEG032": ("error", "world size not divisible by etp x ep x pp (the expert-parallel grid)"),
     "MEG033": ("error", "expert parallelism without --num-experts, or experts not divisible by ep"),
@@ -425,6 +425,17 @@ class _Checker:
                 f"FFN hidden size {ffn} is not divisible by tp = {tp} (the MLP's parallel linear layers assert it).",
                 "choose tp dividing the FFN size",
             )
+        if a.int("--num-experts"):  # routed experts split over etp (default tp), shared experts over tp (megatron-core experts.py, shared_experts.py)
+            etp = a.int("--expert-tensor-parallel-size", tp)
+            for flag, size, name in (("--moe-ffn-hidden-size", etp, "etp"), ("--moe-shared-expert-intermediate-size", tp, "tp")):
+                width = a.int(flag)
+                if width is not None and width > 0 and size is not None and size > 0 and width % size:
+                    self.add(
+                        "MEG030",
+                        a.line(flag),
+                        f"{flag} {width} is not divisible by {name} = {size} (the experts' parallel linear layers assert it).",
+                        f"choose {name} dividing {width}",
+                    )
 
     # batches and schedule -----------------------------------------------------
     def batch_rules(self, tp: int, pp: int, dp: int | None, L: int | None) -> None:

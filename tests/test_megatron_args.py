@@ -425,6 +425,15 @@ def test_moe_and_mla_examples_pass_and_megatron_core_builds_them():
     assert isinstance(cfg, MLATransformerConfig) and (cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim, cfg.rope_type) == (32, 16, "rope")
 
 
+def test_expert_widths_must_divide_over_their_tensor_parallel_groups():
+    """Routed experts split their width over etp, shared experts over tp (MEG030); megatron-core's linear layers assert it."""
+    bad = [_moe({"--moe-ffn-hidden-size": "100", "--expert-tensor-parallel-size": "8"}), _moe({"--moe-shared-expert-intermediate-size": "101"})]
+    for flags in bad:
+        assert {f.rule for f in check_megatron_args(parse_megatron_args(_script(flags, 16)))} == {"MEG030"}
+    ok = _moe({"--moe-ffn-hidden-size": "100", "--expert-tensor-parallel-size": "4"})
+    assert check_megatron_args(parse_megatron_args(_script(ok))) == []
+
+
 def test_mla_with_fused_plain_rope_is_refused_by_us_and_by_mla_transformer_config():
     """Megatron-LM fuses rope by default; MLATransformerConfig refuses that with --rope-type rope (MEG040)."""
     args = parse_megatron_args(_script(_with({}, extra=[(n, v) for n, v in MLA if n != "--no-rope-fusion"])))
