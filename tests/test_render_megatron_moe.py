@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from mlm_validate import megatron_lm_config
+from mlm_validate import megatron_lm_config, megatron_lm_path
 
 from planner.check.megatron_core import core_config, core_stage_layers
 from planner.check.megatron_script import parse_megatron_args
@@ -264,14 +264,7 @@ def test_parse_layer_freq_refuses_what_it_cannot_read(bad):
 
 
 def _arch(**change):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("moe_example", REPO / "examples" / "moe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    arch = mod.architecture("moe-tiny")
-    arch.update(change)
-    return arch
+    return _arch_of("moe-tiny") | change
 
 
 @pytest.mark.parametrize(
@@ -335,3 +328,38 @@ def test_flag_table_is_megatron_lm_s_parser():
     for name, action in options.items():
         nargs = "0" if action.nargs == 0 else "1" if action.nargs is None else str(action.nargs)
         assert flag_table()[name].nargs == nargs, name
+
+
+@pytest.mark.parametrize("preset", ["mixtral-8x7b", "mixtral-8x22b", "deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b"])
+def test_published_moe_shapes_map_onto_megatron(preset):
+    """examples/moe.py's published presets: their architecture() gives flags megatron-core builds into the same model
+    (experts, widths, the MoE layer pattern; DeepSeek-V3's three dense layers as "[0]*3+[1]*58")."""
+    from types import SimpleNamespace
+
+    from planner.megatron_args import MegatronArgs
+    from planner.megatron_flags import Flag
+    from planner.render.megatron import model_flags, moe_flags
+
+    arch = architecture_defaults(_arch_of(preset))
+    assert architecture_problem(arch) is None
+    lay = SimpleNamespace(ep=8, etp=1)
+    model, parallel = moe_flags(arch, lay)
+    pairs = model_flags(arch) + model + parallel + [("--bf16", None), ("--micro-batch-size", "1"), ("--global-batch-size", "64")]
+    args = MegatronArgs("args", tuple(Flag(n, () if v is None else (v,) if isinstance(v, str) else tuple(v), None) for n, v in pairs))
+    assert check_megatron_args(args, 64) == []
+    cfg = core_config(args)
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size) == (arch["num_experts"], arch["moe_router_topk"], arch["moe_ffn_hidden_size"])
+    assert mlp_kinds(cfg) == layer_pattern(arch["moe_layer_freq"], arch["num_layers"])
+    if preset == "deepseek-v3":
+        assert args.value("--moe-layer-freq") == "[0]*3+[1]*58" and cfg.moe_router_topk_scaling_factor == 2.5
+    if megatron_lm_path() is not None:
+        megatron_lm_config(args.argv(), 64)
+
+
+def _arch_of(preset: str) -> dict:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("moe_example", REPO / "examples" / "moe.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.architecture(preset)
