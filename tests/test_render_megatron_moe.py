@@ -73,6 +73,9 @@ def test_megatron_core_builds_the_planned_mixture_of_experts(name, ep):
     assert cfg.moe_token_dispatcher_type == "alltoall"
     assert mlp_kinds(cfg) == layer_pattern(arch["moe_layer_freq"], arch["num_layers"])
     assert core_stage_layers(cfg) == planned_stage_layers(plan)
+    readme = " ".join(render_megatron(plan, "c", None)["README.md"].split())
+    assert f"{sum(mlp_kinds(cfg))} of {cfg.num_layers} layers route each token to {cfg.moe_router_topk} of {cfg.num_moe_experts} experts" in readme
+    assert f"split over {cfg.expert_model_parallel_size} GPU(s)" in readme
     if arch["multi_latent_attention"]:
         for key in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
             assert getattr(cfg, key) == arch[key], key

@@ -398,6 +398,8 @@ def _context(plan: Plan, command: str) -> dict[str, Any]:
         "divisible": divisible,
         "padded_vocab": padded_vocab(vocab_arg + 1, lay.tp, divisible),
         "hyperparameters": HYPERPARAMETERS,
+        "moe_layers": sum(layer_pattern(arch.get("moe_layer_freq", 1), arch["num_layers"])) if arch.get("num_experts") else 0,
+        "grouped_gemm": grouped_gemm_devices(plan),
         "job_name": job_name(plan),
         "script": SCRIPT,
     }
