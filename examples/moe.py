@@ -561,6 +561,7 @@ def architecture(preset="mixtral-8x7b", **overrides):
         "moe_layer_freq": [int(is_moe_layer(i, cfg["first_k_dense"], cfg["moe_layer_freq"])) for i in range(cfg["n_layers"])],
         "moe_router_score_function": cfg["router"],
         "moe_router_load_balancing_type": "none",  # loss_fn adds no balancing loss
+        "moe_router_pre_softmax": (cfg["router"] == "softmax" and not cfg["norm_topk"]) or None,  # softmax over all experts, no renormalization
         "moe_router_enable_expert_bias": cfg["router"] == "sigmoid" or None,
         "moe_router_topk_scaling_factor": cfg["routed_scale"] if cfg["routed_scale"] != 1.0 else None,
         "multi_latent_attention": mla or None,

@@ -19,6 +19,7 @@ from typing import Any
 
 from planner.megatron_flags import MEGATRON_VERSION, EnvVar, Flag, FlagSpec, MegatronArgs, as_int, flag_parser, flag_table, group_argv, parse_args_file
 from planner.megatron_layout import LayoutError, layout_string, parse_layout, split_flags, stage_layers, virtual_size
+from planner.megatron_moe import MOE_DEFAULTS, mla_problems, moe_problems
 from planner.megatron_rules import REQUIRED_FLAGS, RULES, Finding, check_megatron_args, errors
 
 __all__ = [
@@ -92,6 +93,56 @@ ARCHITECTURE: tuple[ArchKey, ...] = (
     ArchKey("norm_epsilon", None, "normalization epsilon; unset means Megatron's 1e-5 (`--norm-epsilon`)"),
     ArchKey("rotary_base", None, "RoPE base for rope/mrope; unset means Megatron's 10000 (`--rotary-base`)"),
     ArchKey("mrope_section", None, "list of ints, required with position_embedding `mrope` (`--mrope-section`)"),
+    ArchKey("kv_channels", None, "width of each attention head; unset means hidden_size / heads (`--kv-channels`, written when it differs)"),
+    ArchKey("qk_layernorm", False, "normalize each head's queries and keys (`--qk-layernorm`)"),
+    # multi-latent attention (DeepSeek-V2/V3): megatron-core's MLATransformerConfig
+    ArchKey("multi_latent_attention", False, "multi-latent attention; excludes num_query_groups and needs rope (`--multi-latent-attention`)"),
+    ArchKey("q_lora_rank", None, "low-rank width of the query projection; unset means a full-rank query (`--q-lora-rank`)"),
+    ArchKey("kv_lora_rank", None, "low-rank width of the key/value projection, required with MLA (`--kv-lora-rank`)"),
+    ArchKey("qk_head_dim", None, "query/key head width without its rotary part, required with MLA (`--qk-head-dim`)"),
+    ArchKey("qk_pos_emb_head_dim", None, "rotary part of the query/key head, required with MLA (`--qk-pos-emb-head-dim`)"),
+    ArchKey("v_head_dim", None, "value head width, required with MLA (`--v-head-dim`)"),
+    # mixtures of experts: megatron-core's MoELayer (dropless, grouped GEMM, all-to-all token dispatch)
+    ArchKey("num_experts", None, "routed experts per MoE layer; unset means a dense model (`--num-experts`)"),
+    ArchKey("moe_router_topk", None, "experts each token is routed to, 1 ... num_experts, required with num_experts (`--moe-router-topk`)"),
+    ArchKey("moe_ffn_hidden_size", None, "each routed expert's MLP width; unset means ffn_hidden_size (`--moe-ffn-hidden-size`)"),
+    ArchKey(
+        "moe_shared_expert_intermediate_size",
+        None,
+        "shared experts' total MLP width (count x width); unset means none (`--moe-shared-expert-intermediate-size`)",
+    ),
+    ArchKey(
+        "moe_shared_expert_gate",
+        MOE_DEFAULTS["moe_shared_expert_gate"],
+        "a sigmoid gate on the shared experts' output, as Qwen2-MoE's (`--moe-shared-expert-gate`)",
+    ),
+    ArchKey(
+        "moe_layer_freq",
+        MOE_DEFAULTS["moe_layer_freq"],
+        "which layers are MoE: N (layers 0, N, 2N, ...) or a 0/1 list, one per layer (`--moe-layer-freq`, its shortest exact form)",
+    ),
+    ArchKey("moe_router_score_function", MOE_DEFAULTS["moe_router_score_function"], "`softmax` or `sigmoid` (`--moe-router-score-function`)"),
+    ArchKey(
+        "moe_router_pre_softmax",
+        MOE_DEFAULTS["moe_router_pre_softmax"],
+        "softmax over all experts before the top-k, no renormalization (`--moe-router-pre-softmax`)",
+    ),
+    ArchKey(
+        "moe_router_enable_expert_bias",
+        MOE_DEFAULTS["moe_router_enable_expert_bias"],
+        "aux-loss-free balancing bias on the routing scores, sigmoid only (`--moe-router-enable-expert-bias`)",
+    ),
+    ArchKey("moe_router_num_groups", None, "expert groups for group-limited routing (DeepSeek-V3's n_group); unset means none (`--moe-router-num-groups`)"),
+    ArchKey("moe_router_group_topk", None, "groups each token's experts come from, with moe_router_num_groups (`--moe-router-group-topk`)"),
+    ArchKey("moe_router_topk_scaling_factor", None, "factor on the routed experts' weights; unset means 1 (`--moe-router-topk-scaling-factor`)"),
+    ArchKey(
+        "moe_router_load_balancing_type",
+        MOE_DEFAULTS["moe_router_load_balancing_type"],
+        "`aux_loss`, `seq_aux_loss`, `global_aux_loss`, `sinkhorn` or `none` (`--moe-router-load-balancing-type`)",
+    ),
+    ArchKey(
+        "moe_aux_loss_coeff", MOE_DEFAULTS["moe_aux_loss_coeff"], "weight of the balancing loss (`--moe-aux-loss-coeff`, written unless the type is `none`)"
+    ),
 )
 #: the keys Megatron cannot do without
 ARCHITECTURE_KEYS = tuple(k.name for k in ARCHITECTURE if k.default is REQUIRED)
@@ -154,6 +205,12 @@ def architecture_problem(arch: dict[str, Any] | None, model: str = "the model fi
         not isinstance(section, (list, tuple)) or not section or not all(isinstance(x, int) and x > 0 for x in section)
     ):
         problems.append(f"position embedding 'mrope' with mrope_section {section!r} (validate_args asserts a list of positive ints)")
+    kv = arch["kv_channels"]
+    if kv is not None and (not isinstance(kv, int) or isinstance(kv, bool) or kv < 1):
+        problems.append(f"kv_channels = {kv!r} (a positive integer or unset)")
+    if not isinstance(arch["qk_layernorm"], bool):
+        problems.append(f"qk_layernorm = {arch['qk_layernorm']!r} (True or False)")
+    problems += mla_problems(arch) + moe_problems(arch)
     if problems:
         return (
             f"{model}'s architecture does not map onto Megatron-LM's GPT model: " + "; ".join(problems) + ".",

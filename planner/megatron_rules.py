@@ -1,4 +1,4 @@
-"""Megatron-LM's argument rules (MEG001-MEG031) as data and small checks over :class:`MegatronArgs`.
+"""Megatron-LM's argument rules (MEG001-MEG040) as data and small checks over :class:`MegatronArgs`.
 
 :func:`check_megatron_args` applies Megatron's rules (``validate_args`` in
 megatron/training/arguments.py, ``TransformerConfig.__post_init__``, the microbatch
@@ -17,6 +17,7 @@ from typing import Literal
 from planner.errors import close_matches
 from planner.megatron_flags import MEGATRON_VERSION, Flag, FlagSpec, MegatronArgs, as_float, as_int, flag_table
 from planner.megatron_layout import LayoutError, parse_layout, virtual_size
+from planner.megatron_moe import parse_layer_freq
 
 #: flags pretrain_gpt.py cannot run without (num-layers, hidden-size, heads and max positions are asserted by
 #: validate_args; the sequence length and batch sizes define the run)
@@ -61,9 +62,18 @@ RULES: dict[str, tuple[str, str]] = {
     "MEG027": ("error", "a flag's value is missing or has the wrong type"),
     "MEG028": ("error", "not a Megatron-LM flag, or a stray word"),
     "MEG029": ("warning", "a flag is given twice with different values (the last wins)"),
-    "MEG030": ("error", "FFN hidden size not divisible by tp"),
+    "MEG030": ("error", "FFN hidden size not divisible by tp (routed experts': by etp)"),
     "MEG031": ("error", "the launch script did not reach its launch (it failed, looped or ran past its limits)"),
-    "MEG032": ("error", "--fp8-param-gather without FP8 training or without the distributed optimizer"),
+    "MEG032": ("error", "world size not divisible by etp x ep x pp (the expert-parallel grid)"),
+    "MEG033": ("error", "expert parallelism without --num-experts, or experts not divisible by ep"),
+    "MEG034": ("error", "--moe-router-topk outside 1 ... --num-experts"),
+    "MEG035": ("error", "--moe-layer-freq is not a pattern Megatron reads, or not one entry per layer"),
+    "MEG036": ("error", "router flags TransformerConfig refuses"),
+    "MEG037": ("error", "token dispatcher flags that do not combine"),
+    "MEG038": ("error", "biases in MoE layers with expert tensor parallelism"),
+    "MEG039": ("warning", "expert and tensor parallelism without --sequence-parallel"),
+    "MEG040": ("error", "multi-latent attention flags megatron-core refuses"),
+    "MEG041": ("error", "--fp8-param-gather without FP8 training or without the distributed optimizer"),
 }
 
 
@@ -136,6 +146,8 @@ class _Checker:
         self.attention_rules(tp)
         self.batch_rules(tp, pp, dp, L)
         self.misc_rules(tp, cp)
+        self.moe_rules(tp, pp, L, dp)
+        self.mla_rules()
         return self.finish()
 
     def finish(self) -> list[Finding]:
@@ -414,6 +426,17 @@ class _Checker:
                 f"FFN hidden size {ffn} is not divisible by tp = {tp} (the MLP's parallel linear layers assert it).",
                 "choose tp dividing the FFN size",
             )
+        if a.int("--num-experts"):  # routed experts split over etp (default tp), shared experts over tp (megatron-core experts.py, shared_experts.py)
+            etp = a.int("--expert-tensor-parallel-size", tp)
+            for flag, size, name in (("--moe-ffn-hidden-size", etp, "etp"), ("--moe-shared-expert-intermediate-size", tp, "tp")):
+                width = a.int(flag)
+                if width is not None and width > 0 and size is not None and size > 0 and width % size:
+                    self.add(
+                        "MEG030",
+                        a.line(flag),
+                        f"{flag} {width} is not divisible by {name} = {size} (the experts' parallel linear layers assert it).",
+                        f"choose {name} dividing {width}",
+                    )
 
     # batches and schedule -----------------------------------------------------
     def batch_rules(self, tp: int, pp: int, dp: int | None, L: int | None) -> None:
@@ -489,7 +512,7 @@ class _Checker:
                 missing.remove("--use-distributed-optimizer")
             if missing:
                 self.add(
-                    "MEG032",
+                    "MEG041",
                     a.line("--fp8-param-gather"),
                     f"--fp8-param-gather needs {' and '.join(missing)} (validate_args and TransformerConfig assert it).",
                     f"add {' '.join(missing)}, or drop --fp8-param-gather",
@@ -522,6 +545,137 @@ class _Checker:
             )
         if a.has("--fp16") and a.has("--bf16"):
             self.add("MEG025", self.line("--fp16"), "--fp16 and --bf16 are both given; Megatron trains in one of them.", "keep one")
+
+    # mixtures of experts and multi-latent attention ----------------------------
+    def moe_rules(self, tp: int, pp: int, L: int | None, dp: int | None) -> None:
+        """validate_args (arguments.py), parallel_state.initialize_model_parallel and TransformerConfig.__post_init__
+        (megatron-core 0.16.1) on the MoE flags; ``dp`` is None when the world size is unknown or MEG002 fired."""
+        a = self.a
+        ep = a.int("--expert-model-parallel-size", 1)
+        etp = a.int("--expert-tensor-parallel-size", tp)  # validate_args: unset means tp
+        experts = a.int("--num-experts")
+        experts = None if experts == 0 else experts  # validate_args: 0 means none
+        if ep is None or etp is None or ep < 1 or etp < 1:
+            return  # MEG027 says which
+        grid = etp * ep * pp
+        if dp is not None and self.world is not None and self.world % grid:  # dp None: MEG002 (raised first) or no world size
+            self.add(
+                "MEG032",
+                self.line("--expert-model-parallel-size", "--expert-tensor-parallel-size"),
+                f"world size {self.world} is not divisible by etp x ep x pp = {etp} x {ep} x {pp} = {grid} (parallel_state raises RuntimeError).",
+                f"use a world size that is a multiple of {grid}, or change ep / etp",
+            )
+        if ep > 1 and experts is None:
+            self.add(
+                "MEG033",
+                self.line("--expert-model-parallel-size"),
+                f"--expert-model-parallel-size {ep} without --num-experts (validate_args asserts num_experts is set).",
+                "add --num-experts N, or drop expert parallelism",
+            )
+        elif experts is not None and experts > 0 and experts % ep:
+            self.add(
+                "MEG033",
+                self.line("--num-experts", "--expert-model-parallel-size"),
+                f"{experts} experts are not divisible by ep = {ep} (validate_args asserts it).",
+                "choose ep dividing the expert count",
+            )
+        if experts is None:
+            return
+        topk = a.int("--moe-router-topk", 2)  # TransformerConfig's default
+        if topk is not None and not 1 <= topk <= experts:
+            self.add(
+                "MEG034",
+                self.line("--moe-router-topk", "--num-experts"),
+                f"--moe-router-topk {topk} routes each token to {topk} of {experts} experts (the router's top-k needs 1 <= k <= experts).",
+                f"use a top-k between 1 and {experts}",
+            )
+        freq = a.value("--moe-layer-freq")
+        if freq is not None:
+            try:
+                parsed = parse_layer_freq(freq)
+            except ValueError as e:
+                self.add(
+                    "MEG035",
+                    a.line("--moe-layer-freq"),
+                    f"--moe-layer-freq {freq!r}: {e} (moe_freq_type).",
+                    "write an int N or a pattern like '([0]*3+[1]*58)'",
+                )
+            else:
+                if isinstance(parsed, int) and parsed < 1:
+                    self.add("MEG035", a.line("--moe-layer-freq"), f"--moe-layer-freq {parsed} (every N-th layer needs N >= 1).", "use N >= 1")
+                elif isinstance(parsed, list) and L is not None and (len(parsed) != L or any(x not in (0, 1) for x in parsed)):
+                    self.add(
+                        "MEG035",
+                        a.line("--moe-layer-freq"),
+                        f"--moe-layer-freq gives {len(parsed)} entries {sorted(set(parsed))} for {L} layers (get_gpt_decoder_layer_specs needs one 0/1 entry per layer).",
+                        f"write {L} entries of 0 (dense) or 1 (MoE)",
+                    )
+        score = a.value("--moe-router-score-function") or "softmax"
+        balance = a.get("--moe-router-load-balancing-type")
+        balance_types = balance.values if balance is not None else ("aux_loss",)
+        if a.has("--moe-router-enable-expert-bias") and score != "sigmoid":
+            self.add(
+                "MEG036",
+                a.line("--moe-router-enable-expert-bias"),
+                f"--moe-router-enable-expert-bias with score function {score!r} (TransformerConfig: expert bias needs sigmoid).",
+                "add --moe-router-score-function sigmoid, or drop the expert bias",
+            )
+        if topk == 1 and score == "softmax" and not a.has("--moe-router-pre-softmax") and balance_types != ("sinkhorn",):
+            self.add(
+                "MEG036",
+                self.line("--moe-router-topk"),
+                "top-1 softmax routing without --moe-router-pre-softmax (TransformerConfig raises: softmax over one logit has zero gradient).",
+                "add --moe-router-pre-softmax",
+            )
+        dispatcher = a.value("--moe-token-dispatcher-type") or "allgather"
+        if dispatcher == "flex" and tp * ep <= 1:
+            self.add(
+                "MEG037",
+                a.line("--moe-token-dispatcher-type"),
+                f"the flex token dispatcher with tp x ep = {tp * ep} (MoEFlexTokenDispatcher asserts tp x ep > 1).",
+                "use --moe-token-dispatcher-type alltoall",
+            )
+        if a.has("--moe-shared-expert-overlap") and a.has("--moe-shared-expert-intermediate-size") and dispatcher != "alltoall":
+            self.add(
+                "MEG037",
+                a.line("--moe-shared-expert-overlap"),
+                f"--moe-shared-expert-overlap with the {dispatcher} dispatcher (TransformerConfig: it works with alltoall only).",
+                "add --moe-token-dispatcher-type alltoall, or drop the overlap",
+            )
+        if etp > 1 and not a.has("--disable-bias-linear"):
+            self.add(
+                "MEG038",
+                self.line("--expert-tensor-parallel-size", "--tensor-model-parallel-size"),
+                f"MoE layers with biases and expert tensor parallelism {etp} (TransformerConfig asserts etp == 1 with biases; --expert-tensor-parallel-size defaults to tp).",
+                "add --disable-bias-linear, or --expert-tensor-parallel-size 1",
+            )
+        if ep > 1 and tp > 1 and not a.has("--sequence-parallel"):
+            self.add(
+                "MEG039",
+                self.line("--expert-model-parallel-size"),
+                f"ep = {ep} with tp = {tp} and no --sequence-parallel (ModelParallelConfig: sequence parallelism must be used with expert and tensor parallelism).",
+                "add --sequence-parallel",
+            )
+
+    def mla_rules(self) -> None:
+        a = self.a
+        if not a.has("--multi-latent-attention"):
+            return
+        if a.has("--group-query-attention"):
+            self.add(
+                "MEG040",
+                a.line("--group-query-attention"),
+                "--multi-latent-attention with --group-query-attention (validate_args: they are mutually exclusive).",
+                "drop --group-query-attention and --num-query-groups",
+            )
+        rope_fused = (a.value("--position-embedding-type") or "learned_absolute") == "rope" and not a.has("--no-rope-fusion")
+        if rope_fused and (a.value("--rope-type") or "yarn") != "yarn":
+            self.add(
+                "MEG040",
+                a.line("--rope-type"),
+                f"--multi-latent-attention with --rope-type {a.value('--rope-type')} and rope fusion on (MLATransformerConfig: fusion for MLA works with yarn only).",
+                "add --no-rope-fusion",
+            )
 
     def recompute_rules(self) -> None:
         a = self.a

@@ -81,3 +81,30 @@ def test_output_copies_only_for_torch_split_backward():
     torch = get_engine("torch")
     assert torch.sends_output_copies("zbv") and torch.sends_output_copies("zb-h1")
     assert not torch.sends_output_copies("1f1b") and not get_engine("deepspeed").sends_output_copies("1f1b")
+
+
+def test_expert_parallelism_refusals_name_the_reason():
+    """ep > 1 runs on Megatron only; DeepSpeed's refusal says why (its pipeline engine splits only its own MoE layer)."""
+    from planner.solve.plan import Layout
+
+    ep2 = Layout("deepspeed", 2, 1, 4, 1, 1, 8, 32, "1f1b", "none", 0, ep=2)
+    (ds,) = [p for p in get_engine("deepspeed").feature_problems(ep2, None) if "expert" in p]
+    assert "deepspeed.moe.layer.MoE" in ds and "token dropping" in ds and "--engine megatron" in ds
+    assert any("expert parallelism" in p for p in get_engine("torch").feature_problems(ep2, None))
+    assert not [p for p in get_engine("megatron").feature_problems(ep2, None) if "expert" in p]
+    assert not [p for p in get_engine("deepspeed").feature_problems(Layout("deepspeed", 2, 1, 4, 1, 1, 8, 32, "1f1b", "none", 0), None) if "expert" in p]
+
+
+def test_deepspeed_moe_facts_the_refusal_states():
+    """The facts of DeepSpeed 0.19.8 the refusal rests on: MoE drops tokens by default, its gate takes a capacity factor,
+    and expert groups are drawn per pipeline stage (the pipeline size is an input of the expert-group builder)."""
+    import inspect
+
+    deepspeed = pytest.importorskip("deepspeed")
+    from deepspeed.moe.layer import MoE
+    from deepspeed.utils import groups
+
+    params = inspect.signature(MoE.__init__).parameters
+    assert params["drop_tokens"].default is True and "capacity_factor" in params and "ep_size" in params
+    assert "pp_size" in inspect.signature(groups._create_expert_and_data_parallel).parameters
+    assert deepspeed.__version__.startswith("0.19")

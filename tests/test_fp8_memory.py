@@ -215,12 +215,12 @@ def test_rendered_fp8_param_gather_passes_megatron_validation():
     assert isinstance(ok, TransformerConfig) and ok.fp8_param
     with pytest.raises(ValueError, match="fp8_param"):
         replace(cfg, fp8=None, fp8_param=True)
-    # the same flag without FP8 or without the distributed optimizer is a finding (MEG032)
+    # the same flag without FP8 or without the distributed optimizer is a finding (MEG041)
     for drop in ("--fp8-format", "--use-distributed-optimizer"):
         text = render_megatron(plan, "planner plan", None)["pretrain_gpt.sh"]
         lines = [ln for ln in text.splitlines() if not ln.strip().startswith(drop)]
         found = check_megatron_args(parse_megatron_args("\n".join(lines)), plan.layout.world)
-        assert "MEG032" in {f.rule for f in found}, drop
+        assert "MEG041" in {f.rule for f in found}, drop
     plain = parse_megatron_args(render_megatron(_plan(zero=1, fp8=True), "planner plan", None)["pretrain_gpt.sh"])
     assert not plain.has("--fp8-param-gather")
 
@@ -235,7 +235,7 @@ def _planner(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def test_plan_with_fp8_param_gather_renders_the_flag_and_validates(tmp_path):
     """`--dtype fp8 --fp8-param-gather` plans only distributed-optimizer layouts, records the option in plan.json, writes
-    Megatron's flag, and `planner validate` passes the plan it wrote (MEG032 and the memory check included)."""
+    Megatron's flag, and `planner validate` passes the plan it wrote (MEG041 and the memory check included)."""
     model = str(ROOT / "examples" / "llama.py")
     r = _planner("plan", model, "--model-arg", "preset=llama-tiny", "--gpus", "2xH100", "--engine", "megatron", "--dtype", "fp8",
                  "--fp8-param-gather", "--out", "p", "--quiet", cwd=tmp_path)  # fmt: skip

@@ -252,6 +252,33 @@ def _with(changes: dict, drop=(), extra=()) -> list:
     return out + list(extra)
 
 
+#: a mixture of experts on BASE's tp 2 (no biases, experts unsplit by tp, sequence parallelism as expert parallelism wants)
+MOE = [
+    ("--num-experts", "4"),
+    ("--moe-router-topk", "2"),
+    ("--disable-bias-linear", None),
+    ("--expert-tensor-parallel-size", "1"),
+    ("--sequence-parallel", None),
+]
+#: multi-latent attention on BASE (plain rope, unfused as MLATransformerConfig wants it)
+MLA = [
+    ("--multi-latent-attention", None),
+    ("--kv-lora-rank", "32"),
+    ("--qk-head-dim", "32"),
+    ("--qk-pos-emb-head-dim", "16"),
+    ("--v-head-dim", "32"),
+    ("--position-embedding-type", "rope"),
+    ("--rope-type", "rope"),
+    ("--no-rope-fusion", None),
+]
+
+
+def _moe(changes: dict | None = None, drop=(), extra=()) -> list:
+    """BASE + MOE with MOE's values changed, some flags dropped and others added."""
+    changes = changes or {}
+    return _with({}) + [(n, changes.get(n, v)) for n, v in MOE if n not in drop] + [(n, v) for n, v in changes.items() if n not in dict(MOE)] + list(extra)
+
+
 #: rule id -> (flags, world size, export CUDA_DEVICE_MAX_CONNECTIONS, whether Megatron-LM's parse_args/validate_args/TransformerConfig refuse it)
 RULE_CASES = {
     "MEG001": (_with({}, drop=["--hidden-size"]), WORLD, True, True),
@@ -289,7 +316,21 @@ RULE_CASES = {
     "MEG028": (_with({}, extra=[("--overlap-p2p-communication", None)]), WORLD, True, True),
     "MEG029": (_with({"--micro-batch-size": "2"}, extra=[("--micro-batch-size", "1")]), WORLD, True, False),
     "MEG030": (_with({}, extra=[("--ffn-hidden-size", "1023")]), WORLD, True, False),  # at model build (parallel linear layers)
-    "MEG032": (_with({}, extra=[("--fp8-format", "hybrid"), ("--fp8-param-gather", None)]), WORLD, True, True),  # no distributed optimizer
+    "MEG032": (
+        [(n, "24" if n == "--global-batch-size" else v) for n, v in _moe({"--expert-model-parallel-size": "4"})],
+        12,
+        True,
+        False,
+    ),  # parallel_state at init
+    "MEG033": (_moe({"--num-experts": "3", "--expert-model-parallel-size": "2"}), WORLD, True, True),
+    "MEG034": (_moe({"--moe-router-topk": "5"}), WORLD, True, False),  # the router's torch.topk at run time
+    "MEG035": (_moe({"--moe-layer-freq": "[1]*7"}), WORLD, True, False),  # when the layer specs are built
+    "MEG036": (_moe(extra=[("--moe-router-enable-expert-bias", None)]), WORLD, True, True),
+    "MEG037": (_moe({"--moe-shared-expert-intermediate-size": "512"}, extra=[("--moe-shared-expert-overlap", None)]), WORLD, True, True),
+    "MEG038": (_moe(drop=("--disable-bias-linear", "--expert-tensor-parallel-size")), WORLD, True, True),
+    "MEG039": (_moe({"--expert-model-parallel-size": "2"}, drop=("--sequence-parallel",)), WORLD, True, False),
+    "MEG040": (_with({}, extra=MLA + [("--group-query-attention", None), ("--num-query-groups", "4")]), WORLD, True, True),
+    "MEG041": (_with({}, extra=[("--fp8-format", "hybrid"), ("--fp8-param-gather", None)]), WORLD, True, True),  # no distributed optimizer
 }
 
 
@@ -353,7 +394,9 @@ def test_uneven_and_interleaved_examples_pass():
 # --------------------------------------------------------------------------- megatron-core agrees
 
 
-@pytest.mark.parametrize("rule", ["MEG003", "MEG004", "MEG005", "MEG007", "MEG008", "MEG009", "MEG010", "MEG011", "MEG013", "MEG014", "MEG020"])
+@pytest.mark.parametrize(
+    "rule", ["MEG003", "MEG004", "MEG005", "MEG007", "MEG008", "MEG009", "MEG010", "MEG011", "MEG013", "MEG014", "MEG020", "MEG036", "MEG037", "MEG038"]
+)
 def test_transformer_config_refuses_what_the_rule_refuses(rule):
     """Rules that megatron-core's TransformerConfig (or its layer-count function) enforces: it raises on the failing example."""
     flags, world, export, _ = RULE_CASES[rule]
@@ -366,6 +409,38 @@ def test_transformer_config_refuses_what_the_rule_refuses(rule):
 def test_transformer_config_accepts_the_base_example():
     cfg = _core_config(parse_megatron_args(_script(BASE)))
     assert _core_stage_layers(cfg) == [4, 4]
+
+
+def test_moe_and_mla_examples_pass_and_megatron_core_builds_them():
+    """The MoE and MLA bases pass every rule, and megatron-core's (MLA)TransformerConfig takes them as given."""
+    from megatron.core.transformer import MLATransformerConfig
+
+    moe = parse_megatron_args(_script(_moe({"--expert-model-parallel-size": "2", "--moe-layer-freq": "[0]+[1]*7"})))
+    assert check_megatron_args(moe) == []
+    cfg = _core_config(moe)
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.expert_model_parallel_size, cfg.expert_tensor_parallel_size) == (4, 2, 2, 1)
+    assert cfg.moe_layer_freq == [0] + [1] * 7 and cfg.moe_ffn_hidden_size == cfg.ffn_hidden_size  # unset: the dense width
+    mla = parse_megatron_args(_script(_with({}, extra=MLA)))
+    assert check_megatron_args(mla) == []
+    cfg = _core_config(mla)
+    assert isinstance(cfg, MLATransformerConfig) and (cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim, cfg.rope_type) == (32, 16, "rope")
+
+
+def test_expert_widths_must_divide_over_their_tensor_parallel_groups():
+    """Routed experts split their width over etp, shared experts over tp (MEG030); megatron-core's linear layers assert it."""
+    bad = [_moe({"--moe-ffn-hidden-size": "100", "--expert-tensor-parallel-size": "8"}), _moe({"--moe-shared-expert-intermediate-size": "101"})]
+    for flags in bad:
+        assert {f.rule for f in check_megatron_args(parse_megatron_args(_script(flags, 16)))} == {"MEG030"}
+    ok = _moe({"--moe-ffn-hidden-size": "100", "--expert-tensor-parallel-size": "4"})
+    assert check_megatron_args(parse_megatron_args(_script(ok))) == []
+
+
+def test_mla_with_fused_plain_rope_is_refused_by_us_and_by_mla_transformer_config():
+    """Megatron-LM fuses rope by default; MLATransformerConfig refuses that with --rope-type rope (MEG040)."""
+    args = parse_megatron_args(_script(_with({}, extra=[(n, v) for n, v in MLA if n != "--no-rope-fusion"])))
+    assert {f.rule for f in check_megatron_args(args)} == {"MEG040"}
+    with pytest.raises(ValueError, match="YARN"):
+        _core_config(args)
 
 
 # --------------------------------------------------------------------------- layouts

@@ -161,9 +161,15 @@ def test_architecture_from_the_config_is_accepted_by_megatron_rules(name):
         assert arch["num_query_groups"] == c["num_key_value_heads"] and arch["ffn_hidden_size"] == c["intermediate_size"]
 
 
-def test_no_architecture_for_encoders_and_moe():
-    for name in ("bert", "t5", "vit", "mixtral"):
+def test_no_architecture_for_encoders_and_the_moe_keys_for_mixtral():
+    for name in ("bert", "t5", "vit"):
         assert load_model_file(f"hf:{HF / name}.json").architecture() is None
+    arch, c = load_model_file(f"hf:{HF / 'mixtral'}.json").architecture(), _config("mixtral")
+    assert (arch["num_experts"], arch["moe_router_topk"], arch["moe_ffn_hidden_size"]) == (
+        c["num_local_experts"],
+        c["num_experts_per_tok"],
+        c["intermediate_size"],
+    )
 
 
 def test_model_args_override_config_fields_and_unknown_ones_are_refused():
@@ -176,7 +182,7 @@ def test_model_args_override_config_fields_and_unknown_ones_are_refused():
     assert r.exit_code == 2 and "num_layerz" in r.output and "Traceback" not in r.output
 
 
-ENGINES = {name: ("deepspeed", "torch", "megatron") if name in DECODERS else ("deepspeed", "torch") for name in MODELS}
+ENGINES = {name: ("deepspeed", "torch", "megatron") if name in (*DECODERS, "mixtral") else ("deepspeed", "torch") for name in MODELS}
 
 
 @pytest.mark.parametrize("name,engine", [(n, e) for n in MODELS for e in ENGINES[n]])

@@ -11,7 +11,7 @@ from planner.megatron_args import MegatronArgs, parse_layout
 def core_config(args: MegatronArgs):
     """TransformerConfig built from the flags the way Megatron-LM's core_transformer_config_from_args does."""
     import torch
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     def i(name, default=None):
         return args.int(name, default)
@@ -29,7 +29,9 @@ def core_config(args: MegatronArgs):
     swiglu = args.has("--swiglu")
     bias = not args.has("--disable-bias-linear")
     gran = "selective" if args.has("--recompute-activations") else args.value("--recompute-granularity")
-    return TransformerConfig(
+    config_class = MLATransformerConfig if args.has("--multi-latent-attention") else TransformerConfig
+    return config_class(
+        **moe_kwargs(args, tp),
         num_layers=i("--num-layers"),
         hidden_size=i("--hidden-size"),
         num_attention_heads=i("--num-attention-heads"),
@@ -59,9 +61,62 @@ def core_config(args: MegatronArgs):
         bias_activation_fusion=bias or swiglu,  # validate_args turns bias_gelu_fusion off without biases
         attention_dropout=float(args.value("--attention-dropout") or 0.1),
         hidden_dropout=float(args.value("--hidden-dropout") or 0.1),
-        apply_rope_fusion=False,  # Megatron-LM's default needs Transformer Engine, absent on this CPU machine
+        # Megatron-LM fuses rope unless --no-rope-fusion or the position embedding is not rope (validate_args); the fused
+        # kernel needs Transformer Engine, absent on this CPU machine, except for MLA, whose config only checks the rope type
+        apply_rope_fusion=args.has("--multi-latent-attention")
+        and (args.value("--position-embedding-type") or "learned_absolute") == "rope"
+        and not args.has("--no-rope-fusion"),
         batch_p2p_comm=not (vp and not args.has("--no-overlap-p2p-communication")),
     )
+
+
+def moe_kwargs(args: MegatronArgs, tp: int) -> dict:
+    """The MoE, expert-parallel and attention-variant fields of the config, as core_transformer_config_from_args and
+    validate_args (Megatron-LM core_v0.16.1 arguments.py) set them; none for a dense model with plain attention."""
+    from planner.megatron_moe import parse_layer_freq
+
+    out: dict = {}
+    if args.has("--kv-channels"):
+        out["kv_channels"] = args.int("--kv-channels")
+    if args.has("--qk-layernorm"):
+        out["qk_layernorm"] = True
+    if args.has("--multi-latent-attention"):
+        out["multi_latent_attention"] = True
+        out["q_lora_rank"] = args.int("--q-lora-rank")  # arguments.py default None
+        for flag, default in (("--kv-lora-rank", 32), ("--qk-head-dim", 128), ("--qk-pos-emb-head-dim", 64), ("--v-head-dim", 128)):
+            out[flag[2:].replace("-", "_")] = args.int(flag, default)
+        if args.has("--rope-type"):
+            out["rope_type"] = args.value("--rope-type")
+    experts = args.int("--num-experts")
+    ep = args.int("--expert-model-parallel-size", 1)
+    if experts or (ep or 1) > 1:
+        out["expert_model_parallel_size"] = ep
+        out["expert_tensor_parallel_size"] = args.int("--expert-tensor-parallel-size", tp)
+    if not experts:
+        return out
+    balance = args.get("--moe-router-load-balancing-type")
+    coeff = args.get("--moe-aux-loss-coeff")
+    out |= {
+        "num_moe_experts": experts,
+        "moe_router_topk": args.int("--moe-router-topk", 2),
+        "moe_ffn_hidden_size": args.int("--moe-ffn-hidden-size") or args.int("--ffn-hidden-size"),
+        "moe_shared_expert_intermediate_size": args.int("--moe-shared-expert-intermediate-size"),
+        "moe_layer_freq": parse_layer_freq(args.value("--moe-layer-freq") or "1"),
+        "moe_router_score_function": args.value("--moe-router-score-function") or "softmax",
+        "moe_router_pre_softmax": args.has("--moe-router-pre-softmax"),
+        "moe_router_enable_expert_bias": args.has("--moe-router-enable-expert-bias"),
+        "moe_router_topk_scaling_factor": float(args.value("--moe-router-topk-scaling-factor") or 0) or None,
+        # validate_args unwraps one-element lists
+        "moe_router_load_balancing_type": (balance.values[0] if len(balance.values) == 1 else list(balance.values)) if balance else "aux_loss",
+        "moe_aux_loss_coeff": (float(coeff.values[0]) if len(coeff.values) == 1 else [float(v) for v in coeff.values]) if coeff else 0.0,
+        "moe_grouped_gemm": args.has("--moe-grouped-gemm"),
+        "moe_token_dispatcher_type": args.value("--moe-token-dispatcher-type") or "allgather",
+        "moe_shared_expert_overlap": args.has("--moe-shared-expert-overlap"),
+        "moe_shared_expert_gate": args.has("--moe-shared-expert-gate"),
+        "moe_router_num_groups": args.int("--moe-router-num-groups"),
+        "moe_router_group_topk": args.int("--moe-router-group-topk"),
+    }
+    return out
 
 
 def core_stage_layers(config) -> list[int]:

@@ -64,6 +64,8 @@ class Engine(ABC):
     fp8: bool = False
     #: expert parallelism for mixture-of-experts layers (Layout.ep > 1, Layout.etp > 1)
     expert_parallel: bool = False
+    #: why an engine without expert parallelism has none, and what to use instead (its layout refusal)
+    no_expert_parallel: str = "ep and etp must be 1; use --engine megatron for ep > 1"
 
     # ------------------------------------------------------------------ memory and time
 
@@ -139,7 +141,7 @@ class Engine(ABC):
         if layout.fp8 and not self.fp8:
             out.append(f"{self.name} has no FP8 training (Transformer Engine FP8 GEMMs: use --engine megatron)")
         if (layout.ep > 1 or layout.etp > 1) and not self.expert_parallel:
-            out.append(f"{self.name} runs no expert parallelism (ep and etp must be 1; use --engine megatron for ep > 1)")
+            out.append(f"{self.name} runs no expert parallelism ({self.no_expert_parallel})")
         return out
 
     def layout_problems(self, layout: Layout, costs: ModelCosts) -> list[str]:

@@ -12,6 +12,14 @@ Facts (checked against DeepSpeed 0.19.8's sources; README "Engine rules"):
   ``data_types.grad_accum_dtype = fp32``, fp32 gradient accumulation buffers.
 * Any cut between our pieces is expressible (the rendered PipelineModule takes the
   planned boundaries).
+* Mixtures of experts run as the model file writes them, at ep 1 (every data-parallel rank holds
+  all experts). PipelineEngine can hold ``deepspeed.moe.layer.MoE`` with ep > 1 (since DeepSpeed
+  PR #5338: ``deepspeed.utils.groups._create_expert_and_data_parallel`` draws the expert groups from each
+  stage's data-parallel ranks), but only that layer: its own ``TopKGate`` (capacity factor, tokens
+  dropped by default), experts as deep copies of one ``nn.Module`` (num_experts / ep per rank), and a gate loss
+  ``l_aux`` the model must carry across stages to the loss (deepspeed/moe/layer.py,
+  deepspeed/moe/sharded_moe.py). The rendered script runs the model file's own layers, so ep > 1
+  is refused with that reason.
 """
 
 from __future__ import annotations
@@ -30,6 +38,11 @@ class DeepSpeedEngine(Engine):
     schedules = ("1f1b",)
     searched_schedules = ("1f1b",)
     zero_levels = (0, 1)
+    no_expert_parallel = (
+        "its pipeline engine splits experts only inside deepspeed.moe.layer.MoE layers, with DeepSpeed's own top-k gate, capacity "
+        "factor and token dropping; train_deepspeed.py runs the model file's MoE layers as they are, so ep and etp must be 1 "
+        "(experts replicated over data parallelism); use --engine megatron for ep > 1"
+    )
 
     def state_recipe(self, precision: str, zero: int, optimizer: str = "adam", layout: Layout | None = None) -> StateRecipe:
         if precision == "bf16":

@@ -265,9 +265,11 @@ def hf_architecture(config: Any, seq_len: int) -> dict[str, Any] | None:
     """
     if getattr(config, "is_encoder_decoder", False):
         return None
-    if any(getattr(_text_config(config), k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts")):
-        return None  # mixture of experts: the architecture keys describe dense models only
     c = _text_config(config)
+    moe = hf_moe_architecture(c)
+    if moe is None:
+        return None  # a mixture of experts whose routing Megatron's MoE layer does not run
+    mla = bool(moe.get("multi_latent_attention"))
     get = lambda *names, default=None: next((getattr(c, n) for n in names if getattr(c, n, None) is not None), default)
     layers = get("num_hidden_layers", "n_layer")
     hidden = get("hidden_size", "n_embd")
@@ -298,7 +300,81 @@ def hf_architecture(config: Any, seq_len: int) -> dict[str, Any] | None:
         "bias": bool(get("attention_bias", "mlp_bias", default=c.model_type in ("gpt2",))),
         "dropout": float(get("attention_dropout", "attn_pdrop", default=0.0) or 0.0),
     }
+    if get("head_dim") is not None and not mla:
+        arch["kv_channels"] = get("head_dim")
+    if c.model_type in ("qwen3", "qwen3_moe"):
+        arch["qk_layernorm"] = True  # q_norm / k_norm: RMSNorm over each head
+    if mla:
+        arch["num_query_groups"] = None
+    arch.update({k: v for k, v in moe.items() if k != "dense"})
     return arch
+
+
+def _moe_pattern(c: Any) -> list[int]:
+    """One 0/1 entry per layer (1: sparse MoE block), as each model's decoder layer decides."""
+    L = c.num_hidden_layers
+    if c.model_type == "deepseek_v3":  # DeepseekV3DecoderLayer: MoE from layer first_k_dense_replace on
+        return [int(i >= c.first_k_dense_replace) for i in range(L)]
+    if c.model_type in ("qwen2_moe", "qwen3_moe"):  # Qwen2/3MoeDecoderLayer
+        only = set(getattr(c, "mlp_only_layers", None) or [])
+        return [int(i not in only and (i + 1) % c.decoder_sparse_step == 0) for i in range(L)]
+    return [1] * L  # Mixtral: every layer
+
+
+def hf_moe_architecture(c: Any) -> dict[str, Any] | None:
+    """The MoE (and multi-latent attention) keys of architecture() for a transformers MoE config; {"dense": True} for a
+    dense one; None for a mixture of experts Megatron's MoE layer does not run as the model does.
+
+    Read from transformers 5's models (routing as each ``*TopkRouter`` / ``*SparseMoeBlock`` computes it):
+    Mixtral (softmax, top-k renormalized: Megatron's default), Qwen2-MoE / Qwen3-MoE (softmax; ``norm_topk_prob``
+    False means no renormalization: ``--moe-router-pre-softmax``; Qwen2-MoE's one shared expert behind a sigmoid gate:
+    ``--moe-shared-expert-gate``), DeepSeek-V3 (sigmoid scores, ``e_score_correction_bias``: the expert bias,
+    normalized top-k x ``routed_scaling_factor``, ``n_group``/``topk_group`` group-limited routing, which Megatron ranks
+    by the top-(k / topk_group) scores of each group and transformers by the top 2, so only k / topk_group = 2 maps).
+    The balancing loss counts only with ``output_router_logits`` (the models add it to the loss only then).
+    """
+    kind = c.model_type
+    experts = getattr(c, {"mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts"}.get(kind, "num_experts"), None)
+    if not any(getattr(c, k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts")):
+        return {"dense": True}
+    if kind not in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3") or not isinstance(experts, int):
+        return None
+    topk = c.num_experts_per_tok
+    out: dict[str, Any] = {
+        "num_experts": experts,
+        "moe_router_topk": topk,
+        "moe_ffn_hidden_size": c.intermediate_size if kind == "mixtral" else c.moe_intermediate_size,
+        "moe_layer_freq": _moe_pattern(c),
+    }
+    if getattr(c, "output_router_logits", False):
+        out |= {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": float(c.router_aux_loss_coef)}
+    else:
+        out["moe_router_load_balancing_type"] = "none"
+    if kind in ("qwen2_moe", "qwen3_moe") and not c.norm_topk_prob:
+        out["moe_router_pre_softmax"] = True
+    if kind == "qwen2_moe" and c.shared_expert_intermediate_size:
+        out |= {"moe_shared_expert_intermediate_size": c.shared_expert_intermediate_size, "moe_shared_expert_gate": True}
+    if kind == "deepseek_v3":
+        if not c.norm_topk_prob and topk > 1:
+            return None  # Megatron normalizes sigmoid top-k scores whenever k > 1
+        groups, group_topk = c.n_group or 1, c.topk_group or 1
+        if groups > 1:
+            if topk // group_topk != 2 or experts % groups:
+                return None
+            out |= {"moe_router_num_groups": groups, "moe_router_group_topk": group_topk}
+        out |= {
+            "moe_router_score_function": "sigmoid",
+            "moe_router_enable_expert_bias": True,
+            "moe_router_topk_scaling_factor": float(c.routed_scaling_factor) if c.routed_scaling_factor != 1.0 else None,
+            "moe_shared_expert_intermediate_size": c.n_shared_experts * c.moe_intermediate_size if c.n_shared_experts else None,
+            "multi_latent_attention": True,
+            "q_lora_rank": c.q_lora_rank,
+            "kv_lora_rank": c.kv_lora_rank,
+            "qk_head_dim": c.qk_nope_head_dim,  # Megatron's qk_head_dim excludes the rotary part (transformers' includes it)
+            "qk_pos_emb_head_dim": c.qk_rope_head_dim,
+            "v_head_dim": c.v_head_dim,
+        }
+    return {k: v for k, v in out.items() if v is not None}
 
 
 # --------------------------------------------------------------------------- timm / torchvision

@@ -39,6 +39,7 @@ from planner.megatron_args import (
     split_flags,
     stage_layers,
 )
+from planner.megatron_moe import layer_freq_text, layer_pattern
 from planner.render.launch import cluster_shape, job_name
 from planner.solve.plan import Plan
 from planner.templating import one_line, render_template
@@ -159,6 +160,7 @@ def model_flags(arch: dict[str, Any]) -> Flags:
     flags.append(("--num-attention-heads", str(heads)))
     if groups != heads:
         flags += [("--group-query-attention", None), ("--num-query-groups", str(groups))]
+    flags += attention_flags(arch)
     flags += [
         ("--seq-length", str(arch["seq_length"])),
         ("--max-position-embeddings", str(arch["max_position_embeddings"])),
@@ -180,6 +182,80 @@ def model_flags(arch: dict[str, Any]) -> Flags:
     if arch.get("rotary_base") is not None and arch["position_embedding"] in ("rope", "mrope"):
         flags.append(("--rotary-base", str(int(arch["rotary_base"]))))
     return flags
+
+
+def attention_flags(arch: dict[str, Any]) -> Flags:
+    """--kv-channels (when it differs from hidden / heads), --qk-layernorm and the multi-latent attention flags.
+
+    MLA runs megatron-core's MLATransformerConfig, whose rope_type defaults to yarn (DeepSeek-V3's long-context
+    scaling); the model file's plain rope is ``--rope-type rope``, and MLATransformerConfig refuses rope fusion with
+    plain rope, so ``--no-rope-fusion`` (Megatron-LM's default fuses). Flags: Megatron-LM core_v0.16.1 arguments.py.
+    """
+    flags: Flags = []
+    heads, hidden, kv = arch["num_attention_heads"], arch["hidden_size"], arch.get("kv_channels")
+    if kv is not None and not arch.get("multi_latent_attention") and (hidden % heads or kv != hidden // heads):
+        flags.append(("--kv-channels", str(kv)))
+    if arch.get("qk_layernorm"):
+        flags.append(("--qk-layernorm", None))
+    if arch.get("multi_latent_attention"):
+        flags.append(("--multi-latent-attention", None))
+        if arch.get("q_lora_rank") is not None:
+            flags.append(("--q-lora-rank", str(arch["q_lora_rank"])))
+        for key in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            flags.append(("--" + key.replace("_", "-"), str(arch[key])))
+        flags += [("--rope-type", "rope"), ("--no-rope-fusion", None)]
+    return flags
+
+
+#: how the routed experts run: grouped GEMMs (as the planner costs them) and all-to-all token dispatch, the
+#: dispatcher Megatron-LM recommends with expert parallelism (megatron-core 0.16.1 MoE README)
+MOE_RUNTIME: Flags = [("--moe-grouped-gemm", None), ("--moe-token-dispatcher-type", "alltoall")]
+
+
+def grouped_gemm_devices(plan: Plan) -> bool:
+    """Whether every device of the plan runs Megatron's grouped GEMM: validate_args asserts compute capability >= 8
+    with --moe-grouped-gemm (Megatron-LM core_v0.16.1 arguments.py). Profiles hold no compute capability; bf16 tensor
+    cores came with it (Ampere, 8.0), so a device profile without a bf16 peak (V100 7.0, T4 7.5) runs the experts one
+    after another (SequentialMLP: the same FLOPs) instead."""
+    devices = (plan.assumptions or {}).get("devices") or {}
+    return all("bf16" in (d.get("peak_flops") or {}) for d in devices.values())
+
+
+def moe_flags(arch: dict[str, Any], lay: Any, grouped_gemm: bool = True) -> tuple[Flags, Flags]:
+    """(GPT_MODEL_ARGS, MODEL_PARALLEL_ARGS) additions for a mixture of experts; nothing for a dense model.
+
+    The expert-parallel sizes are always written for an MoE model: Megatron's --expert-tensor-parallel-size
+    defaults to tp (validate_args), the Layout's etp to 1. ``--moe-layer-freq`` is the pattern's shortest exact
+    form (:func:`planner.megatron_moe.layer_freq_text`).
+    """
+    if not arch.get("num_experts"):
+        return [], []
+    model: Flags = [("--num-experts", str(arch["num_experts"])), ("--moe-router-topk", str(arch["moe_router_topk"]))]
+    if arch.get("moe_ffn_hidden_size") is not None:
+        model.append(("--moe-ffn-hidden-size", str(arch["moe_ffn_hidden_size"])))
+    if arch.get("moe_shared_expert_intermediate_size") is not None:
+        model.append(("--moe-shared-expert-intermediate-size", str(arch["moe_shared_expert_intermediate_size"])))
+    if arch.get("moe_shared_expert_gate"):
+        model.append(("--moe-shared-expert-gate", None))
+    pattern = layer_pattern(arch.get("moe_layer_freq", 1), arch["num_layers"])
+    if pattern != layer_pattern(1, arch["num_layers"]):
+        model.append(("--moe-layer-freq", layer_freq_text(pattern)))
+    model.append(("--moe-router-score-function", arch.get("moe_router_score_function", "softmax")))
+    if arch.get("moe_router_pre_softmax"):
+        model.append(("--moe-router-pre-softmax", None))
+    if arch.get("moe_router_enable_expert_bias"):
+        model.append(("--moe-router-enable-expert-bias", None))
+    if arch.get("moe_router_num_groups") is not None:
+        model += [("--moe-router-num-groups", str(arch["moe_router_num_groups"])), ("--moe-router-group-topk", str(arch["moe_router_group_topk"]))]
+    if arch.get("moe_router_topk_scaling_factor") is not None:
+        model.append(("--moe-router-topk-scaling-factor", repr(float(arch["moe_router_topk_scaling_factor"]))))
+    balance = arch.get("moe_router_load_balancing_type", "aux_loss")
+    model.append(("--moe-router-load-balancing-type", balance))
+    if balance != "none":
+        model.append(("--moe-aux-loss-coeff", repr(float(arch.get("moe_aux_loss_coeff") or 0.0))))
+    model += [f for f in MOE_RUNTIME if grouped_gemm or f[0] != "--moe-grouped-gemm"]
+    parallel: Flags = [("--expert-model-parallel-size", str(lay.ep)), ("--expert-tensor-parallel-size", str(lay.etp))]
+    return model, parallel
 
 
 # --------------------------------------------------------------------------- the flags
@@ -214,6 +290,8 @@ def flag_groups(plan: Plan) -> dict[str, Flags]:
     if lay.tp > 1:
         parallel.append(("--sequence-parallel", None))
     parallel += feature_parallel
+    moe_model, moe_parallel = moe_flags(arch, lay, grouped_gemm_devices(plan))
+    parallel += moe_parallel
     vocab_arg, divisible = vocab_flags(arch["vocab_size"], lay.tp)
     data: Flags = [
         ("--mock-data", None),
@@ -223,7 +301,7 @@ def flag_groups(plan: Plan) -> dict[str, Flags]:
     ]
     logging: Flags = [("--log-interval", "1"), ("--eval-interval", "1000"), ("--eval-iters", "10")]
     return {
-        "GPT_MODEL_ARGS": model_flags(arch),
+        "GPT_MODEL_ARGS": model_flags(arch) + moe_model,
         "TRAINING_ARGS": training,
         "MODEL_PARALLEL_ARGS": parallel,
         "DATA_ARGS": data,
@@ -323,6 +401,8 @@ def _context(plan: Plan, command: str) -> dict[str, Any]:
         "divisible": divisible,
         "padded_vocab": padded_vocab(vocab_arg + 1, lay.tp, divisible),
         "hyperparameters": HYPERPARAMETERS,
+        "moe_layers": sum(layer_pattern(arch.get("moe_layer_freq", 1), arch["num_layers"])) if arch.get("num_experts") else 0,
+        "grouped_gemm": grouped_gemm_devices(plan),
         "job_name": job_name(plan),
         "script": SCRIPT,
     }
