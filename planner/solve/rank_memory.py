@@ -59,6 +59,8 @@ def order_points(name: str, p: int, m: int, v: int) -> tuple[RankPoints, ...]:
     Built from the full action order (all ``m`` micro-batches): the counts of interleaved schedules with ``m`` not a
     multiple of ``p``, looped BFS and GPipe keep growing with ``m``, so no shortened step stands for them.
     """
+    if name == "gpipe":  # every forward before any backward: one point, all m micro-batches held (v = 1)
+        return tuple(RankPoints((r,), np.array([[float(m)]]), np.zeros((1, 1))) for r in range(p))
     sched = build_schedule(name, p, m, v)
     out = []
     for acts in sched.actions:

@@ -3,9 +3,10 @@
 For a fixed global batch, each candidate layout is priced in four steps:
 
 1. costs for its micro-batch, sharded for its tensor-parallel degree (timing.shard_costs);
-2. the exact DP partition (partition.solve) over the pieces the engine can cut between,
-   with each stage's memory budget depending on how many micro-batches its
-   position in the schedule keeps alive (from the schedule's action order);
+2. the partition (rank_memory.solve_split over partition.solve) over the pieces the engine can cut between,
+   fastest among the splits whose every pipeline rank fits by rank_memory.rank_need: its stages' static bytes
+   plus the simulated peak of the activations its action order keeps alive (the one number the fit check, the
+   rejection and plan.json's rank_memory report; exact for one stage per rank, see solve_split for several);
 3. the event simulation of the schedule with those stages' times and point-to-point
    transfer times (simulate.simulate), which gives the pipeline's makespan, bubble and
    each rank's activation peak;
