@@ -7,6 +7,8 @@ its stages' static bytes, and the splits are enumerated exhaustively.
 
 import itertools
 import math
+import os
+import zlib
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from planner.solve.schedules import SCHEDULE_INFO, build_schedule, schedule_cons
 from planner.solve.search import _points_m
 from planner.solve.simulate import StageMemory, StageTimes, simulate
 
+SEED = os.environ.get("RANK_MEMORY_SEED", "")  # another value draws other instances
 SPLIT_SCHEDULES = [("1f1b", 1), ("zb-h1", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved", 3), ("interleaved-zb", 2), ("zbv", 2), ("dualpipev", 2)]
 
 
@@ -124,7 +127,7 @@ def test_search_finds_a_fit_iff_brute_force_does_and_quotes_the_least_overflow(n
     """(a) a fitting split is found iff one exists; (b) without one, the quoted split's worst need / capacity is the
     minimum over all splits; (c) the verdict is the simulator-based need of the chosen split. 1F1B-like schedules
     (one stage per rank) also get the fastest fitting split, exactly."""
-    rng = np.random.default_rng(hash((name, v)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(f"{name}{v}{SEED}".encode()))
     seen = {True: 0, False: 0}
     for trial in range(40):
         p = int(rng.integers(2, 4))
@@ -132,7 +135,7 @@ def test_search_finds_a_fit_iff_brute_force_does_and_quotes_the_least_overflow(n
         n = int(rng.integers(S, S + 5))
         pb, rp, m = _instance(rng, name, p, v, n, tight=float(rng.uniform(0.6, 1.6)))
         splits = list(_all_splits(pb.allowed, n, S))
-        res = rmem.solve_split(pb, rp)
+        res = rmem.solve_split(pb, rp, node_limit=10**6, quote_node_limit=10**6)  # let the exact search complete
         if not splits:
             assert res.bounds is None and res.closest is None
             continue
