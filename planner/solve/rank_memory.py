@@ -30,7 +30,7 @@ from planner.solve import partition as part
 from planner.solve.schedules import build_schedule
 
 #: search nodes (stage placements tried) of the exact fallback of :func:`solve_split` before it stops unproven
-NODE_LIMIT = 400
+NODE_LIMIT = 200
 #: the same when a cheap proof already says no split fits and the search only looks for the least-overflowing one
 QUOTE_NODE_LIMIT = 100
 #: explored partial splits remembered per (stage, cut) for the dominance test
@@ -180,6 +180,7 @@ class SplitResult:
     bounds: tuple[int, ...] | None
     closest: tuple[int, ...] | None
     proven: bool
+    cuttable: bool = True
 
 
 def _stage_points(rp: RankProblem) -> list[tuple[tuple[float, float], ...]]:
@@ -200,9 +201,12 @@ def _ratio_problem(pb: part.PartitionProblem, rp: RankProblem, stage_pts: list[t
     S = len(rp.stage_rank)
     per_rank = [len(pts.stages) for pts in rp.points]
     mats = []
+    own_of: dict[tuple[tuple[float, float], ...], np.ndarray] = {}
     for j in range(S):
         r = rp.stage_rank[j]
-        own = _own_matrix(rp, stage_pts[j])
+        if stage_pts[j] not in own_of:
+            own_of[stage_pts[j]] = _own_matrix(rp, stage_pts[j])
+        own = own_of[stage_pts[j]]
         if per_rank[r] == 1:
             mats.append((own + rp.fixed[r]) / rp.capacity[r])
         else:
@@ -224,7 +228,7 @@ def solve_split(
     pb: part.PartitionProblem,
     rp: RankProblem,
     node_limit: int = NODE_LIMIT,
-    shrink_rounds: int = 16,
+    shrink_rounds: int = 8,
     explain: bool = True,
     quote_node_limit: int = QUOTE_NODE_LIMIT,
 ) -> SplitResult:
@@ -246,7 +250,7 @@ def solve_split(
     cannot do better), seeded with the DP splits. When a cheap proof says no split fits (no stage fits even alone, or a
     sum DP over the ranks' needs at one count point each, :func:`_min_sum`, exceeds the number of ranks), the search
     only looks for the least-overflowing split, within ``quote_node_limit`` nodes, and ``explain=False`` skips it
-    (``closest`` is then the memory-balanced split, unproven).
+    (``closest`` is then None).
     """
     S, n = len(rp.stage_rank), pb.n
     stage_pts = _stage_points(rp)
@@ -272,17 +276,18 @@ def solve_split(
         sol = part.solve(mem_pb)
     if sol is not None and fits(rp, sol.bounds):
         return SplitResult(sol.bounds, sol.bounds, True)
-    balanced = part.solve(_ratio_problem(pb, rp, stage_pts))
-    if balanced is None:
-        return SplitResult(None, None, True)  # the pieces cannot be cut into S stages at the allowed cuts
-    if one_each:
+    if n < S or int(np.count_nonzero(np.asarray(pb.allowed, dtype=bool)[1:n])) < S - 1:
+        return SplitResult(None, None, True, cuttable=False)  # the pieces cannot be cut into S stages at the allowed cuts
+    # none fits when: one stage per rank (the exact DP found none), no stage fits even alone, or by _min_sum
+    none = one_each or not seeds or _proven_none(rp, pb.allowed, n, seeds[-1:])
+    if none and not explain:
+        return SplitResult(None, None, one_each)
+    balanced = part.solve(_ratio_problem(pb, rp, stage_pts)) if explain else None
+    if one_each and balanced is not None:
         ok = fits(rp, balanced.bounds)
         return SplitResult(balanced.bounds if ok else None, balanced.bounds, True)
     fastest = part.solve(replace(pb, capacity=[math.inf] * S))
-    seeds += [balanced.bounds] + ([fastest.bounds] if fastest is not None else [])
-    none = not seeds or _proven_none(rp, pb.allowed, n, seeds[-2:])
-    if none and not explain:
-        return SplitResult(None, balanced.bounds, False)
+    seeds += [x.bounds for x in (balanced, fastest) if x is not None]
     best, proven = _branch_and_bound(rp, pb.allowed, n, seeds, quote_node_limit if none else node_limit)
     if fits(rp, best):
         return SplitResult(best, best, True)

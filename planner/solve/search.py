@@ -493,8 +493,10 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     if bounds is None:
         res = rmem.solve_split(pb, rp, explain=explain)
         if res.bounds is None:
-            if res.closest is None:
+            if not res.cuttable:
                 return Rejection(lay, f"{n} pieces cannot be cut into {S} stages at the cut points this engine can use", RejectKind.SPLIT)
+            if res.closest is None:  # explain=False: the least-overflowing split was not looked for
+                return Rejection(lay, "no split of the pieces fits every rank's memory", RejectKind.MEMORY)
             reason, need_b, cap_b = _memory_reason(rp, res.closest, devices, opts, v, res.proven)
             return Rejection(lay, reason, RejectKind.MEMORY, need_bytes=need_b, capacity_bytes=cap_b, bounds=res.closest)
         bounds = res.bounds
