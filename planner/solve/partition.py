@@ -43,6 +43,10 @@ class PartitionProblem:
         held: per stage, micro-batches of activations held at peak.
         capacity: per stage, usable bytes.
         allowed: length n+1, whether a stage boundary may sit at cut k (0 and n are always allowed).
+        wgrad_mem: optional (n+1) x (n+1) byte matrix (or prefix vector): what a deferred weight-gradient pass reads.
+        stage_points: optional, per stage, (held, pending) count pairs; when given, stage j's memory is
+            static + max over its pairs of held x act + pending x wgrad (its exact peak when it is alone on its rank),
+            and ``held`` is not read.
     """
 
     compute: Sequence[np.ndarray]
@@ -54,6 +58,8 @@ class PartitionProblem:
     held: Sequence[float]
     capacity: Sequence[float]
     allowed: np.ndarray
+    wgrad_mem: np.ndarray | None = None
+    stage_points: Sequence[Sequence[tuple[float, float]]] | None = None
 
     @property
     def n(self) -> int:
@@ -93,8 +99,20 @@ def stage_time(pb: PartitionProblem, j: int, a: int, b: int) -> float:
     return float(_matrix(pb.compute[pb.stage_device[j]])[a, b] + pb.comm_in[j][a] + pb.comm_out[j][b])
 
 
+def _mem_block(pb: PartitionProblem, j: int, static: np.ndarray, act: np.ndarray, wgrad: np.ndarray | None) -> np.ndarray:
+    """Stage j's bytes over a block of ranges, from the matching blocks of the static, activation and W-input matrices."""
+    if pb.stage_points is None:
+        out: np.ndarray = static + pb.held[j] * act
+        return out
+    w = wgrad if wgrad is not None else np.zeros_like(act)
+    peak = np.max([h * act + q * w for h, q in pb.stage_points[j]], axis=0)
+    res: np.ndarray = static + peak
+    return res
+
+
 def stage_mem(pb: PartitionProblem, j: int, a: int, b: int) -> float:
-    return float(_matrix(pb.static_mem)[a, b] + pb.held[j] * _matrix(pb.act_mem)[a, b])
+    wg = None if pb.wgrad_mem is None else _matrix(pb.wgrad_mem)[a : a + 1, b : b + 1]
+    return float(_mem_block(pb, j, _matrix(pb.static_mem)[a : a + 1, b : b + 1], _matrix(pb.act_mem)[a : a + 1, b : b + 1], wg)[0, 0])
 
 
 def solve(pb: PartitionProblem) -> Partition | None:
@@ -107,6 +125,7 @@ def solve(pb: PartitionProblem) -> Partition | None:
         return None
     compute = [_matrix(c) for c in pb.compute]
     static, act = _matrix(pb.static_mem), _matrix(pb.act_mem)
+    wgrad = None if pb.wgrad_mem is None else _matrix(pb.wgrad_mem)
     idx = np.arange(n + 1)
     upper = idx[:, None] < idx[None, :]  # a < b: each stage runs at least one piece
     allowed = np.asarray(pb.allowed, dtype=bool).copy()
@@ -120,7 +139,7 @@ def solve(pb: PartitionProblem) -> Partition | None:
         b0, b1 = j + 1, n - S + j + 2
         rows, cols = slice(a0, a1), slice(b0, b1)
         t = compute[pb.stage_device[j]][rows, cols] + np.asarray(pb.comm_in[j])[rows, None] + np.asarray(pb.comm_out[j])[None, cols]
-        ok = upper[rows, cols] & (static[rows, cols] + pb.held[j] * act[rows, cols] <= pb.capacity[j])
+        ok = upper[rows, cols] & (_mem_block(pb, j, static[rows, cols], act[rows, cols], None if wgrad is None else wgrad[rows, cols]) <= pb.capacity[j])
         ok &= allowed[rows, None]
         ok &= allowed[None, cols] if j < S - 1 else (idx[cols] == n)[None, :]
         cand = np.where(ok, np.maximum(f[rows, None], t), INF)

@@ -6,9 +6,10 @@ models keep ep = etp = 1 and no extra candidates.
 For a fixed global batch, each candidate layout is priced in four steps:
 
 1. costs for its micro-batch, sharded for its tensor-parallel degree (timing.shard_costs);
-2. the exact DP partition (partition.solve) over the pieces the engine can cut between,
-   with each stage's memory budget depending on how many micro-batches its
-   position in the schedule keeps alive (from the schedule's action order);
+2. the partition (rank_memory.solve_split over partition.solve) over the pieces the engine can cut between,
+   fastest among the splits whose every pipeline rank fits by rank_memory.rank_need: its stages' static bytes
+   plus the simulated peak of the activations its action order keeps alive (the one number the fit check, the
+   rejection and plan.json's rank_memory report; exact for one stage per rank, see solve_split for several);
 3. the event simulation of the schedule with those stages' times and point-to-point
    transfer times (simulate.simulate), which gives the pipeline's makespan, bubble and
    each rank's activation peak;
@@ -25,7 +26,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from planner.errors import UsageError
 from planner.hardware import Cluster, DeviceProfile, memory_time
 from planner.records import ModelCosts
 from planner.solve import partition as part
+from planner.solve import rank_memory as rmem
 from planner.solve.expert_groups import expert_data_ranks
 from planner.solve.memory import (
     GiB,
@@ -49,7 +50,7 @@ from planner.solve.memory import (
 )
 from planner.solve.plan import Layout, Predicted
 from planner.solve.rules import EngineRules, RejectKind
-from planner.solve.schedules import SCHEDULE_INFO, build_schedule
+from planner.solve.schedules import build_schedule
 from planner.solve.simulate import SimResult, StageMemory, StageTimes, simulate
 from planner.solve.timing import (
     PieceTimes,
@@ -152,6 +153,7 @@ class Rejection:
     lower_bound: float = math.inf
     need_bytes: float | None = None
     capacity_bytes: float | None = None
+    bounds: tuple[int, ...] | None = None  # the split whose most loaded rank needs need_bytes (memory rejections of a split)
 
     @property
     def overflow(self) -> float:
@@ -203,15 +205,6 @@ def _node_rules(tp: int, gpus_per_node: int) -> list[str]:
     if gpus_per_node % tp:
         return [f"tp = {tp} does not fit in a node of {gpus_per_node} GPUs (tensor parallelism stays inside a node)"]
     return []
-
-
-@lru_cache(maxsize=4096)
-def _order_peaks(name: str, p: int, m: int, v: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Per-stage peak of micro-batches held, and of pending W passes, from the schedule's action order alone."""
-    sched = build_schedule(name, p, m, v)
-    sim = simulate(sched, StageTimes.uniform(sched.num_stages, 1.0, 1.0, 1.0 if SCHEDULE_INFO[name].split_backward else 0.0), timeline=False)
-    pend = tuple(sim.peak_pending_w) if sim.peak_pending_w else (0,) * p
-    return tuple(sim.peak_inflight_by_stage), pend
 
 
 # --------------------------------------------------------------------------- context
@@ -536,6 +529,7 @@ def memory_rejection(ev: Evaluation, mem_target: float) -> Rejection | None:
         RejectKind.MEMORY,
         need_bytes=need,
         capacity_bytes=cap * mem_target,
+        bounds=ev.bounds,
     )
 
 
@@ -567,7 +561,6 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     sp = lay.sequence_parallel
     sharded = ctx.sharded(b, tp, sp, cp)
     n = costs.n
-    split = SCHEDULE_INFO[sched.name].split_backward
 
     # memory: static bytes (state, buffers, working set) and activation bytes per micro-batch, as (n+1)^2 matrices
     recipe = ctx.engine.state_recipe(costs.dtype, lay.zero, opts.optimizer, lay)
@@ -587,28 +580,21 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         act = act + expert_saved_extra(sharded, tp if sp and tp > 1 else 1, etp, lay.recompute)
     if ctx.engine.sends_output_copies(lay.schedule):
         act = act + ctx.cut_bytes(b, tp, sp, cp)[0][None, :]
-    held, pending = _order_peaks(sched.name, p, m_order, v) if p > 1 else ((1,), (0,))
-    if sched.name == "gpipe":
-        held = (m,) * S
     frag = 1.0 + opts.overhead.fragmentation
     fixed = opts.overhead.context + opts.overhead.communicator + feature_buffers(costs, lay) + dispatch_buffer_bytes(sharded, lay)
-    caps = [devices[stage_rank[j]].memory_bytes for j in range(S)]
-    rank_budget = [devices[r].memory_bytes * opts.mem_target - fixed for r in range(p)]
-    # each stage may use its rank's whole budget; ranks holding several stages are re-checked below
-    budget = [rank_budget[stage_rank[j]] for j in range(S)]
-    # pending W passes are counted per rank: charge each stage of the rank with them (an upper bound)
-    held_eff = [held[j] + (pending[stage_rank[j]] * 0.5 if split and pending else 0.0) for j in range(S)]
-    # necessary condition, cheap: the stages' memory summed over all stages must fit in their budgets summed
-    total = (static[0, n] + min(held_eff) * act[0, n]) * frag
-    if bounds is None and total > sum(rank_budget):
-        need = total / S + fixed / v
-        cap = max(caps)
+    points = rmem.order_points(sched.name, p, _points_m(sched.name, p, m), v) if p > 1 else rmem.order_points(sched.name, 1, 1, 1)
+    rp = rmem.RankProblem(static, act, wgrad, stage_rank, points, frag, (fixed,) * p, tuple(d.memory_bytes * opts.mem_target for d in devices))
+    held = _stage_held(points, S)
+    # necessary condition, cheap: the ranks' needs summed (a lower bound for any split) must fit in their capacities summed
+    total = rmem.lower_bound_total(rp, n)
+    if bounds is None and total > sum(rp.capacity):
+        cap = sum(d.memory_bytes for d in devices) / p
         return Rejection(
             lay,
-            f"needs at least {need * v / GiB:.1f} GiB per GPU even with perfectly balanced stages, of {cap / GiB:.1f} GiB "
-            f"({opts.mem_target:.0%} target: {cap * opts.mem_target / GiB:.1f} GiB)",
+            f"needs at least {total / p / GiB:.1f} GiB per GPU on average over its {p} pipeline ranks whatever the split (a lower bound), "
+            f"of {cap / GiB:.1f} GiB ({opts.mem_target:.0%} target: {cap * opts.mem_target / GiB:.1f} GiB)",
             kind=RejectKind.MEMORY,
-            need_bytes=need * v,
+            need_bytes=total / p,
             capacity_bytes=cap * opts.mem_target,
         )
 
@@ -641,35 +627,20 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         comm_out=comm_out,
         static_mem=static * frag,
         act_mem=act * frag,
-        held=held_eff,
-        capacity=budget,
+        held=held,
+        capacity=[math.inf] * S,
         allowed=ctx.allowed,
     )
     if bounds is None:
-        sol = part.solve(pb)
-        # a rank holding several stages (interleaved, V) must fit their static memory plus the activations it holds
-        # at its simulated peak (the same answer plan.json reports): shrink the budgets of the stages of ranks that
-        # overflow in proportion and solve again (a few rounds settle it; the peak with real times is checked last)
-        for _ in range(8 if v > 1 else 0):
-            if sol is None:
-                break
-            per_rank = _rank_need(sol.bounds, static, act, wgrad, stage_rank, sched.name, p, m_order, v, frag)
-            over = [r for r in range(p) if per_rank[r] > rank_budget[r]]
-            if not over:
-                break
-            caps_j = list(pb.capacity)
-            for j in range(S):
-                r = stage_rank[j]
-                if r in over:
-                    caps_j[j] = min(caps_j[j], sol.memory[j] * rank_budget[r] / per_rank[r] * 0.999)
-            pb = replace(pb, capacity=caps_j)
-            sol = part.solve(pb)
-        if sol is None:
-            if not explain:
-                return Rejection(lay, "no split of the pieces fits every stage's memory budget", RejectKind.MEMORY)
-            reason, need_b, cap_b = _memory_reason(pb, devices, stage_rank, opts, v, S, n)
-            return Rejection(lay, reason, RejectKind.MEMORY if need_b is not None else RejectKind.SPLIT, need_bytes=need_b, capacity_bytes=cap_b)
-        bounds = sol.bounds
+        res = rmem.solve_split(pb, rp, explain=explain)
+        if res.bounds is None:
+            if not res.cuttable:
+                return Rejection(lay, f"{n} pieces cannot be cut into {S} stages at the cut points this engine can use", RejectKind.SPLIT)
+            if res.closest is None:  # explain=False: the least-overflowing split was not looked for
+                return Rejection(lay, "no split of the pieces fits every rank's memory", RejectKind.MEMORY)
+            reason, need_b, cap_b = _memory_reason(rp, res.closest, devices, opts, v, res.proven)
+            return Rejection(lay, reason, RejectKind.MEMORY, need_bytes=need_b, capacity_bytes=cap_b, bounds=res.closest)
+        bounds = res.bounds
     else:
         bounds = tuple(bounds)
         if len(bounds) != S + 1 or bounds[0] != 0 or bounds[-1] != n or any(a >= c for a, c in zip(bounds, bounds[1:])):
@@ -713,6 +684,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
                 "activations": held[j] * act_mb[j],
             }
         )
+    need = rmem.rank_need(rp, bounds)  # the same answer the fit check and the rejections read
     rank_mem = []
     expert_mem: list[dict[str, float]] = []
     for r in range(p):
@@ -720,13 +692,9 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         comp = {k: sum(stage_mem[j][k] for j in js) for k in ("weights", "grads", "optimizer", "buffers")}
         ex = sum(expert_prm[j] for j in js)
         expert_mem.append({"params": ex, "weights": ex * we, "grads": ex * ge, "optimizer": ex * oe})
-        if sim.peak_bytes and sched.name != "gpipe":  # the simulator's peak of live activations and pending-W inputs
-            comp["activations"] = float(sim.peak_bytes[r])
-        else:  # GPipe holds every micro-batch (the simulator may have run a shortened step)
-            comp["activations"] = sum(stage_mem[j]["activations"] for j in js)
-        tensors = sum(comp.values())
-        comp["overhead"] = fixed + opts.overhead.fragmentation * tensors
-        comp["total"] = tensors + comp["overhead"]
+        comp["activations"] = need.peak[r]
+        comp["overhead"] = need.total[r] - sum(comp.values())
+        comp["total"] = need.total[r]
         rank_mem.append(comp)
     for j in range(S):
         tensors = sum(stage_mem[j].values())
@@ -825,22 +793,6 @@ def feature_buffers(costs: ModelCosts, lay: Layout) -> float:
     return out
 
 
-def _rank_need(
-    bounds: Sequence[int], static: np.ndarray, act: np.ndarray, wgrad: np.ndarray, stage_rank: Sequence[int], name: str, p: int, m: int, v: int, frag: float
-) -> list[float]:
-    """Bytes each pipeline rank needs for stages cut at ``bounds``: its stages' static bytes plus the simulated peak of
-    activations (and pending weight-gradient inputs) it holds, with the fragmentation reserve."""
-    rng = list(zip(bounds, bounds[1:]))
-    mem = StageMemory(tuple(float(act[a, c]) for a, c in rng), tuple(float(wgrad[a, c]) for a, c in rng))
-    split = SCHEDULE_INFO[name].split_backward
-    sim = simulate(build_schedule(name, p, m, v), StageTimes.uniform(p * v, 1.0, 1.0, 1.0 if split else 0.0), mem, timeline=False)
-    need = [0.0] * p
-    for j, (a, c) in enumerate(rng):
-        need[stage_rank[j]] += float(static[a, c])
-    peaks = sim.peak_bytes or [0.0] * p
-    return [(need[r] + peaks[r]) * frag for r in range(p)]
-
-
 def _p2p(cluster: Cluster, nbytes: np.ndarray, a: int, b: int, sync_s: float = 0.0) -> np.ndarray:
     """Seconds to send each of ``nbytes`` from rank a to rank b: latency + synchronisation + bytes / bandwidth; 0 on the
     same rank or for no bytes."""
@@ -860,6 +812,24 @@ def _valid_m(name: str, p: int, target: int) -> int:
     return max(p, (target // p) * p)
 
 
+def _points_m(name: str, p: int, m: int) -> int:
+    """Micro-batches whose action order has the same count points as ``m``'s (tested on every schedule): the
+    shortened step of :func:`_peak_m` where the counts saturate, all ``m`` where they keep growing with it (GPipe and
+    looped BFS hold every micro-batch; interleaved rounds with ``m`` not a multiple of ``p`` change with ``m``)."""
+    if name in ("gpipe", "looped-bfs") or (name in ("interleaved", "interleaved-zb") and m % p):
+        return m
+    return min(m, _peak_m(name, p, m))
+
+
+def _stage_held(points: Sequence[rmem.RankPoints], S: int) -> list[float]:
+    """Per stage, the most micro-batches of activations it holds at any point of its rank's order."""
+    held = [0.0] * S
+    for pts in points:
+        for i, s in enumerate(pts.stages):
+            held[s] = float(pts.held[:, i].max())
+    return held
+
+
 def _simulate_extrapolated(name: str, p: int, m: int, v: int, times: StageTimes, mem: StageMemory) -> SimResult:
     """Simulate; for many micro-batches, simulate 2p and 4p and extend the steady state linearly (exact once the pipeline is full)."""
     if p == 1 or m * p * v <= 20000 or name == "gpipe" and m <= 4096:
@@ -876,24 +846,24 @@ def _simulate_extrapolated(name: str, p: int, m: int, v: int, times: StageTimes,
 
 
 def _memory_reason(
-    pb: part.PartitionProblem, devices: Sequence[DeviceProfile], stage_rank: Sequence[int], opts: SearchOptions, v: int, S: int, n: int
-) -> tuple[str, float | None, float | None]:
-    """Why no partition fits: the rank that overflows most in the fastest partition that ignores memory (reason, need, capacity)."""
-    free = replace(pb, capacity=[math.inf] * S)
-    sol = part.solve(free)
-    if sol is None:
-        return f"{n} pieces cannot be cut into {S} stages at the cut points this engine can use", None, None
-    fixed = opts.overhead.context + opts.overhead.communicator
-    p = len(devices)
-    per_rank = [fixed] * p
-    for j in range(S):
-        per_rank[stage_rank[j]] += sol.memory[j]
-    worst = max(range(p), key=lambda r: per_rank[r] / devices[r].memory_bytes)
-    need, cap = per_rank[worst], devices[worst].memory_bytes
-    what = f"stage {worst}" if v == 1 else f"pipeline rank {worst} (stages {', '.join(str(j) for j in range(S) if stage_rank[j] == worst)})"
-    split = "" if S == 1 else " with the fastest split, and no other split fits"
-    reason = f"{what} needs {need / GiB:.1f} GiB of {cap / GiB:.1f} GiB ({opts.mem_target:.0%} target: {cap * opts.mem_target / GiB:.1f} GiB){split}"
-    return reason, need, cap * opts.mem_target
+    rp: rmem.RankProblem, closest: Sequence[int], devices: Sequence[DeviceProfile], opts: SearchOptions, v: int, proven: bool
+) -> tuple[str, float, float]:
+    """Why no split fits: the rank that overflows most in the split that overflows least (reason, need, capacity at the target).
+
+    The need is :func:`rank_memory.rank_need` of that split, the number plan.json would report for it."""
+    need = rmem.rank_need(rp, closest)
+    _, worst = need.overflow(rp.capacity)
+    total, cap = need.total[worst], devices[worst].memory_bytes
+    stages = [j for j, r in enumerate(rp.stage_rank) if r == worst]
+    what = f"stage {worst}" if v == 1 else f"pipeline rank {worst} (stages {', '.join(str(j) for j in stages)})"
+    if len(rp.stage_rank) == 1:
+        split = ""
+    elif proven:
+        split = " with the split that overflows least (no split fits)"
+    else:
+        split = " with the least-overflowing split found (no split fits; this one is not proven to overflow least)"
+    reason = f"{what} needs {total / GiB:.1f} GiB of {cap / GiB:.1f} GiB ({opts.mem_target:.0%} target: {rp.capacity[worst] / GiB:.1f} GiB){split}"
+    return reason, total, rp.capacity[worst]
 
 
 def model_flops_per_step(costs: ModelCosts, global_batch: int) -> float:
