@@ -200,7 +200,8 @@ class Context:
         (``fp8``: the saved GEMM inputs as Transformer Engine's FP8 linear layers keep them)."""
         key = (b, tp, recompute, sp, cp, fp8)
         if key not in self._memory:
-            self._memory[key] = range_matrices(self.sharded(b, tp, sp, cp), tp, recompute, fp8)
+            costs = self.engine.layer_activations(self.sharded(b, tp, sp, cp), tp, sp and tp > 1, cp, recompute)
+            self._memory[key] = range_matrices(costs, tp, recompute, fp8)
         return self._memory[key]
 
     def gemm_params(self, tp: int) -> np.ndarray:
