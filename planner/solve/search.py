@@ -197,7 +197,8 @@ class Context:
 
     def memory(self, b: int, tp: int, recompute: str, sp: bool = True, cp: int = 1, fp8: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(parameters, other static bytes, activation bytes per micro-batch, pending-W bytes) per piece range
-        (``fp8``: the saved GEMM inputs as Transformer Engine's FP8 linear layers keep them)."""
+        (``fp8``: the saved GEMM inputs as Transformer Engine's FP8 linear layers keep them), with the saved activations
+        of the layers the engine runs (``layer_activations``)."""
         key = (b, tp, recompute, sp, cp, fp8)
         if key not in self._memory:
             costs = self.engine.layer_activations(self.sharded(b, tp, sp, cp), tp, sp and tp > 1, cp, recompute)
