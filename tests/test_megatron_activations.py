@@ -178,3 +178,15 @@ def test_priced_megatron_layout_reports_its_layer_bytes(tiny):
     blocks = [k for k, l in enumerate(tiny.layers) if l.block is not None]
     traced_rest = sum(l.saved_bytes for k, l in enumerate(tiny.layers) if k not in blocks)
     assert sum(ev.act_per_mb) == pytest.approx(4 * layer + traced_rest)
+
+
+def test_dropout_at_zero_keeps_no_mask():
+    """Megatron's bias-dropout-add calls torch's dropout; at p = 0 it returns its input (no mask saved), which is why a
+    Llama layer (dropout 0) has no mask terms."""
+    import torch
+
+    y = torch.randn(4, 4, requires_grad=True) * 1.0
+    assert torch.nn.functional.dropout(y, p=0.0, training=True) is y
+    gpt0 = layer_saved(LayerShape.from_architecture({**GPT3, "dropout": 0.0}), 2048, 1, 8, True)
+    gpt1 = layer_saved(LayerShape.from_architecture(GPT3), 2048, 1, 8, True)
+    assert kept_bytes(gpt1) - kept_bytes(gpt0) == pytest.approx(2 * 1 * 2048 * 12288 / 8)  # two 1-byte masks, s b h / t each
