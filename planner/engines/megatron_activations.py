@@ -9,10 +9,12 @@ GEMMs always are:
 
 * input norm fused with the QKV GEMM (TE ``LayerNormLinear``, transformer_engine/pytorch/module/layernorm_linear.py):
   the norm's input, its fp32 statistics (LayerNorm: mean and 1/sigma; RMSNorm: 1/sigma) and the norm's output, which
-  only the GEMM keeps, for the weight gradient (with sequence parallelism the local shard, gathered again in backward);
+  only the GEMM keeps, for the weight gradient (with sequence parallelism the local shard, gathered again in backward;
+  TE 1.x's backward reads inputmat, mu, rsigma and ln_out, TE 2.x saves the same through prepare_for_saving);
 * RoPE (``apply_rope_fusion``, TE's fused kernel) keeps only the frequency table, shared by all layers: nothing per token;
 * core attention (TE ``DotProductAttention``, flash or cuDNN fused backend, transformer_engine/pytorch/attention/
-  dot_product_attention/backends.py): q, k and v as the kernel reads them (k and v at the query-group width: GQA is
+  dot_product_attention/backends.py in TE 2.x, transformer_engine/pytorch/attention.py in TE 1.x; flash-attn's
+  FlashAttnFunc likewise): q, k and v as the kernel reads them (k and v at the query-group width: GQA is
   not expanded), its output and the fp32 softmax statistics (one per head and token); attention dropout regenerates its
   mask from the RNG state, and no s x s matrix is kept;
 * the output projection (TE ``Linear``, transformer_engine/pytorch/module/linear.py) keeps its input, which is the
