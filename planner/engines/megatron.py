@@ -39,7 +39,8 @@ from typing import Any
 import numpy as np
 
 from planner.engines.base import Engine, whole_block_cuts
-from planner.megatron_args import architecture_problem, tensor_parallel_problems
+from planner.engines.megatron_activations import LayerShape, layer_saved, part_bytes
+from planner.megatron_args import ARCHITECTURE, architecture_problem, tensor_parallel_problems
 from planner.records import ModelCosts
 from planner.solve.memory import DTYPE_BYTES, StateRecipe, state_recipe
 from planner.solve.plan import Layout
@@ -48,6 +49,55 @@ from planner.solve.plan import Layout
 #: (megatron/core/distributed/distributed_data_parallel.py, core_v0.16.1)
 BUCKET_MIN_PARAMS = 40_000_000
 BUCKET_PARAMS_PER_DP_RANK = 1_000_000
+
+
+#: architecture() keys of a dense GPT layer (the table up to kv_channels): with any other key set off its default
+#: (q/k norms, multi-latent attention, experts) the blocks' saved activations stay as traced
+DENSE_KEYS = frozenset(k.name for k in ARCHITECTURE[: [a.name for a in ARCHITECTURE].index("qk_layernorm")]) | {"block_path"}
+_ARCH_DEFAULTS = {k.name: k.default for k in ARCHITECTURE}
+
+
+def dense_layer(arch: dict[str, Any]) -> bool:
+    """Whether ``arch`` describes Megatron's dense GPT layer: every key beyond :data:`DENSE_KEYS` unset or at its default."""
+    return all(k in DENSE_KEYS or v is None or v is False or v == _ARCH_DEFAULTS.get(k) for k, v in arch.items())
+
+
+def megatron_layer_activations(costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str) -> ModelCosts:
+    """``costs`` (scaled and sharded) with each transformer block's saved bytes those of Megatron's own TE layer
+    (planner.engines.megatron_activations), for a dense ``architecture()`` whose block count is its ``num_layers``;
+    otherwise unchanged. Megatron cuts whole layers only, so a block's total is what counts: the attention sub-layer's
+    bytes go to the block's first piece of kind ``attention`` (else its first piece), the MLP's to its first piece of
+    kind ``mlp`` (else its last), its other pieces keep none. The embedding, final norm, output layer and loss stay as
+    traced; full recompute keeps each layer's input (the traced cut), and the rebuilt layer is this one."""
+    arch = costs.architecture
+    blocks: dict[str, list[int]] = {}
+    for k, l in enumerate(costs.layers):
+        if l.block is not None:
+            blocks.setdefault(l.block, []).append(k)
+    if not arch or not costs.seq_len or not dense_layer(arch) or len(blocks) != int(arch.get("num_layers", -1)):
+        return costs
+    terms = layer_saved(
+        LayerShape.from_architecture(arch),
+        costs.seq_len // cp,
+        costs.micro_batch,
+        tp,
+        sequence_parallel,
+        DTYPE_BYTES.get(costs.dtype, 2.0),
+        recompute="selective" if recompute == "selective" else "none",
+    )
+    parts = {p: part_bytes(terms, p) for p in ("attention", "mlp")}
+    layers = list(costs.layers)
+    for ks in blocks.values():
+        attn = next((k for k in ks if layers[k].kind == "attention"), ks[0])
+        mlp = next((k for k in ks if layers[k].kind == "mlp"), ks[-1])
+        sums: dict[int, list[float]] = {k: [0.0, 0.0, 0.0, 0.0] for k in ks}
+        for k, part in ((attn, "attention"), (mlp, "mlp")):
+            pb = parts[part]
+            for i, x in enumerate((pb.total, pb.gemm, pb.shared, pb.core)):
+                sums[k][i] += x
+        for k, (total, gemm, shared, core) in sums.items():
+            layers[k] = replace(layers[k], saved_bytes=int(total), gemm_saved_bytes=int(gemm), gemm_shared_bytes=int(shared), core_saved_bytes=int(core))
+    return replace(costs, layers=tuple(layers))
 
 
 #: bytes per parameter of the master weights under the precision-aware optimizer with bf16 weights: TE's FusedAdam stores
@@ -142,6 +192,10 @@ class MegatronEngine(Engine):
         reduce = grad_reduce_exposed(reduce_s, sum(backward_s), buckets) if layout.overlap_grad_reduce else reduce_s
         gather = param_gather_exposed(gather_s, sum(forward_s), buckets) if layout.overlap_param_gather else gather_s
         return reduce + gather
+
+    def layer_activations(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str) -> ModelCosts:
+        """pretrain_gpt.py runs its own TE layer, not the user's module: :func:`megatron_layer_activations`."""
+        return megatron_layer_activations(costs, tp, sequence_parallel, cp, recompute)
 
     def default_overlaps(self, tp: int, zero: int, data_parallel: int) -> dict[str, bool]:
         return {

@@ -62,6 +62,11 @@ class EngineRules(Protocol):
         """Model-state bytes per parameter as this engine allocates them for ``layout``'s precision options."""
         ...
 
+    def layer_activations(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str) -> ModelCosts:
+        """The sharded ``costs`` with the saved activations of the layers the engine runs (the traced ones unless it
+        builds its own)."""
+        ...
+
     def default_overlaps(self, tp: int, zero: int, data_parallel: int) -> dict[str, bool]:
         """The overlaps (Layout field names) an unpinned search turns on."""
         ...

@@ -241,10 +241,11 @@ class Context:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(parameters, other static bytes, activation bytes per micro-batch, pending-W bytes) per piece range
         (``fp8``: the saved GEMM inputs as Transformer Engine's FP8 linear layers keep them; ``ep``/``etp``: experts
-        split over the expert groups)."""
+        split over the expert groups), with the saved activations of the layers the engine runs (``layer_activations``)."""
         key = (b, tp, recompute, sp, cp, fp8, ep, etp)
         if key not in self._memory:
-            self._memory[key] = range_matrices(self.sharded(b, tp, sp, cp), tp, recompute, fp8, ep=ep, etp=etp)
+            costs = self.engine.layer_activations(self.sharded(b, tp, sp, cp), tp, sp and tp > 1, cp, recompute)
+            self._memory[key] = range_matrices(costs, tp, recompute, fp8, ep=ep, etp=etp)
         return self._memory[key]
 
     def gemm_params(self, tp: int, ep: int = 1, etp: int = 1) -> np.ndarray:
