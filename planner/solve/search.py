@@ -234,11 +234,13 @@ class Context:
         self._prefix: dict[int, tuple[PieceTimes, np.ndarray]] = {}
         self._p2p: dict[tuple[int, int, int, int, bool, bool, int], np.ndarray] = {}
         self._gemm: dict[tuple[int, int, int], np.ndarray] = {}
+        self._scaled: dict[int, ModelCosts] = {}
+        self._coll: dict[tuple[int, int, int, bool, int], tuple[tuple[float, ...], float]] = {}
 
     def sharded(self, b: int, tp: int, sp: bool = True, cp: int = 1) -> ModelCosts:
         key = (b, tp, sp and tp > 1, cp)
         if key not in self._sharded:
-            self._sharded[key] = split_context(shard_costs(self.costs.scaled(b), tp, sequence_parallel=sp and tp > 1), cp)
+            self._sharded[key] = split_context(shard_costs(self.scaled(b), tp, sequence_parallel=sp and tp > 1), cp)
         return self._sharded[key]
 
     def memory(
@@ -283,6 +285,29 @@ class Context:
             self._prefix[key] = (t, np.concatenate([[0.0], np.cumsum(t.total)]))
         return self._prefix[key][1]
 
+    def scaled(self, b: int) -> ModelCosts:
+        """The model's costs at micro-batch ``b``."""
+        if b not in self._scaled:
+            self._scaled[b] = self.costs.scaled(b)
+        return self._scaled[b]
+
+    def _collectives(self, b: int, tp: int, first_rank: int, sp: bool, cp: int) -> tuple[tuple[float, ...], float]:
+        """(tensor-parallel collective seconds per cut, ring-attention KV step seconds) for a stage starting at
+        ``first_rank``: the same for every recompute mode, overlap and (ep, etp), so computed once."""
+        key = (b, tp, first_rank, sp, cp)
+        if key not in self._coll:
+            coll: tuple[float, ...] = ()
+            if tp > 1:
+                ranks = list(range(first_rank, first_rank + tp))
+                coll = tuple(tp_collective_time(self.cluster, c.bytes / cp, ranks, sp) for c in self.scaled(b).cuts[:-1])
+            step = 0.0
+            if cp > 1:
+                ring = [first_rank + k * tp for k in range(cp)]
+                nbytes = kv_bytes(self.scaled(b), tp, cp)
+                step = max(self.cluster.p2p_latency(x, y) + nbytes / self.cluster.p2p_bandwidth(x, y) for x, y in zip(ring, ring[1:] + ring[:1]))
+            self._coll[key] = (coll, step)
+        return self._coll[key]
+
     def times(
         self,
         b: int,
@@ -301,20 +326,12 @@ class Context:
         key = (b, tp, recompute, dev.key, sp, cp, tp_overlap, fp8, ep, etp)
         if key not in self._times:
             sharded = self.sharded(b, tp, sp, cp)
-            coll: float | list[float] = 0.0
-            if tp > 1:
-                ranks = list(range(first_rank, first_rank + tp))
-                coll = [tp_collective_time(self.cluster, c.bytes / cp, ranks, sp) for c in self.costs.scaled(b).cuts[:-1]]
-            step = 0.0
-            if cp > 1:
-                ring = [first_rank + k * tp for k in range(cp)]
-                nbytes = kv_bytes(self.costs.scaled(b), tp, cp)
-                step = max(self.cluster.p2p_latency(x, y) + nbytes / self.cluster.p2p_bandwidth(x, y) for x, y in zip(ring, ring[1:] + ring[:1]))
+            coll, step = self._collectives(b, tp, first_rank, sp, cp)
             kernel = fixed_costs(dev)[0]
             split = tp if sp and tp > 1 else 1  # tokens per GPU entering the MoE layers: 1/tp with sequence parallelism
             dispatch = [expert_dispatch_time(self.cluster, l.routed_bytes / split, first_rank, ep, etp) if l.num_experts else 0.0 for l in sharded.layers]
             experts = (ep, split, dispatch)
-            t = analytical_times(sharded, dev, dtype, recompute, tp, coll, tp_overlap, "fp8" if fp8 else None, kernel, cp, step, experts)
+            t = analytical_times(sharded, dev, dtype, recompute, tp, list(coll) if coll else 0.0, tp_overlap, "fp8" if fp8 else None, kernel, cp, step, experts)
             measured = self.opts.measured.get(dev.key)
             if measured and tp == 1 and cp == 1 and not fp8 and ep * etp == 1:
                 f = b / self.costs.micro_batch
@@ -925,13 +942,13 @@ def search(
     bounded = sorted(((lower_bound(ctx, lay, dtype), i, lay) for i, lay in enumerate(layouts)), key=lambda x: (x[0], x[1]))
     ranked: list[Evaluation] = []
     priced = 0
-    no_fit: list[Rejection] = []
+    no_fit: dict[tuple[object, ...], list[Rejection]] = {}  # memory rejections by _dominance_group
     for i, (lb, _, lay) in enumerate(bounded):
         if progress:
             progress("search", i + 1, len(bounded))
         if not opts.exhaustive and len(ranked) >= opts.top_k and lb > ranked[opts.top_k - 1].predicted.step_time_s:
             break
-        lighter = next((x for x in no_fit if _needs_no_less_memory(lay, x.layout)), None) if not opts.exhaustive else None
+        lighter = None if opts.exhaustive else next((x for x in no_fit.get(_dominance_group(lay), ()) if _needs_no_less_memory(lay, x.layout)), None)
         if lighter is not None:
             reason = f"needs at least the memory of {lighter.layout.short()}, which does not fit"
             rejected.append(Rejection(lay, reason, RejectKind.DOMINATED, lb, lighter.need_bytes, lighter.capacity_bytes))
@@ -942,7 +959,7 @@ def search(
             res.lower_bound = lb
             rejected.append(res)
             if res.kind is RejectKind.MEMORY:
-                no_fit.append(res)
+                no_fit.setdefault(_dominance_group(lay), []).append(res)
             continue
         ranked.append(res)
         ranked.sort(key=lambda e: (e.predicted.step_time_s, _layout_key(e.layout)))
@@ -952,6 +969,11 @@ def search(
 
 
 _RECOMPUTE_MEMORY = {"full": 0, "selective": 1, "none": 2}
+
+
+def _dominance_group(lay: Layout) -> tuple[object, ...]:
+    """The fields :func:`_needs_no_less_memory` requires equal: only layouts of one group can dominate each other."""
+    return (lay.pp, lay.tp, lay.dp, lay.vp, lay.ep, lay.etp, lay.schedule)
 
 
 def _needs_no_less_memory(lay: Layout, other: Layout) -> bool:
