@@ -235,6 +235,8 @@ class Context:
         self._p2p: dict[tuple[int, int, int, int, bool, bool, int], np.ndarray] = {}
         self._gemm: dict[tuple[int, int, int], np.ndarray] = {}
         self._scaled: dict[int, ModelCosts] = {}
+        self._dispatches: dict[tuple[float, int, int, int], float] = {}
+        self._sum_max: dict[int, tuple[PieceTimes, float, float]] = {}
         self._coll: dict[tuple[int, int, int, bool, int], tuple[tuple[float, ...], float]] = {}
 
     def sharded(self, b: int, tp: int, sp: bool = True, cp: int = 1) -> ModelCosts:
@@ -308,6 +310,23 @@ class Context:
             self._coll[key] = (coll, step)
         return self._coll[key]
 
+    def _dispatch(self, nbytes: float, first_rank: int, ep: int, etp: int) -> float:
+        """Seconds of one token dispatch of ``nbytes`` per GPU (:func:`expert_dispatch_time`), shared by the pieces
+        and candidates that route the same bytes from the same ranks."""
+        key = (nbytes, first_rank, ep, etp)
+        if key not in self._dispatches:
+            self._dispatches[key] = expert_dispatch_time(self.cluster, nbytes, first_rank, ep, etp)
+        return self._dispatches[key]
+
+    def sum_and_max(self, t: PieceTimes) -> tuple[float, float]:
+        """(sum, largest) of the pieces' total times, computed once per :class:`PieceTimes`."""
+        key = id(t)
+        if key not in self._sum_max:
+            tot = t.total
+            self._sum_max[key] = (t, sum(tot), max(tot))
+        _, total, largest = self._sum_max[key]
+        return total, largest
+
     def times(
         self,
         b: int,
@@ -329,7 +348,7 @@ class Context:
             coll, step = self._collectives(b, tp, first_rank, sp, cp)
             kernel = fixed_costs(dev)[0]
             split = tp if sp and tp > 1 else 1  # tokens per GPU entering the MoE layers: 1/tp with sequence parallelism
-            dispatch = [expert_dispatch_time(self.cluster, l.routed_bytes / split, first_rank, ep, etp) if l.num_experts else 0.0 for l in sharded.layers]
+            dispatch = [self._dispatch(l.routed_bytes / split, first_rank, ep, etp) if l.num_experts else 0.0 for l in sharded.layers]
             experts = (ep, split, dispatch)
             t = analytical_times(sharded, dev, dtype, recompute, tp, list(coll) if coll else 0.0, tp_overlap, "fp8" if fp8 else None, kernel, cp, step, experts)
             measured = self.opts.measured.get(dev.key)
@@ -509,8 +528,9 @@ def lower_bound(ctx: Context, lay: Layout, dtype: str) -> float:
         if key in seen:
             continue
         seen.add(key)
-        t = ctx.times(lay.micro_batch, lay.tp, lay.recompute, first, dtype, lay.sequence_parallel, lay.cp, lay.tp_comm_overlap, lay.fp8, lay.ep, lay.etp).total
-        best = min(best, lay.num_microbatches * max(sum(t) / lay.pp, max(t)))
+        t = ctx.times(lay.micro_batch, lay.tp, lay.recompute, first, dtype, lay.sequence_parallel, lay.cp, lay.tp_comm_overlap, lay.fp8, lay.ep, lay.etp)
+        total, largest = ctx.sum_and_max(t)
+        best = min(best, lay.num_microbatches * max(total / lay.pp, largest))
     return best
 
 
