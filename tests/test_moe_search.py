@@ -49,3 +49,18 @@ def test_dominance_group_holds_every_field_the_dominance_requires_equal():
     dominated = [(a, b) for a, b in pairs if _needs_no_less_memory(a, b)]
     assert dominated
     assert all(_dominance_group(a) == _dominance_group(b) for a, b in dominated)
+
+
+def test_remembered_operator_times_follow_the_device_object():
+    """The per-operator sums are remembered by device identity: another device (or a changed copy) is timed anew."""
+    from dataclasses import replace
+
+    from planner.hardware import memory_time
+    from planner.solve.timing import bytes_time
+
+    dev = hardware.parse_gpus("8xH100").device_of(0)
+    slow = replace(dev, memory_bandwidth=dev.memory_bandwidth / 2)
+    ops = (1e6, 3e7, 5e8)
+    for d in (dev, slow, dev, slow):
+        assert bytes_time(ops, 0.0, d) == sum(memory_time(x, d, bytes_per_op=x) for x in ops)
+    assert bytes_time(ops, 0.0, slow) == pytest.approx(2 * bytes_time(ops, 0.0, dev))
