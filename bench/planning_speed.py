@@ -1,4 +1,5 @@
-"""Planning speed and memory: tracing and search timed separately, peak RSS, for Llama 7B/70B/405B on 8 to 16384 GPUs.
+"""Planning speed and memory: tracing and search timed separately, peak RSS, for Llama 7B/70B/405B on 8 to 16384 GPUs,
+and the mixture-of-experts searches (ep x etp searched too) of Mixtral 8x7B on 64 and DeepSeek-V3 on 1024 H100 (Megatron).
 
 Each model runs in its own process (``python -m bench.planning_speed MODEL``) so peak RSS is that model's alone.
 """
@@ -16,6 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PRESETS = ("llama-7b", "llama-70b", "llama-405b")
 GPUS = ("8xH100", "64xH100", "1024xH100", "16384xH100")
 ENGINES = ("megatron", "deepspeed")
+#: examples/moe.py presets -> the clusters they are searched on (Megatron: the engine with expert parallelism)
+MOE_CASES = {"mixtral-8x7b": ("64xH100",), "deepseek-v3": ("1024xH100",)}
+MOE_ENGINES = ("megatron",)
 
 
 def measure(preset: str) -> dict:
@@ -24,14 +28,15 @@ def measure(preset: str) -> dict:
     from planner.model.analyze import analyze
     from planner.solve.search import SearchOptions, search
 
+    moe = preset in MOE_CASES
     t0 = time.perf_counter()
-    costs = analyze(ROOT / "examples" / "llama.py", {"preset": preset}, 1, "bf16").costs
+    costs = analyze(ROOT / "examples" / ("moe.py" if moe else "llama.py"), {"preset": preset}, 1, "bf16").costs
     trace_s = time.perf_counter() - t0
     rss_trace = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rows = []
-    for gpus in GPUS:
+    for gpus in MOE_CASES[preset] if moe else GPUS:
         cluster = hardware.parse_gpus(gpus)
-        for engine in ENGINES:
+        for engine in MOE_ENGINES if moe else ENGINES:
             t0 = time.perf_counter()
             res = search(costs, cluster, SearchOptions(engine=engine), get_engine(engine))
             rows.append(
@@ -46,6 +51,7 @@ def measure(preset: str) -> dict:
             )
     return {
         "preset": preset,
+        "moe": moe,
         "pieces": costs.n,
         "trace_cost_s": trace_s,
         "rss_after_trace_bytes": rss_trace,
@@ -56,7 +62,7 @@ def measure(preset: str) -> dict:
 
 def run_all() -> list[dict]:
     out = []
-    for preset in PRESETS:
+    for preset in (*PRESETS, *MOE_CASES):
         proc = subprocess.run([sys.executable, "-m", "bench.planning_speed", preset], cwd=ROOT, capture_output=True, text=True, check=True)
         out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     return out
@@ -67,13 +73,21 @@ def markdown(results: list[dict]) -> str:
         "| model | pieces | trace + cost | peak RSS | " + " | ".join(f"search {g} ({e})" for g in GPUS for e in ENGINES) + " |",
         "|---|---:|---:|---:|" + "---:|" * (len(GPUS) * len(ENGINES)),
     ]
-    for r in results:
+    dense = [r for r in results if not r.get("moe")]
+    moe = [r for r in results if r.get("moe")]
+    for r in dense:
         cells = []
         for g in GPUS:
             for e in ENGINES:
                 s = next(x for x in r["searches"] if x["gpus"] == g and x["engine"] == e)
                 cells.append(f"{s['search_s']:.2f} s ({s['priced']}/{s['considered']})")
         lines.append(f"| {r['preset']} | {r['pieces']} | {r['trace_cost_s']:.1f} s | {r['peak_rss_bytes'] / 2**30:.2f} GiB | " + " | ".join(cells) + " |")
+    if moe:
+        lines += ["", "| MoE model (megatron) | pieces | trace + cost | peak RSS | cluster | search |", "|---|---:|---:|---:|---|---:|"]
+        for r in moe:
+            for s in r["searches"]:
+                head = f"| {r['preset']} | {r['pieces']} | {r['trace_cost_s']:.1f} s | {r['peak_rss_bytes'] / 2**30:.2f} GiB |"
+                lines.append(f"{head} {s['gpus']} | {s['search_s']:.2f} s ({s['priced']}/{s['considered']}) |")
     lines.append("")
     lines.append("Search cells: wall time (layouts priced / layouts considered). Best layouts:")
     lines.append("")

@@ -229,11 +229,15 @@ class Context:
         self._prefix: dict[int, tuple[PieceTimes, np.ndarray]] = {}
         self._p2p: dict[tuple[int, int, int, int, bool, bool, int], np.ndarray] = {}
         self._gemm: dict[tuple[int, int, int], np.ndarray] = {}
+        self._scaled: dict[int, ModelCosts] = {}
+        self._dispatches: dict[tuple[float, int, int, int], float] = {}
+        self._sum_max: dict[int, tuple[PieceTimes, float, float]] = {}
+        self._coll: dict[tuple[int, int, int, bool, int], tuple[tuple[float, ...], float]] = {}
 
     def sharded(self, b: int, tp: int, sp: bool = True, cp: int = 1) -> ModelCosts:
         key = (b, tp, sp and tp > 1, cp)
         if key not in self._sharded:
-            self._sharded[key] = split_context(shard_costs(self.costs.scaled(b), tp, sequence_parallel=sp and tp > 1), cp)
+            self._sharded[key] = split_context(shard_costs(self.scaled(b), tp, sequence_parallel=sp and tp > 1), cp)
         return self._sharded[key]
 
     def memory(
@@ -279,6 +283,46 @@ class Context:
             self._prefix[key] = (t, np.concatenate([[0.0], np.cumsum(t.total)]))
         return self._prefix[key][1]
 
+    def scaled(self, b: int) -> ModelCosts:
+        """The model's costs at micro-batch ``b``."""
+        if b not in self._scaled:
+            self._scaled[b] = self.costs.scaled(b)
+        return self._scaled[b]
+
+    def _collectives(self, b: int, tp: int, first_rank: int, sp: bool, cp: int) -> tuple[tuple[float, ...], float]:
+        """(tensor-parallel collective seconds per cut, ring-attention KV step seconds) for a stage starting at
+        ``first_rank``: the same for every recompute mode, overlap and (ep, etp), so computed once."""
+        key = (b, tp, first_rank, sp, cp)
+        if key not in self._coll:
+            coll: tuple[float, ...] = ()
+            if tp > 1:
+                ranks = list(range(first_rank, first_rank + tp))
+                coll = tuple(tp_collective_time(self.cluster, c.bytes / cp, ranks, sp) for c in self.scaled(b).cuts[:-1])
+            step = 0.0
+            if cp > 1:
+                ring = [first_rank + k * tp for k in range(cp)]
+                nbytes = kv_bytes(self.scaled(b), tp, cp)
+                step = max(self.cluster.p2p_latency(x, y) + nbytes / self.cluster.p2p_bandwidth(x, y) for x, y in zip(ring, ring[1:] + ring[:1]))
+            self._coll[key] = (coll, step)
+        return self._coll[key]
+
+    def _dispatch(self, nbytes: float, first_rank: int, ep: int, etp: int) -> float:
+        """Seconds of one token dispatch of ``nbytes`` per GPU (:func:`expert_dispatch_time`), shared by the pieces
+        and candidates that route the same bytes from the same ranks."""
+        key = (nbytes, first_rank, ep, etp)
+        if key not in self._dispatches:
+            self._dispatches[key] = expert_dispatch_time(self.cluster, nbytes, first_rank, ep, etp)
+        return self._dispatches[key]
+
+    def sum_and_max(self, t: PieceTimes) -> tuple[float, float]:
+        """(sum, largest) of the pieces' total times, computed once per :class:`PieceTimes`."""
+        key = id(t)
+        if key not in self._sum_max:
+            tot = t.total
+            self._sum_max[key] = (t, sum(tot), max(tot))
+        _, total, largest = self._sum_max[key]
+        return total, largest
+
     def times(
         self,
         b: int,
@@ -297,21 +341,14 @@ class Context:
         key = (b, tp, recompute, dev.key, sp, cp, tp_overlap, fp8, ep, etp)
         if key not in self._times:
             sharded = self.sharded(b, tp, sp, cp)
-            coll: float | list[float] = 0.0
-            if tp > 1:
-                ranks = list(range(first_rank, first_rank + tp))
-                coll = [tp_collective_time(self.cluster, c.bytes / cp, ranks, sp) for c in self.costs.scaled(b).cuts[:-1]]
-            step = 0.0
-            if cp > 1:
-                ring = [first_rank + k * tp for k in range(cp)]
-                nbytes = kv_bytes(self.costs.scaled(b), tp, cp)
-                step = max(self.cluster.p2p_latency(x, y) + nbytes / self.cluster.p2p_bandwidth(x, y) for x, y in zip(ring, ring[1:] + ring[:1]))
+            coll, step = self._collectives(b, tp, first_rank, sp, cp)
             kernel = fixed_costs(dev)[0]
             split = tp if sp and tp > 1 else 1  # tokens per GPU entering the MoE layers: 1/tp with sequence parallelism
-            dispatch = [expert_dispatch_time(self.cluster, l.routed_bytes / split, first_rank, ep, etp) if l.num_experts else 0.0 for l in sharded.layers]
+            dispatch = [self._dispatch(l.routed_bytes / split, first_rank, ep, etp) if l.num_experts else 0.0 for l in sharded.layers]
             experts = (ep, split, dispatch)
             casts, kept = fp8_casts(self.costs, b, tp, cp) if fp8 else (None, None)
-            t = analytical_times(sharded, dev, dtype, recompute, tp, coll, tp_overlap, "fp8" if fp8 else None, kernel, cp, step, experts, casts, kept)
+            coll_t = list(coll) if coll else 0.0
+            t = analytical_times(sharded, dev, dtype, recompute, tp, coll_t, tp_overlap, "fp8" if fp8 else None, kernel, cp, step, experts, casts, kept)
             measured = self.opts.measured.get(dev.key)
             if measured and tp == 1 and cp == 1 and not fp8 and ep * etp == 1:
                 f = b / self.costs.micro_batch
@@ -502,8 +539,9 @@ def lower_bound(ctx: Context, lay: Layout, dtype: str) -> float:
         if key in seen:
             continue
         seen.add(key)
-        t = ctx.times(lay.micro_batch, lay.tp, lay.recompute, first, dtype, lay.sequence_parallel, lay.cp, lay.tp_comm_overlap, lay.fp8, lay.ep, lay.etp).total
-        best = min(best, lay.num_microbatches * max(sum(t) / lay.pp, max(t)))
+        t = ctx.times(lay.micro_batch, lay.tp, lay.recompute, first, dtype, lay.sequence_parallel, lay.cp, lay.tp_comm_overlap, lay.fp8, lay.ep, lay.etp)
+        total, largest = ctx.sum_and_max(t)
+        best = min(best, lay.num_microbatches * max(total / lay.pp, largest))
     return best
 
 
@@ -912,13 +950,13 @@ def search(
     bounded = sorted(((lower_bound(ctx, lay, dtype), i, lay) for i, lay in enumerate(layouts)), key=lambda x: (x[0], x[1]))
     ranked: list[Evaluation] = []
     priced = 0
-    no_fit: list[Rejection] = []
+    no_fit: dict[tuple[object, ...], list[Rejection]] = {}  # memory rejections by _dominance_group
     for i, (lb, _, lay) in enumerate(bounded):
         if progress:
             progress("search", i + 1, len(bounded))
         if not opts.exhaustive and len(ranked) >= opts.top_k and lb > ranked[opts.top_k - 1].predicted.step_time_s:
             break
-        lighter = next((x for x in no_fit if _needs_no_less_memory(lay, x.layout)), None) if not opts.exhaustive else None
+        lighter = None if opts.exhaustive else next((x for x in no_fit.get(_dominance_group(lay), ()) if _needs_no_less_memory(lay, x.layout)), None)
         if lighter is not None:
             reason = f"needs at least the memory of {lighter.layout.short()}, which does not fit"
             rejected.append(Rejection(lay, reason, RejectKind.DOMINATED, lb, lighter.need_bytes, lighter.capacity_bytes))
@@ -929,7 +967,7 @@ def search(
             res.lower_bound = lb
             rejected.append(res)
             if res.kind is RejectKind.MEMORY:
-                no_fit.append(res)
+                no_fit.setdefault(_dominance_group(lay), []).append(res)
             continue
         ranked.append(res)
         ranked.sort(key=lambda e: (e.predicted.step_time_s, _layout_key(e.layout)))
@@ -939,6 +977,11 @@ def search(
 
 
 _RECOMPUTE_MEMORY = {"full": 0, "selective": 1, "none": 2}
+
+
+def _dominance_group(lay: Layout) -> tuple[object, ...]:
+    """The fields :func:`_needs_no_less_memory` requires equal: only layouts of one group can dominate each other."""
+    return (lay.pp, lay.tp, lay.dp, lay.vp, lay.ep, lay.etp, lay.schedule)
 
 
 def _needs_no_less_memory(lay: Layout, other: Layout) -> bool:

@@ -349,7 +349,12 @@ def ops_time(op_flops: Sequence[float], total: float, device: DeviceProfile, dty
     ``total`` FLOPs when no list is known."""
     if not op_flops:
         return hardware.matmul_time(total, device, dtype)
-    return sum(max(floor_s, hardware.matmul_time(x, device, dtype)) for x in op_flops if x > 0)
+    key = ("ops", id(device), dtype, floor_s, tuple(op_flops))
+    hit = _OP_TIMES.get(key)
+    if hit is None or hit[0] is not device:
+        hit = (device, sum(max(floor_s, hardware.matmul_time(x, device, dtype)) for x in op_flops if x > 0))
+        _remember(key, hit)
+    return hit[1]
 
 
 def bytes_time(op_bytes: Sequence[float], total: float, device: DeviceProfile, floor_s: float = 0.0) -> float:
@@ -357,7 +362,25 @@ def bytes_time(op_bytes: Sequence[float], total: float, device: DeviceProfile, f
     ``total`` bytes when no list is known."""
     if not op_bytes:
         return hardware.memory_time(total, device)
-    return sum(max(floor_s, hardware.memory_time(x, device, bytes_per_op=x)) for x in op_bytes)
+    key = ("bytes", id(device), floor_s, tuple(op_bytes))
+    hit = _OP_TIMES.get(key)
+    if hit is None or hit[0] is not device:
+        hit = (device, sum(max(floor_s, hardware.memory_time(x, device, bytes_per_op=x)) for x in op_bytes))
+        _remember(key, hit)
+    return hit[1]
+
+
+#: per-operator time sums already computed, by (kind, device identity, ..., operator sizes): the same pieces are timed
+#: again for every recompute mode, overlap and (ep, etp) of a search; the device object is kept with the value so an
+#: identity reused by another object never answers
+_OP_TIMES: dict[tuple[object, ...], tuple[DeviceProfile, float]] = {}
+_OP_TIMES_MAX = 1 << 16
+
+
+def _remember(key: tuple[object, ...], value: tuple[DeviceProfile, float]) -> None:
+    if len(_OP_TIMES) >= _OP_TIMES_MAX:
+        _OP_TIMES.clear()
+    _OP_TIMES[key] = value
 
 
 def with_measured(times: PieceTimes, measured: Mapping[int, tuple[float, float]], recompute: str) -> PieceTimes:
