@@ -492,6 +492,42 @@ def test_header_command_replans_to_the_same_bytes(tmp_path):
     assert snapshot(d) == before
 
 
+def test_header_command_keeps_every_pin(tmp_path):
+    """The header of a Megatron plan pinned on context parallelism, overlaps, precision options and FP8 primary weights
+    re-plans to the same bytes: every pinned dimension is in the recorded command."""
+    import shutil
+
+    (tmp_path / "repo").mkdir()
+    m = tmp_path / "repo" / "model.py"
+    shutil.copy(Path(__file__).resolve().parents[1] / "examples" / "llama.py", m)
+    pins = [
+        "--model-arg",
+        "preset=llama-tiny",
+        "--dtype",
+        "fp8",
+        "--zero",
+        "1",
+        "--cp",
+        "1",
+        "--main-grads-dtype",
+        "bf16",
+        "--fp8-param-gather",
+        "--no-overlap-param-gather",
+    ]
+    code, _, err = cli("plan", m, "--gpus", "2xH100", "--engine", "megatron", *pins, "--out", tmp_path / "repo" / "plan", "-q")
+    assert code == 0, err
+    d = tmp_path / "repo" / "plan"
+    before = snapshot(d)
+    import shlex
+
+    words = shlex.split(before["launch_slurm.sh"].decode().splitlines()[1].split(": ", 1)[1])
+    for flag in ("--cp", "--main-grads-dtype", "--fp8-param-gather", "--no-overlap-param-gather", "--zero", "--dtype"):
+        assert flag in words, flag
+    code, _, err = cli(*words[1:], "-q", cwd=d)
+    assert code == 0, err
+    assert snapshot(d) == before
+
+
 def test_markup_in_model_args_is_escaped_in_reports(tmp_path):
     """issue: a --model-arg with --><script> ended raw in report.md and closed the README's header comment."""
     m = model_file(tmp_path)

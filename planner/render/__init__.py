@@ -148,6 +148,18 @@ _FLAGS = (
     ("--zero", "zero", None),
     ("--mem-target", "mem_target", 0.85),
     ("--profile", "profile", None),
+    ("--cp", "cp", None),
+    ("--ep", "ep", None),
+    ("--etp", "etp", None),
+    ("--main-grads-dtype", "main_grads_dtype", "fp32"),
+    ("--optimizer-state-dtype", "optimizer_state_dtype", "fp32"),
+)
+#: (flag when True, flag when False, plan.json inputs key): pinned switches; None (searched or the engine's default) is left out
+_SWITCHES = (
+    ("--tp-comm-overlap", "--no-tp-comm-overlap", "tp_comm_overlap"),
+    ("--overlap-grad-reduce", "--no-overlap-grad-reduce", "overlap_grad_reduce"),
+    ("--overlap-param-gather", "--no-overlap-param-gather", "overlap_param_gather"),
+    ("--fp8-param-gather", None, "fp8_param_gather"),
 )
 
 
@@ -169,6 +181,12 @@ def canonical_command(plan: Plan) -> str:
         v = inp.get(key)
         if v is not None and v != default:
             words += [flag, f"{v:g}" if isinstance(v, float) else str(v)]
+    for on, off, key in _SWITCHES:
+        v = inp.get(key)
+        if v is True:
+            words.append(on)
+        elif v is False and off is not None:
+            words.append(off)
     words += ["--out", "."]
     return " ".join(shell_quote(w) if i > 1 else w for i, w in enumerate(words))
 
