@@ -151,12 +151,6 @@ def param_gather_exposed(comm_s: float, forward_s: float, buckets: int) -> float
     return a + (n - 1) * max(0.0, a - f)
 
 
-def overlapped(comm_s: float, hiding_s: float, last_share: float) -> float:
-    """Seconds of ``comm_s`` (in buckets) left exposed when it overlaps ``hiding_s`` of compute: what the compute
-    cannot cover, and at least the one bucket (``last_share`` of it) that starts only when the compute ends."""
-    return max(comm_s * min(1.0, last_share), comm_s - hiding_s, 0.0)
-
-
 class MegatronEngine(Engine):
     name = "megatron"
     description = "Megatron-LM pretrain_gpt.py (1F1B or interleaved, tensor/sequence parallel, distributed optimizer)"
