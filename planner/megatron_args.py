@@ -15,7 +15,7 @@ Sources: Megatron-LM at tag core_v0.16.1 (megatron/training/arguments.py) and me
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from planner.megatron_flags import MEGATRON_VERSION, EnvVar, Flag, FlagSpec, MegatronArgs, as_int, flag_parser, flag_table, group_argv, parse_args_file
 from planner.megatron_layout import LayoutError, layout_string, parse_layout, split_flags, stage_layers, virtual_size
@@ -50,6 +50,7 @@ __all__ = [
     "megatron_ffn_hidden_size",
     "parse_args_file",
     "parse_layout",
+    "rope_problems",
     "split_flags",
     "stage_layers",
     "tensor_parallel_problems",
@@ -91,7 +92,15 @@ ARCHITECTURE: tuple[ArchKey, ...] = (
     ArchKey("bias", True, "biases in the linear layers (else `--disable-bias-linear`)"),
     ArchKey("dropout", 0.0, "attention and hidden dropout probability (`--attention-dropout`, `--hidden-dropout`)"),
     ArchKey("norm_epsilon", None, "normalization epsilon; unset means Megatron's 1e-5 (`--norm-epsilon`)"),
-    ArchKey("rotary_base", None, "RoPE base for rope/mrope; unset means Megatron's 10000 (`--rotary-base`)"),
+    ArchKey("rotary_base", None, "RoPE base for rope/mrope, an integer; unset means Megatron's 10000 (`--rotary-base`)"),
+    ArchKey("rotary_percent", 1.0, "fraction of each head's width that is rotated, in (0, 1] (`--rotary-percent`)"),
+    ArchKey(
+        "rope_scaling",
+        None,
+        "`llama3` (Llama 3.x frequency scaling, `--use-rope-scaling`) or `linear` (positions divided by the factor, "
+        "`--rotary-seq-len-interpolation-factor`); unset means none",
+    ),
+    ArchKey("rope_scaling_factor", None, "the factor of rope_scaling, required with it (`--rope-scaling-factor`; an integer above 1 for linear)"),
     ArchKey("mrope_section", None, "list of ints, required with position_embedding `mrope` (`--mrope-section`)"),
     ArchKey("kv_channels", None, "width of each attention head; unset means hidden_size / heads (`--kv-channels`, written when it differs)"),
     ArchKey("qk_layernorm", False, "normalize each head's queries and keys (`--qk-layernorm`)"),
@@ -210,6 +219,7 @@ def architecture_problem(arch: dict[str, Any] | None, model: str = "the model fi
         problems.append(f"kv_channels = {kv!r} (a positive integer or unset)")
     if not isinstance(arch["qk_layernorm"], bool):
         problems.append(f"qk_layernorm = {arch['qk_layernorm']!r} (True or False)")
+    problems += rope_problems(arch)
     problems += mla_problems(arch) + moe_problems(arch)
     if problems:
         return (
@@ -217,6 +227,44 @@ def architecture_problem(arch: dict[str, Any] | None, model: str = "the model fi
             "Fix architecture() (README.md lists every key), or plan with --engine deepspeed or torch, which run the model file itself.",
         )
     return None
+
+
+#: the rope_scaling kinds Megatron-LM's GPT model runs (RotaryEmbedding, core_v0.16.1): Llama 3.x scaling with its
+#: fixed constants (``_apply_scaling``: low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192)
+#: and linear position interpolation (``seq_len_interpolation_factor``)
+ROPE_SCALINGS = ("llama3", "linear")
+
+
+def _number(x: Any) -> TypeGuard[float]:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def rope_problems(arch: dict[str, Any]) -> list[str]:
+    """Why the rotary embedding of a defaults-filled ``arch`` is not one Megatron-LM's GPT model builds; empty when it is.
+
+    ``--rotary-base`` and ``--rotary-seq-len-interpolation-factor`` are ``type=int`` (arguments.py); RotaryEmbedding
+    rotates ``int(kv_channels x rotary_percent)`` channels and applies Llama 3.x scaling or linear interpolation only.
+    """
+    out: list[str] = []
+    base, percent = arch.get("rotary_base"), arch.get("rotary_percent", 1.0)
+    scaling, factor = arch.get("rope_scaling"), arch.get("rope_scaling_factor")
+    if base is not None and (not _number(base) or base <= 0 or float(base) != int(base)):
+        out.append(f"rotary_base = {base!r} (--rotary-base takes a positive integer)")
+    if not _number(percent) or not 0.0 < float(percent) <= 1.0:
+        out.append(f"rotary_percent = {percent!r} (a fraction in (0, 1] is needed)")
+    if scaling is None:
+        return out
+    if scaling not in ROPE_SCALINGS:
+        out.append(
+            f"rope scaling {scaling!r} (Megatron's GPT model runs Llama 3.x scaling with low/high frequency factors 1 and 4 "
+            "over 8192 original positions, or linear interpolation by an integer factor)"
+        )
+    elif arch.get("position_embedding") not in ("rope", "mrope") or arch.get("multi_latent_attention"):
+        out.append(f"rope scaling {scaling!r} without plain rope (it applies to --position-embedding-type rope)")
+    elif not _number(factor) or factor <= 0 or (scaling == "linear" and (float(factor) != int(factor) or factor <= 1)):
+        need = "an integer above 1" if scaling == "linear" else "a positive number"
+        out.append(f"rope_scaling_factor = {factor!r} with {scaling} scaling ({need} is needed)")
+    return out
 
 
 def tensor_parallel_problems(arch: dict[str, Any], tp: int) -> list[str]:

@@ -300,6 +300,11 @@ def hf_architecture(config: Any, seq_len: int) -> dict[str, Any] | None:
         "bias": bool(get("attention_bias", "mlp_bias", default=c.model_type in ("gpt2",))),
         "dropout": float(get("attention_dropout", "attn_pdrop", default=0.0) or 0.0),
     }
+    eps = get("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_epsilon")
+    if isinstance(eps, (int, float)):
+        arch["norm_epsilon"] = float(eps)
+    if rope:
+        arch.update(_hf_rope(c))
     if get("head_dim") is not None and not mla:
         arch["kv_channels"] = get("head_dim")
     if c.model_type in ("qwen3", "qwen3_moe"):
@@ -308,6 +313,38 @@ def hf_architecture(config: Any, seq_len: int) -> dict[str, Any] | None:
         arch["num_query_groups"] = None
     arch.update({k: v for k, v in moe.items() if k != "dense"})
     return arch
+
+
+#: Llama 3.x scaling constants Megatron-LM's RotaryEmbedding._apply_scaling fixes (core_v0.16.1); only the factor is a flag
+_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _hf_rope(c: Any) -> dict[str, Any]:
+    """rotary_base, rotary_percent, rope_scaling and its factor from a transformers config's rope parameters.
+
+    transformers 5 keeps them in ``rope_parameters`` (``rope_type``, ``rope_theta``, the scaling fields; older configs'
+    ``rope_scaling`` / ``rope_theta`` are folded into it); ``partial_rotary_factor`` rotates part of each head. Llama 3.x
+    scaling with constants Megatron does not fix, and every other rope type, are kept by name so that
+    :func:`planner.megatron_args.rope_problems` says why Megatron cannot run them."""
+    params = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+    if not isinstance(params, dict):
+        return {}
+    if params and all(isinstance(v, dict) for v in params.values()):  # one rope per attention kind (Gemma 3)
+        return {"rope_scaling": "one rope per attention type (" + ", ".join(sorted(params)) + ")"}
+    out: dict[str, Any] = {}
+    theta = params.get("rope_theta", getattr(c, "rope_theta", None))
+    if isinstance(theta, (int, float)):
+        out["rotary_base"] = int(theta) if float(theta).is_integer() else float(theta)
+    partial = params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", None))
+    if isinstance(partial, (int, float)) and float(partial) != 1.0:
+        out["rotary_percent"] = float(partial)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return out
+    out["rope_scaling_factor"] = params.get("factor")
+    off = {k: params.get(k) for k, v in _MEGATRON_LLAMA3_ROPE.items() if kind == "llama3" and params.get(k) != v}
+    out["rope_scaling"] = kind if not off else "llama3 with " + ", ".join(f"{k} {v}" for k, v in off.items())
+    return out
 
 
 def _moe_pattern(c: Any) -> list[int]:

@@ -179,8 +179,24 @@ def model_flags(arch: dict[str, Any]) -> Flags:
     flags += [("--attention-dropout", repr(dropout)), ("--hidden-dropout", repr(dropout))]
     if arch.get("norm_epsilon") is not None:
         flags.append(("--norm-epsilon", repr(float(arch["norm_epsilon"]))))
-    if arch.get("rotary_base") is not None and arch["position_embedding"] in ("rope", "mrope"):
+    if arch["position_embedding"] in ("rope", "mrope"):
+        flags += rope_flags(arch)
+    return flags
+
+
+def rope_flags(arch: dict[str, Any]) -> Flags:
+    """--rotary-base, --rotary-percent and the rope scaling flags of an architecture() with rope (Megatron-LM core_v0.16.1
+    RotaryEmbedding: ``rope_scaling`` / ``rope_scaling_factor`` for Llama 3.x, ``seq_len_interpolation_factor`` linear)."""
+    flags: Flags = []
+    if arch.get("rotary_base") is not None:
         flags.append(("--rotary-base", str(int(arch["rotary_base"]))))
+    percent = arch.get("rotary_percent")
+    if percent is not None and float(percent) != 1.0:
+        flags.append(("--rotary-percent", repr(float(percent))))
+    if arch.get("rope_scaling") == "llama3":
+        flags += [("--use-rope-scaling", None), ("--rope-scaling-factor", repr(float(arch["rope_scaling_factor"])))]
+    elif arch.get("rope_scaling") == "linear":
+        flags.append(("--rotary-seq-len-interpolation-factor", str(int(arch["rope_scaling_factor"]))))
     return flags
 
 
