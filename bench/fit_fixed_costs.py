@@ -184,6 +184,26 @@ def report(fits: Sequence[Fit]) -> str:
     return "\n".join(out)
 
 
+def shipped_agrees(f: Fit) -> bool:
+    """Whether the GPU's bundled profile carries what the fit decides: the fitted values when plausible, none otherwise."""
+    from planner.hardware import load_profile
+
+    p = load_profile(profile_path(f.device))
+    want = (f.kernel_us * 1e-6, f.p2p_sync_us * 1e-6) if f.plausible else (0.0, 0.0)
+    return all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip((p.kernel_floor_s, p.p2p_sync_s), want))
+
+
+def markdown(fits: Sequence[Fit]) -> str:
+    """The fit per GPU type, each tune row's error without and with it, and whether the bundled profile agrees."""
+    out = ["| GPU | kernel_us | p2p_sync_us | plausible | rms log error without -> with | bundled profile agrees |", "|---|---:|---:|---|---|---|"]
+    for f in fits:
+        out.append(
+            f"| {f.device} | {f.kernel_us:g} | {f.p2p_sync_us:g} | {'yes' if f.plausible else 'no'} | "
+            f"{Fit.rms(f.before):.3f} -> {Fit.rms(f.after):.3f} | {'yes' if shipped_agrees(f) else '**no**: run --write'} |"
+        )
+    return "\n".join(out)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.fit_fixed_costs", description=__doc__.splitlines()[0])
     ap.add_argument("--write", action="store_true", help="write the fit into the GPUs' profiles (only plausible values are kept)")

@@ -287,16 +287,17 @@ def test_profile_fixed_costs_are_written_only_when_plausible(tmp_path):
     assert (p.kernel_floor_s, p.p2p_sync_s) == (0.0, 0.0) and "fixed_costs" not in p.sources
 
 
-@pytest.mark.slow
-def test_shipped_fixed_costs_are_the_fit():
-    """Re-run the fit on the tune rows (minutes): a plausible fit is what the profile ships, an implausible one is not shipped."""
-    from bench.fit_fixed_costs import TUNE_SOURCES, fit_device, profile_path
+def test_bundled_profile_agreement_is_what_the_fit_decides():
+    """The bench's check (`python -m bench` runs the fit, minutes): an implausible fit agrees with a profile that ships
+    no fixed costs, a plausible one only with a profile carrying its values."""
+    from bench.fit_fixed_costs import Fit, markdown, profile_path, shipped_agrees
     from planner.hardware import load_profile
 
-    for device in TUNE_SOURCES:
-        f = fit_device(device)
-        p = load_profile(profile_path(device))
-        if f.plausible:
-            assert (p.kernel_floor_s, p.p2p_sync_s) == (pytest.approx(f.kernel_us * 1e-6), pytest.approx(f.p2p_sync_us * 1e-6))
-        else:
-            assert (p.kernel_floor_s, p.p2p_sync_s) == (0.0, 0.0)
+    p = load_profile(profile_path("A100-80GB"))
+    shipped = (p.kernel_floor_s * 1e6, p.p2p_sync_s * 1e6)
+    implausible = Fit("A100-80GB", 200.0, 30000.0, ("C1",), (-0.1,), (-0.02,))
+    plausible = Fit("A100-80GB", 4.0, 120.0, ("C1",), (-0.1,), (-0.05,))
+    assert shipped_agrees(implausible) == (shipped == (0.0, 0.0))
+    assert shipped_agrees(plausible) == (shipped == pytest.approx((4.0, 120.0)))
+    assert shipped_agrees(implausible) != shipped_agrees(plausible)
+    assert "| A100-80GB | 200 | 30000 | no |" in markdown([implausible])
