@@ -511,3 +511,22 @@ def test_deepseek_tiny_dense_first_layer_and_mla(deepseek_tiny):
     assert megatron_layer_activations(wrong, 1, False, 1, "none") is wrong
     sinkhorn = replace(ctx.sharded(1, 1), architecture={**arch, "moe_router_load_balancing_type": "sinkhorn"})
     assert megatron_layer_activations(sinkhorn, 1, False, 1, "none") is sinkhorn
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_deepseek_tiny_memory_matrix_keeps_the_kinds(deepseek_tiny, fp8, recompute):
+    """The search's activation matrix over the four blocks is the layers' kept bytes under the mode: FP8 takes the
+    ``gemm`` terms to 1 byte and adds a 1-byte copy of the ``shared`` ones (the MoE norm output the shared expert's FC1
+    reads, the attention output), selective drops the ``core`` ones (the softmax statistics)."""
+    ctx = _ctx(deepseek_tiny, fp8=fp8)
+    arch = deepseek_tiny.architecture
+    blocks = [k for k, l in enumerate(deepseek_tiny.layers) if l.block is not None]
+    a, z = blocks[0], blocks[-1] + 1
+    act = ctx.memory(1, 1, recompute, fp8=fp8)[2]
+    layers = [megatron_layer_saved(arch, moe, 32, 1, recompute=recompute) for moe in (False, True, True, True)]
+    assert act[a, z] == pytest.approx(sum(kept_bytes(t, recompute, fp8) for t in layers), abs=16)
+    shared = [t for t in layers[1] if t.kind == "shared"]
+    assert {t.name for t in shared} == {"mlp norm output (router and shared-expert input)"} | (
+        {"attention output (projection input)"} if recompute == "none" else set()
+    )

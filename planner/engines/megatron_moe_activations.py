@@ -246,7 +246,9 @@ def mla_attention_saved(
       or under FP8 two 1-byte copies (one per TE Linear): 2 bytes per element either way (kind ``other``);
     * the up projections (TEColumnParallelLinear; with ``--qk-layernorm`` TELayerNormColumnParallelLinear, which also
       keeps its input and statistics) keep their inputs, q_compressed [T, q_lora_rank] and kv_compressed
-      [T, kv_lora_rank] (with sequence parallelism the local shard, gathered again in backward); a full-rank query
+      [T, kv_lora_rank] (with sequence parallelism the local shard, gathered again in backward; kv_compressed is a split
+      view of the down projection's output, which TE's ``prepare_forward`` copies contiguous, so the copy is what is
+      kept, transformer_engine/pytorch/module/base.py); a full-rank query
       (no q_lora_rank) reads the norm output, kept already;
     * unfused RoPE (``--no-rope-fusion``; rope_utils.py ``_apply_rotary_pos_emb_bshd``) keeps cos and sin
       [s / cp, rope_dim] in the input dtype for q and again for k; the splits, the cat and the expand keep nothing;
