@@ -530,3 +530,124 @@ def test_deepseek_tiny_memory_matrix_keeps_the_kinds(deepseek_tiny, fp8, recompu
     assert {t.name for t in shared} == {"mlp norm output (router and shared-expert input)"} | (
         {"attention output (projection input)"} if recompute == "none" else set()
     )
+
+
+def _megatron_mla_forward(x, w, cfg):
+    """One MLA attention sub-layer as MLASelfAttention runs it at tp = cp = 1 with ``--rope-type rope
+    --no-rope-fusion`` (multi_latent_attention.py ``get_query_key_value_tensors``, rope_utils.py
+    ``_apply_rotary_pos_emb_bshd``, core_v0.16.1), written with the same torch calls; the TE modules as autograd
+    Functions saving what TE saves: TENorm its input and fp32 1/sigma, TELinear its (contiguous) input, the fused
+    attention kernel q, k, v, its output and fp32 softmax statistics."""
+    import torch
+
+    class _Norm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, inp, weight):
+            rs = torch.rsqrt(inp.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+            ctx.save_for_backward(inp, rs)
+            return (inp.float() * rs).to(inp.dtype) * weight
+
+        @staticmethod
+        def backward(ctx, g):  # pragma: no cover
+            raise NotImplementedError
+
+    class _Linear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, inp, weight):
+            inp = inp.contiguous()  # TransformerEngineBaseModule.prepare_forward
+            ctx.save_for_backward(inp, weight)
+            return inp @ weight.t()
+
+        @staticmethod
+        def backward(ctx, g):  # pragma: no cover
+            raise NotImplementedError
+
+    class _FlashAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            s, b, heads, _ = q.shape
+            out = torch.nn.functional.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), is_causal=True)
+            out = out.permute(2, 0, 1, 3).contiguous()
+            lse = torch.zeros(b, heads, s, dtype=torch.float32)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, g):  # pragma: no cover
+            raise NotImplementedError
+
+    def rope(t, freqs):  # _apply_rotary_pos_emb_bshd with multi_latent_attention=True, mscale 1
+        rot_dim = freqs.shape[-1]
+        t, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+        x1, x2 = t[..., 0::2], t[..., 1::2]
+        t = torch.cat((x1, x2), dim=-1)
+        cos_ = (torch.cos(freqs) * 1.0).to(t.dtype)
+        sin_ = (torch.sin(freqs) * 1.0).to(t.dtype)
+        a, b_ = torch.chunk(t, 2, dim=-1)
+        rotated = torch.cat((-b_, a), dim=-1)
+        t = (t * cos_) + (rotated * sin_)
+        return torch.cat((t, t_pass), dim=-1)
+
+    heads, qk, rd, vd, r_kv = cfg["heads"], cfg["qk"], cfg["rope"], cfg["v"], cfg["kv_rank"]
+    s = x.shape[0]
+    hidden = _Norm.apply(x, w["norm"])
+    freqs = torch.outer(torch.arange(s, dtype=torch.float32), torch.ones(rd // 2))
+    freqs = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+    q_compressed = _Linear.apply(hidden, w["q_down"])
+    kv_combined = _Linear.apply(hidden, w["kv_down"])
+    kv_compressed, k_pos_emb = torch.split(kv_combined, [r_kv, rd], dim=-1)
+    q = _Linear.apply(q_compressed, w["q_up"])
+    q = q.view(*q.size()[:-1], heads, qk + rd)
+    kv = _Linear.apply(kv_compressed, w["kv_up"])
+    kv = kv.view(*kv.size()[:-1], heads, qk + vd)
+    k_pos_emb = torch.unsqueeze(k_pos_emb, -2)
+    q_no_pe, q_pos_emb = torch.split(q, [qk, rd], dim=-1)
+    k_no_pe, value = torch.split(kv, [qk, vd], dim=-1)
+    q_pos_emb = rope(q_pos_emb, freqs)
+    k_pos_emb = rope(k_pos_emb, freqs)
+    query = torch.cat([q_no_pe, q_pos_emb], dim=-1)
+    k_pos_emb = k_pos_emb.expand(-1, -1, heads, -1)
+    key = torch.cat([k_no_pe, k_pos_emb], dim=-1)
+    query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    out = _FlashAttention.apply(query, key, value)
+    return _Linear.apply(out.view(*out.shape[:2], -1), w["proj"])
+
+
+def test_mla_attention_matches_what_torch_saves():
+    """A tiny MLA sub-layer (s 16, b 2, h 32, 4 heads, q rank 24, kv rank 16, q/k heads 8 + 4 rope, v 8, bf16) run
+    through MLASelfAttention's code path on CPU: the bytes autograd holds equal mla_attention_saved's (the unfused
+    RoPE's cos/sin tables included; the splits, cats, expand and the kv up-projection's contiguous copy as counted)."""
+    import torch
+
+    torch.manual_seed(0)
+    s, b, h, heads, r_q, r_kv, qk, rd, vd = 16, 2, 32, 4, 24, 16, 8, 4, 8
+    bf = torch.bfloat16
+
+    def p(*shape):
+        return torch.randn(*shape, dtype=bf, requires_grad=True)
+
+    w = {
+        "norm": torch.ones(h, dtype=bf, requires_grad=True),
+        "q_down": p(r_q, h),
+        "kv_down": p(r_kv + rd, h),
+        "q_up": p(heads * (qk + rd), r_q),
+        "kv_up": p(heads * (qk + vd), r_kv),
+        "proj": p(h, heads * vd),
+    }
+    arch = {
+        "hidden_size": h,
+        "num_attention_heads": heads,
+        "normalization": "RMSNorm",
+        "activation": "swiglu",
+        "dropout": 0.0,
+        "multi_latent_attention": True,
+        "q_lora_rank": r_q,
+        "kv_lora_rank": r_kv,
+        "qk_head_dim": qk,
+        "qk_pos_emb_head_dim": rd,
+        "v_head_dim": vd,
+    }
+    x = p(s, b, h)
+    measured, _ = _saved_bytes(lambda: _megatron_mla_forward(x, w, {"heads": heads, "qk": qk, "rope": rd, "v": vd, "kv_rank": r_kv}), list(w.values()))
+    terms = mla_attention_saved(LayerShape.from_architecture(arch), MLAShape.from_architecture(arch), s, b)
+    assert measured == kept_bytes(terms)
