@@ -80,9 +80,10 @@ class Engine(ABC):
         all-gather ``gather_s`` (0 without a sharded optimizer) both exposed unless the engine overlaps them."""
         return reduce_s + gather_s
 
-    def layer_activations(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str) -> ModelCosts:
-        """``costs`` (already scaled to the micro-batch and sharded over tp and cp) with the saved activations of the
-        layers this engine runs: as traced, since the engine runs the user's module as it is."""
+    def layer_activations(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str, etp: int = 1) -> ModelCosts:
+        """``costs`` (already scaled to the micro-batch and sharded over tp and cp; ``etp`` the expert tensor-parallel
+        size) with the saved activations of the layers this engine runs: as traced, since the engine runs the user's
+        module as it is. An engine that returns other costs has priced its expert layers' rows itself (etp included)."""
         return costs
 
     def default_overlaps(self, tp: int, zero: int, data_parallel: int) -> dict[str, bool]:

@@ -39,8 +39,10 @@ from typing import Any
 import numpy as np
 
 from planner.engines.base import Engine, whole_block_cuts
-from planner.engines.megatron_activations import LayerShape, layer_saved, part_bytes
-from planner.megatron_args import ARCHITECTURE, architecture_problem, tensor_parallel_problems
+from planner.engines.megatron_activations import PartBytes, part_bytes
+from planner.engines.megatron_moe_activations import AUX_LOSSES, megatron_layer_saved
+from planner.megatron_args import ARCHITECTURE, architecture_defaults, architecture_problem, tensor_parallel_problems
+from planner.megatron_moe import layer_pattern
 from planner.records import ModelCosts
 from planner.solve.memory import DTYPE_BYTES, StateRecipe, state_recipe
 from planner.solve.plan import Layout
@@ -62,37 +64,56 @@ def dense_layer(arch: dict[str, Any]) -> bool:
     return all(k in DENSE_KEYS or v is None or v is False or v == _ARCH_DEFAULTS.get(k) for k, v in arch.items())
 
 
-def megatron_layer_activations(costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str) -> ModelCosts:
+#: architecture() keys whose layers megatron_moe_activations derives: every ARCHITECTURE key (q/k norms, multi-latent
+#: attention, experts included) and the block path; with any other key the blocks' saved activations stay as traced
+LAYER_KEYS = frozenset(k.name for k in ARCHITECTURE) | {"block_path"}
+
+
+def megatron_layer(arch: dict[str, Any]) -> bool:
+    """Whether Megatron's own layers for ``arch`` have a closed form here: the dense GPT layer (:func:`dense_layer`), or
+    every key one of :data:`LAYER_KEYS` with a balancing loss other than sinkhorn."""
+    if dense_layer(arch):
+        return True
+    if any(k not in LAYER_KEYS for k in arch):
+        return False
+    return not arch.get("num_experts") or arch.get("moe_router_load_balancing_type") in (None, "none") + AUX_LOSSES
+
+
+def megatron_layer_activations(costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str, etp: int = 1) -> ModelCosts:
     """``costs`` (scaled and sharded) with each transformer block's saved bytes those of Megatron's own TE layer
-    (planner.engines.megatron_activations), for a dense ``architecture()`` whose block count is its ``num_layers``;
-    otherwise unchanged. Megatron cuts whole layers only, so a block's total is what counts: the attention sub-layer's
-    bytes go to the block's first piece of kind ``attention`` (else its first piece), the MLP's to its first piece of
-    kind ``mlp`` (else its last), its other pieces keep none. The embedding, final norm, output layer and loss stay as
+    (planner.engines.megatron_activations; MoE layers, MLA and q/k norms: planner.engines.megatron_moe_activations, with
+    ``etp`` the expert tensor-parallel size), for an ``architecture()`` of :func:`megatron_layer` whose block count is
+    its ``num_layers`` and whose MoE blocks (a piece with routed experts) are those of its ``moe_layer_freq``; otherwise
+    unchanged. Megatron cuts whole layers only, so a block's total is what counts: the attention sub-layer's bytes go
+    to the block's first piece of kind ``attention`` (else its first piece), the MLP's to its first piece of kind
+    ``mlp`` (else its last), its other pieces keep none. The embedding, final norm, output layer and loss stay as
     traced; full recompute keeps each layer's input (the traced cut), and the rebuilt layer is this one."""
     arch = costs.architecture
     blocks: dict[str, list[int]] = {}
     for k, l in enumerate(costs.layers):
         if l.block is not None:
             blocks.setdefault(l.block, []).append(k)
-    if not arch or not costs.seq_len or not dense_layer(arch) or len(blocks) != int(arch.get("num_layers", -1)):
+    if not arch or not costs.seq_len or not megatron_layer(arch) or len(blocks) != int(arch.get("num_layers", -1)):
         return costs
-    terms = layer_saved(
-        LayerShape.from_architecture(arch),
-        costs.seq_len // cp,
-        costs.micro_batch,
-        tp,
-        sequence_parallel,
-        DTYPE_BYTES.get(costs.dtype, 2.0),
-        recompute="selective" if recompute == "selective" else "none",
-    )
-    parts = {p: part_bytes(terms, p) for p in ("attention", "mlp")}
     layers = list(costs.layers)
-    for ks in blocks.values():
+    is_moe = [any(layers[k].num_experts for k in ks) for ks in blocks.values()]
+    if arch.get("num_experts"):
+        if is_moe != [bool(x) for x in layer_pattern(architecture_defaults(arch)["moe_layer_freq"], len(blocks))]:
+            return costs
+    elif any(is_moe):
+        return costs
+    mode = "selective" if recompute == "selective" else "none"
+    dtype = DTYPE_BYTES.get(costs.dtype, 2.0)
+    parts: dict[bool, dict[str, PartBytes]] = {}
+    for moe in set(is_moe):
+        terms = megatron_layer_saved(arch, moe, costs.seq_len // cp, costs.micro_batch, tp, sequence_parallel, etp, dtype, mode)
+        parts[moe] = {p: part_bytes(terms, p) for p in ("attention", "mlp")}
+    for ks, moe in zip(blocks.values(), is_moe):
         attn = next((k for k in ks if layers[k].kind == "attention"), ks[0])
         mlp = next((k for k in ks if layers[k].kind == "mlp"), ks[-1])
         sums: dict[int, list[float]] = {k: [0.0, 0.0, 0.0, 0.0] for k in ks}
         for k, part in ((attn, "attention"), (mlp, "mlp")):
-            pb = parts[part]
+            pb = parts[moe][part]
             for i, x in enumerate((pb.total, pb.gemm, pb.shared, pb.core)):
                 sums[k][i] += x
         for k, (total, gemm, shared, core) in sums.items():
@@ -187,9 +208,9 @@ class MegatronEngine(Engine):
         gather = param_gather_exposed(gather_s, sum(forward_s), buckets) if layout.overlap_param_gather else gather_s
         return reduce + gather
 
-    def layer_activations(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str) -> ModelCosts:
+    def layer_activations(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str, etp: int = 1) -> ModelCosts:
         """pretrain_gpt.py runs its own TE layer, not the user's module: :func:`megatron_layer_activations`."""
-        return megatron_layer_activations(costs, tp, sequence_parallel, cp, recompute)
+        return megatron_layer_activations(costs, tp, sequence_parallel, cp, recompute, etp)
 
     def default_overlaps(self, tp: int, zero: int, data_parallel: int) -> dict[str, bool]:
         return {

@@ -62,9 +62,9 @@ class EngineRules(Protocol):
         """Model-state bytes per parameter as this engine allocates them for ``layout``'s precision options."""
         ...
 
-    def layer_activations(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str) -> ModelCosts:
+    def layer_activations(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str, etp: int = 1) -> ModelCosts:
         """The sharded ``costs`` with the saved activations of the layers the engine runs (the traced ones unless it
-        builds its own)."""
+        builds its own; then its expert layers' rows include the expert tensor-parallel all-gather over ``etp``)."""
         ...
 
     def default_overlaps(self, tp: int, zero: int, data_parallel: int) -> dict[str, bool]:

@@ -245,11 +245,16 @@ class Context:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(parameters, other static bytes, activation bytes per micro-batch, pending-W bytes) per piece range
         (``fp8``: the saved GEMM inputs as Transformer Engine's FP8 linear layers keep them; ``ep``/``etp``: experts
-        split over the expert groups), with the saved activations of the layers the engine runs (``layer_activations``)."""
+        split over the expert groups), with the saved activations of the layers the engine runs (``layer_activations``);
+        for traced layers, the input rows the grouped GEMMs keep all-gathered over etp (:func:`expert_saved_extra`)."""
         key = (b, tp, recompute, sp, cp, fp8, ep, etp)
         if key not in self._memory:
-            costs = self.engine.layer_activations(self.sharded(b, tp, sp, cp), tp, sp and tp > 1, cp, recompute)
-            self._memory[key] = range_matrices(costs, tp, recompute, fp8, ep=ep, etp=etp)
+            sharded = self.sharded(b, tp, sp, cp)
+            costs = self.engine.layer_activations(sharded, tp, sp and tp > 1, cp, recompute, etp)
+            params, other, act, wgrad = range_matrices(costs, tp, recompute, fp8, ep=ep, etp=etp)
+            if costs is sharded:
+                act = act + expert_saved_extra(sharded, tp if sp and tp > 1 else 1, etp, recompute)
+            self._memory[key] = (params, other, act, wgrad)
         return self._memory[key]
 
     def gemm_params(self, tp: int, ep: int = 1, etp: int = 1) -> np.ndarray:
@@ -616,7 +621,6 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         static = static + ctx.gemm_params(tp, ep, etp) * recipe.fp8_gemm_bytes
     if experts_m is not None:
         static = static + experts_m * (we + ge + oe - per_param)
-        act = act + expert_saved_extra(sharded, tp if sp and tp > 1 else 1, etp, lay.recompute)
     if ctx.engine.sends_output_copies(lay.schedule):
         act = act + ctx.cut_bytes(b, tp, sp, cp)[0][None, :]
     frag = 1.0 + opts.overhead.fragmentation
