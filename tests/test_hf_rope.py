@@ -82,7 +82,9 @@ def test_the_flags_are_written_only_off_megatron_defaults():
     plain = dict(model_flags(architecture_defaults(hf_architecture(_config("llama"), 128))))
     assert "--use-rope-scaling" not in plain and "--rotary-percent" not in plain
     assert plain["--rotary-base"] == "10000" and plain["--norm-epsilon"] == repr(_config("llama").rms_norm_eps)
-    scaled = dict(model_flags(architecture_defaults(hf_architecture(_config("llama", rope_theta=500000.0, max_position_embeddings=131072, rope_scaling=LLAMA31), 128))))
+    scaled = dict(
+        model_flags(architecture_defaults(hf_architecture(_config("llama", rope_theta=500000.0, max_position_embeddings=131072, rope_scaling=LLAMA31), 128)))
+    )
     assert scaled["--rotary-base"] == "500000" and "--use-rope-scaling" in scaled and float(scaled["--rope-scaling-factor"]) == 8.0
 
 
