@@ -629,8 +629,8 @@ def diagnose(run: PublishedRun) -> dict:
 
 def diagnosis_markdown(rows: list[dict]) -> str:
     lines = [
-        "| run | published | predicted | error | bubble | DP exposed | optimizer | TP collectives on the critical path | error with TP free | other |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| run | published | predicted | error | bubble | DP exposed | optimizer | TP collectives on the critical path | error with TP free | published / (predicted - DP exposed) | other |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for d in rows:
         pub = d["published"]
@@ -641,7 +641,7 @@ def diagnosis_markdown(rows: list[dict]) -> str:
                 fp8 = "; with bf16 GEMMs " + (f"{d['bf16_step']:.3g} s (FP8 credited {d['bf16_step'] / d['step']:.2f}x)" if d["bf16_step"] else "out of memory")
             lines.append(
                 f"| {d['id']} | {pub:.3g} s | {d['step']:.3g} s | {100 * (d['step'] - pub) / pub:+.1f}% | {100 * d['bubble']:.1f}% | {d['dp_exposed']:.3f} s | {d['optimizer']:.3f} s | "
-                f"{tp:.3g} s ({100 * tp / d['step']:.0f}%) | {100 * (d['step'] - tp - pub) / pub:+.1f}% | {d['microbatches']:.0f} micro-batches, "
+                f"{tp:.3g} s ({100 * tp / d['step']:.0f}%) | {100 * (d['step'] - tp - pub) / pub:+.1f}% | {pub / (d['step'] - d['dp_exposed']):.2f} | {d['microbatches']:.0f} micro-batches, "
                 f"(published - predicted) / micro-batch = {1000 * (pub - d['step']) / d['microbatches']:+.0f} ms{fp8} |"
             )
         elif "selective_step" in d:
@@ -658,7 +658,7 @@ def diagnosis_markdown(rows: list[dict]) -> str:
             if "unchecked_step" in d:
                 u = d["unchecked_step"]
                 free = f"memory check lifted: {u:.3g} s ({100 * (u - pub) / pub:+.1f}%, bubble {100 * d['unchecked_bubble']:.1f}%); "
-            lines.append(f"| {d['id']} | {pub:.3g} s | out of memory | | | | | | | {free}re-priced with recomputation: {'; '.join(bits)} |")
+            lines.append(f"| {d['id']} | {pub:.3g} s | out of memory | | | | | | | | {free}re-priced with recomputation: {'; '.join(bits)} |")
     return "\n".join(lines)
 
 

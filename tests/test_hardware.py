@@ -696,3 +696,33 @@ def test_profiles_and_clusters_pickle_and_stay_read_only(profiles):
     with pytest.raises(TypeError):
         profiles["a100-80gb"].peak_flops["bf16"] = 1.0
     assert len({c, again}) == 1
+
+
+#: OpenXLA's sm_90 default matmul table (third_party/xla/xla/service/gpu/model/matmul_interpolator_data.h), BF16 GEMMs with
+#: every dimension >= 1024, by size 2 b m n k: the median of the shapes of that size, TFLOP/s, worked out by hand from the
+#: table's entries (two middle values averaged where the count is even)
+XLA_SM90_BF16_MEDIANS = {
+    2 * 2 * 1024**3: (350.0, 373.3, 373.3, 373.9),  # 4.3 GFLOP: median (373.3 + 373.3) / 2
+    2 * 4 * 1024**3: 491.85,  # 8.6 GFLOP, 10 shapes: (490.3 + 493.4) / 2
+    2 * 2048**3: 627.75,  # 17.2 GFLOP, 16 shapes: (626.1 + 629.4) / 2
+    2 * 2 * 2048**3: 714.6,  # 34.4 GFLOP, 19 shapes: the 10th
+    2 * 4 * 2048**3: 736.0,  # 68.7 GFLOP, 16 shapes: (733.3 + 738.7) / 2
+    2 * 4096**3: 775.55,  # 137 GFLOP, 10 shapes: (773.5 + 777.6) / 2
+}
+
+
+@pytest.mark.parametrize("name", ["h100-sxm.yaml", "h200.yaml"])
+def test_gh100_gemm_size_curve_is_the_measured_sm90_table(name):
+    """The GH100 profiles rate a BF16 GEMM of each size at the median the XLA table measured for it (within the curve's
+    3-digit rounding), and the table's largest GEMMs at the MAMF ceiling; the A100 keeps the default (Calculon) curve."""
+    p = hw_profiles.load_profile(hardware_profiles_dir() / name)
+    for flops, median in XLA_SM90_BF16_MEDIANS.items():
+        tflops = median[1] if isinstance(median, tuple) else median
+        assert p.flops("bf16") * hw.matmul_efficiency_at(flops, p, "bf16") / 1e12 == pytest.approx(tflops, rel=2e-3)
+        # seconds of one such GEMM: FLOPs over the measured rate
+        assert hw.matmul_time(flops, p, "bf16") == pytest.approx(flops / (tflops * 1e12), rel=2e-3)
+    # 275 GFLOP and up: the table's 802-809 (550 GFLOP: 793) TFLOP/s, at or above 0.80 x 989.4 = 791.5: the ceiling
+    assert hw.matmul_efficiency_at(2 * 2 * 4096**3, p, "bf16") == pytest.approx(0.8, rel=1e-4)
+    assert hw.matmul_efficiency_at(2 * 4 * 4096**3, p, "bf16") == pytest.approx(0.8)
+    a100 = hw_profiles.load_profile(hardware_profiles_dir() / "a100-80gb.yaml")
+    assert a100.matmul_size_scale == hw_profiles.MATMUL_SIZE_SCALE

@@ -324,3 +324,28 @@ def test_gpt3_175b_interleaved_on_128_h100_fits_at_its_simulated_peak():
     assert peak <= ev.capacity[0] and ev.predicted.peak_memory_bytes == int(peak)
     stage_sum = max(sum(s["total"] for j, s in enumerate(ev.stage_memory) if ev.stage_rank[j] == r) for r in range(lay.pp))
     assert stage_sum > ev.capacity[0]  # the old per-stage sum would have refused it
+
+
+def test_megatron_step_zeroes_the_whole_gradient_buffer(gpt_costs):
+    """Megatron's train_step zeroes every local gradient (zero_grad_buffer -> grad_data.zero_()) once per step, before the
+    first forward: a write of all the GPU's parameters x the main-gradient bytes, added to the optimizer step (Adam over
+    the 1/dp shard, 30 bytes per parameter), both at the H100's 3350 GB/s x 0.8."""
+    cluster = hardware.parse_gpus("8xH100-SXM")
+    meg = get_engine("megatron")
+    lay = Layout("megatron", 1, 2, 4, 1, 1, 4, 16, "1f1b", "none", 1, True)  # tp 2, dp 4, distributed optimizer
+    hbm = 3350e9 * 0.8
+
+    def optimizer_s(engine, layout):
+        ctx = Context(gpt_costs, cluster, SearchOptions(engine="megatron", global_batch=16, mem_target=100.0), engine)
+        ev = evaluate_layout(ctx, layout, "bf16")
+        return ev.predicted.optimizer_s, sum(ev.stage_params)
+
+    t, p = optimizer_s(meg, lay)  # p: parameters on one GPU (1/tp of the sharded weights)
+    assert t == pytest.approx((p / 4 * 30 + p * 4) / hbm)  # fp32 main gradients: 4 bytes each
+    t16, _ = optimizer_s(meg, replace(lay, main_grads_dtype="bf16"))
+    assert t16 == pytest.approx((p / 4 * 30 + p * 2) / hbm)
+    other = copy.copy(meg)
+    other.zeroes_grad_buffer = False  # an engine without such a buffer (torch sets gradients to None): Adam alone
+    t0, _ = optimizer_s(other, lay)
+    assert t0 == pytest.approx(p / 4 * 30 / hbm)
+    assert not get_engine("torch").zeroes_grad_buffer and not get_engine("deepspeed").zeroes_grad_buffer

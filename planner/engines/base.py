@@ -66,6 +66,9 @@ class Engine(ABC):
     expert_parallel: bool = False
     #: why an engine without expert parallelism has none, and what to use instead (its layout refusal)
     no_expert_parallel: str = "ep and etp must be 1; use --engine megatron for ep > 1"
+    #: whether each step begins by zeroing a persistent main-gradient buffer that holds every local gradient (a memory-bound
+    #: write of all the GPU's parameters x the main-gradient bytes, on the critical path before the first forward)
+    zeroes_grad_buffer: bool = False
 
     # ------------------------------------------------------------------ memory and time
 

@@ -183,6 +183,10 @@ class MegatronEngine(Engine):
     recompute_modes = ("none", "selective", "full")
     context_parallel = True
     expert_parallel = True
+    #: train_step calls zero_grad_buffer() on every model chunk before the forward-backward, which zeroes the whole
+    #: contiguous gradient buffer (ParamAndGradBuffer.reset: ``self.grad_data.zero_()``; megatron/training/training.py
+    #: and megatron/core/distributed/{distributed_data_parallel,param_and_grad_buffer}.py, core_v0.16.1 and core_r0.8.0)
+    zeroes_grad_buffer = True
     overlaps = ("tp-comm-overlap", "overlap-grad-reduce", "overlap-param-gather")
     precision_options = True
     fp8 = True

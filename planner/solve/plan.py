@@ -165,7 +165,7 @@ class Predicted:
     bubble_fraction: float
     pipeline_time_s: float  # the schedule's makespan
     dp_comm_exposed_s: float  # data-parallel gradient traffic not hidden behind backward
-    optimizer_s: float
+    optimizer_s: float  # the optimizer step (Adam over the local shard) and, where the engine does it, the gradient-buffer zeroing
     peak_memory_bytes: int  # the most loaded GPU
 
     def to_dict(self) -> dict[str, Any]:

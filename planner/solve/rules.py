@@ -45,6 +45,7 @@ class EngineRules(Protocol):
     expert_parallel: bool
     fp8: bool
     overlaps: tuple[str, ...]
+    zeroes_grad_buffer: bool
 
     def allowed_cuts(self, costs: ModelCosts) -> np.ndarray:
         """(n + 1,) booleans: where this engine can cut between pieces."""

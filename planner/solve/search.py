@@ -763,7 +763,8 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
             exposed = ctx.engine.exposed_dp_time(lay, reduce + e_reduce, gather + e_gather, [I[j] + W[j] for j in mine], [F[j] for j in mine], prm + ex)
             dp_exposed = max(dp_exposed, exposed)
         local = prm / (group if recipe.shard_optimizer else 1) + ex / (edp if recipe.shard_optimizer else 1)
-        opt_time = max(opt_time, memory_time(local * OPTIMIZER_STEP_BYTES, dev))
+        zeroed = (prm + ex) * recipe.grad_bytes if ctx.engine.zeroes_grad_buffer else 0.0  # the whole gradient buffer, unsharded
+        opt_time = max(opt_time, memory_time(local * OPTIMIZER_STEP_BYTES + zeroed, dev))
     step = sim.step_time + dp_exposed + opt_time
     predicted = _predicted(ctx, lay, step, sim, dp_exposed, opt_time, max(rm["total"] for rm in rank_mem), devices)
     return Evaluation(
