@@ -31,7 +31,7 @@ import numpy as np
 
 from planner.errors import UsageError
 from planner.hardware import Cluster, DeviceProfile, memory_time
-from planner.records import ModelCosts
+from planner.records import Layer, ModelCosts
 from planner.solve import partition as part
 from planner.solve import rank_memory as rmem
 from planner.solve.expert_groups import expert_data_ranks
@@ -59,6 +59,8 @@ from planner.solve.timing import (
     expert_dispatch_time,
     fp8_cast_bytes,
     kv_bytes,
+    moe_dispatcher_terms,
+    moe_fp8_cast_bytes,
     shard_costs,
     split_context,
     tp_collective_time,
@@ -231,6 +233,7 @@ class Context:
         self._gemm: dict[tuple[int, int, int], np.ndarray] = {}
         self._scaled: dict[int, ModelCosts] = {}
         self._dispatches: dict[tuple[float, int, int, int], float] = {}
+        self._terms: dict[tuple[object, ...], tuple[float, float]] = {}
         self._sum_max: dict[int, tuple[PieceTimes, float, float]] = {}
         self._coll: dict[tuple[int, int, int, bool, int], tuple[tuple[float, ...], float]] = {}
 
@@ -314,6 +317,19 @@ class Context:
             self._dispatches[key] = expert_dispatch_time(self.cluster, nbytes, first_rank, ep, etp)
         return self._dispatches[key]
 
+    def _dispatcher_terms(self, l: Layer, split: int, first_rank: int, ep: int, etp: int) -> tuple[float, float]:
+        """The token dispatcher's own (forward, backward) seconds of a piece (:func:`moe_dispatcher_terms`; (0, 0) for
+        a dense piece), shared by the pieces and candidates that route the same rows from the same ranks."""
+        if not l.num_experts:
+            return 0.0, 0.0
+        dev = self.cluster.device_of(first_rank)
+        key = (l.routed_rows / split, l.routed_bytes / split, l.num_experts, first_rank, ep, etp, dev.key)
+        if key not in self._terms:
+            self._terms[key] = moe_dispatcher_terms(
+                self.cluster, dev, l.routed_rows / split, l.routed_bytes / split, l.num_experts, first_rank, ep, etp, fixed_costs(dev)[0]
+            )
+        return self._terms[key]
+
     def sum_and_max(self, t: PieceTimes) -> tuple[float, float]:
         """(sum, largest) of the pieces' total times, computed once per :class:`PieceTimes`."""
         key = id(t)
@@ -346,9 +362,10 @@ class Context:
             split = tp if sp and tp > 1 else 1  # tokens per GPU entering the MoE layers: 1/tp with sequence parallelism
             dispatch = [self._dispatch(l.routed_bytes / split, first_rank, ep, etp) if l.num_experts else 0.0 for l in sharded.layers]
             experts = (ep, split, dispatch)
-            casts, kept = fp8_casts(self.costs, b, tp, cp) if fp8 else (None, None)
+            casts, kept = fp8_casts(self.costs, b, tp, cp, split, etp) if fp8 else (None, None)
             coll_t = list(coll) if coll else 0.0
-            t = analytical_times(sharded, dev, dtype, recompute, tp, coll_t, tp_overlap, "fp8" if fp8 else None, kernel, cp, step, experts, casts, kept)
+            terms = [self._dispatcher_terms(l, split, first_rank, ep, etp) for l in sharded.layers] if any(l.num_experts for l in sharded.layers) else None
+            t = analytical_times(sharded, dev, dtype, recompute, tp, coll_t, tp_overlap, "fp8" if fp8 else None, kernel, cp, step, experts, casts, kept, terms)
             measured = self.opts.measured.get(dev.key)
             if measured and tp == 1 and cp == 1 and not fp8 and ep * etp == 1:
                 f = b / self.costs.micro_batch
@@ -357,15 +374,22 @@ class Context:
         return self._times[key]
 
 
-def fp8_casts(costs: ModelCosts, b: int, tp: int, cp: int) -> tuple[list[tuple[list[float], list[float]]] | None, list[tuple[float, float]] | None]:
+def fp8_casts(
+    costs: ModelCosts, b: int, tp: int, cp: int, split: int = 1, etp: int = 1
+) -> tuple[list[tuple[list[float], list[float]]] | None, list[tuple[float, float]] | None]:
     """Per piece at micro-batch ``b`` on one GPU (s / cp x b tokens): the bytes of each Transformer Engine FP8 cast
-    (timing.fp8_cast_bytes) and the attention-core FLOPs that stay in bf16 (timing.attention_core_flops); (None, None)
-    without the model's architecture."""
+    (timing.fp8_cast_bytes; MoE pieces timing.moe_fp8_cast_bytes over the 1/``split`` of the routed rows a GPU routes,
+    expert tensor parallelism ``etp``) and the attention-core FLOPs that stay in bf16 (timing.attention_core_flops);
+    (None, None) without the model's architecture."""
     arch = costs.architecture
     if not arch or not costs.seq_len:
         return None, None
     tokens = costs.seq_len / cp * b
-    casts = [fp8_cast_bytes(arch, l.kind, tokens, tp) for l in costs.layers]
+    f = b / costs.micro_batch / cp / split
+    casts = [
+        moe_fp8_cast_bytes(arch, l.kind, tokens, tp, l.routed_rows * f, etp) if l.num_experts else fp8_cast_bytes(arch, l.kind, tokens, tp)
+        for l in costs.layers
+    ]
     kept = [attention_core_flops(arch, l.kind, costs.seq_len, tokens, tp) for l in costs.layers]
     return casts, kept
 
