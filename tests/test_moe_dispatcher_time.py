@@ -8,7 +8,7 @@ import pytest
 
 from planner import hardware
 from planner.solve.search import fp8_casts
-from planner.solve.timing import analytical_times, fp8_cast_bytes, moe_dispatcher_terms, moe_fp8_cast_bytes
+from planner.solve.timing import analytical_times, fp8_cast_bytes, moe_dispatcher_terms, moe_fp8_cast_bytes, overlapped_dispatch_time
 from tests.conftest import costs_of
 
 
@@ -103,3 +103,60 @@ def test_dense_published_rows_are_bit_identical():
     for rid, step in DENSE_ROWS.items():
         run = next(r for r in pr.RUNS_ALL if r.id == rid)
         assert pr.predict(run).predicted_step_s == step, rid
+
+
+# --------------------------------------------------------------------------- --overlap-moe-expert-parallel-comm
+
+
+def test_overlapped_dispatch_in_closed_form():
+    # three phases: combine_bwd | attn_fwd, dispatch fwd + bwd | mlp bwd + fwd, combine_fwd | attn_bwd
+    assert overlapped_dispatch_time(1.0, 0.25, 0.5, 0.5, 1.0) == pytest.approx((0.5 + 0.25, 0.75 + 0.25))
+    # enough computation everywhere: nothing exposed; none at all: the four all-to-alls, two each way
+    assert overlapped_dispatch_time(1.0, 2.0, 2.0, 1.0, 1.0) == (0.0, 0.0)
+    assert overlapped_dispatch_time(1.0, 0.0, 0.0, 0.0, 0.0) == (2.0, 2.0)
+
+
+def test_overlap_hides_the_dispatch_behind_the_layer_of_another_micro_batch():
+    c = costs_of("moe", "deepseek-tiny")
+    dev = hardware.parse_gpus("8xH100").device_of(0)
+    a2a = 1e-3
+    plain = analytical_times(c, dev, "bf16", experts=(4, 1, 0.0))
+    over = analytical_times(c, dev, "bf16", experts=(4, 1, a2a), ep_overlap=True)
+    seen = 0
+    for k, l in enumerate(c.layers):
+        if not l.num_experts:
+            assert (over.fwd[k], over.bwd_input[k]) == (plain.fwd[k], plain.bwd_input[k])
+            continue
+        prev = c.layers[k - 1]
+        assert prev.block == l.block and prev.kind == "attention"
+        attn_f, attn_b = plain.fwd[k - 1], plain.bwd_input[k - 1] + plain.bwd_weight[k - 1]
+        mlp_f, mlp_b = plain.fwd[k], plain.bwd_input[k] + plain.bwd_weight[k]
+        mid = max(0.0, 2 * a2a - mlp_f - mlp_b)
+        assert over.fwd[k] - mlp_f == pytest.approx(max(0.0, a2a - attn_b) + mid / 2, abs=1e-15)
+        assert over.bwd_input[k] - plain.bwd_input[k] == pytest.approx(max(0.0, a2a - attn_f) + mid / 2, abs=1e-15)
+        assert over.bwd_weight[k] == plain.bwd_weight[k]
+        seen += 1
+    assert seen == sum(1 for l in c.layers if l.num_experts) > 0
+
+
+def test_overlap_is_searched_where_megatron_runs_it():
+    from planner.engines import get_engine
+    from planner.solve.plan import Layout, ep_overlap_allowed
+    from planner.solve.search import SearchOptions, with_options
+
+    eng = get_engine("megatron")
+    base = Layout("megatron", 2, 1, 4, 2, 1, 8, 32, "interleaved", "none", 1, ep=2)
+    opts = SearchOptions(engine="megatron", global_batch=32)
+    assert sorted(l.ep_comm_overlap for l in with_options(base, opts, eng)) == [False, True]
+    for bad in (
+        dataclasses.replace(base, ep=1),
+        dataclasses.replace(base, vp=1, schedule="1f1b"),
+        dataclasses.replace(base, recompute="full"),
+    ):
+        assert not ep_overlap_allowed(bad)
+        assert [l.ep_comm_overlap for l in with_options(bad, opts, eng)] == [False]
+        pinned = with_options(bad, dataclasses.replace(opts, ep_comm_overlap=True), eng)
+        assert any("--overlap-moe-expert-parallel-comm needs" in p for p in eng.feature_problems(pinned[0], costs_of("moe", "moe-tiny")))
+    # no pipeline: the combined schedule without pipelining
+    assert ep_overlap_allowed(dataclasses.replace(base, pp=1, vp=1, schedule="1f1b"))
+    assert "overlap-moe-expert-parallel-comm" in dataclasses.replace(base, ep_comm_overlap=True).overlaps

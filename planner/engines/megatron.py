@@ -43,7 +43,7 @@ from planner.engines.megatron_activations import LayerShape, layer_saved, part_b
 from planner.megatron_args import ARCHITECTURE, architecture_problem, tensor_parallel_problems
 from planner.records import ModelCosts
 from planner.solve.memory import DTYPE_BYTES, StateRecipe, state_recipe
-from planner.solve.plan import Layout
+from planner.solve.plan import Layout, ep_overlap_allowed
 
 #: DistributedDataParallel's default bucket: max(40,000,000, 1,000,000 x data-parallel size) parameters
 #: (megatron/core/distributed/distributed_data_parallel.py, core_v0.16.1)
@@ -168,7 +168,7 @@ class MegatronEngine(Engine):
     recompute_modes = ("none", "selective", "full")
     context_parallel = True
     expert_parallel = True
-    overlaps = ("tp-comm-overlap", "overlap-grad-reduce", "overlap-param-gather")
+    overlaps = ("tp-comm-overlap", "overlap-grad-reduce", "overlap-param-gather", "overlap-moe-expert-parallel-comm")
     precision_options = True
     fp8 = True
 
@@ -207,6 +207,11 @@ class MegatronEngine(Engine):
         out = super().feature_problems(layout, costs)
         if layout.tp_comm_overlap and not (layout.tp > 1 and layout.sequence_parallel):
             out.append("--tp-comm-overlap needs tensor parallelism with --sequence-parallel (validate_args asserts it)")
+        if layout.ep_comm_overlap and not ep_overlap_allowed(layout):
+            out.append(
+                "--overlap-moe-expert-parallel-comm needs expert parallelism (ep > 1), virtual pipeline stages when pp > 1 and no full"
+                " recomputation (TransformerConfig asserts them)"
+            )
         if layout.overlap_param_gather and not (layout.zero >= 1 and layout.overlap_grad_reduce):
             out.append("--overlap-param-gather needs the distributed optimizer (zero 1) and --overlap-grad-reduce (validate_args asserts both)")
         if layout.optimizer_state_dtype not in ("fp32", "bf16", "fp16"):

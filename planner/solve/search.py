@@ -48,7 +48,7 @@ from planner.solve.memory import (
     range_matrices,
     stage_params,
 )
-from planner.solve.plan import Layout, Predicted
+from planner.solve.plan import Layout, Predicted, ep_overlap_allowed
 from planner.solve.rules import EngineRules, RejectKind
 from planner.solve.schedules import build_schedule
 from planner.solve.simulate import SimResult, StageMemory, StageTimes, simulate
@@ -120,6 +120,8 @@ class SearchOptions:
     fp8_param_gather: bool = False  # FP8 primary weights (Megatron --fp8-param-gather; with fp8 and zero 1)
     ep: int | None = None  # expert-parallel size (searched over the divisors Megatron allows for MoE models when None)
     etp: int | None = None  # expert tensor-parallel size (searched in {1, tp} for MoE models when None)
+    #: Megatron --overlap-moe-expert-parallel-comm; None: searched (on and off) where its preconditions hold
+    ep_comm_overlap: bool | None = None
 
 
 @dataclass
@@ -352,9 +354,10 @@ class Context:
         fp8: bool = False,
         ep: int = 1,
         etp: int = 1,
+        ep_overlap: bool = False,
     ) -> PieceTimes:
         dev = self.cluster.device_of(first_rank)
-        key = (b, tp, recompute, dev.key, sp, cp, tp_overlap, fp8, ep, etp)
+        key = (b, tp, recompute, dev.key, sp, cp, tp_overlap, fp8, ep, etp, ep_overlap)
         if key not in self._times:
             sharded = self.sharded(b, tp, sp, cp)
             coll, step = self._collectives(b, tp, first_rank, sp, cp)
@@ -365,7 +368,9 @@ class Context:
             casts, kept = fp8_casts(self.costs, b, tp, cp, split, etp) if fp8 else (None, None)
             coll_t = list(coll) if coll else 0.0
             terms = [self._dispatcher_terms(l, split, first_rank, ep, etp) for l in sharded.layers] if any(l.num_experts for l in sharded.layers) else None
-            t = analytical_times(sharded, dev, dtype, recompute, tp, coll_t, tp_overlap, "fp8" if fp8 else None, kernel, cp, step, experts, casts, kept, terms)
+            t = analytical_times(
+                sharded, dev, dtype, recompute, tp, coll_t, tp_overlap, "fp8" if fp8 else None, kernel, cp, step, experts, casts, kept, terms, ep_overlap
+            )
             measured = self.opts.measured.get(dev.key)
             if measured and tp == 1 and cp == 1 and not fp8 and ep * etp == 1:
                 f = b / self.costs.micro_batch
@@ -515,10 +520,15 @@ def with_options(base: Layout, opts: SearchOptions, engine: EngineRules) -> list
         tpo = [opts.tp_comm_overlap]
     else:
         tpo = [False, True] if "tp-comm-overlap" in engine.overlaps and base.tp > 1 and base.sequence_parallel else [False]
+    if opts.ep_comm_overlap is not None:
+        epo = [opts.ep_comm_overlap]
+    else:
+        epo = [False, True] if "overlap-moe-expert-parallel-comm" in engine.overlaps and ep_overlap_allowed(base) else [False]
     return [
         replace(
             base,
             tp_comm_overlap=t,
+            ep_comm_overlap=e,
             overlap_grad_reduce=grad,
             overlap_param_gather=gather,
             main_grads_dtype=opts.main_grads_dtype,
@@ -527,6 +537,7 @@ def with_options(base: Layout, opts: SearchOptions, engine: EngineRules) -> list
             fp8_param_gather=opts.fp8_param_gather,
         )
         for t in tpo
+        for e in epo
     ]
 
 
@@ -563,7 +574,20 @@ def lower_bound(ctx: Context, lay: Layout, dtype: str) -> float:
         if key in seen:
             continue
         seen.add(key)
-        t = ctx.times(lay.micro_batch, lay.tp, lay.recompute, first, dtype, lay.sequence_parallel, lay.cp, lay.tp_comm_overlap, lay.fp8, lay.ep, lay.etp)
+        t = ctx.times(
+            lay.micro_batch,
+            lay.tp,
+            lay.recompute,
+            first,
+            dtype,
+            lay.sequence_parallel,
+            lay.cp,
+            lay.tp_comm_overlap,
+            lay.fp8,
+            lay.ep,
+            lay.etp,
+            lay.ep_comm_overlap,
+        )
         total, largest = ctx.sum_and_max(t)
         best = min(best, lay.num_microbatches * max(total / lay.pp, largest))
     return best
@@ -668,7 +692,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         key = devices[r].key
         if key not in classes:
             classes[key] = len(classes)
-            times_by_class.append(ctx.times(b, tp, lay.recompute, r * block, dtype, sp, cp, lay.tp_comm_overlap, lay.fp8, lay.ep, lay.etp))
+            times_by_class.append(ctx.times(b, tp, lay.recompute, r * block, dtype, sp, cp, lay.tp_comm_overlap, lay.fp8, lay.ep, lay.etp, lay.ep_comm_overlap))
     compute = [ctx.prefix(t) for t in times_by_class]
     stage_device = [classes[devices[stage_rank[j]].key] for j in range(S)]
 
@@ -1010,7 +1034,8 @@ def _dominance_group(lay: Layout) -> tuple[object, ...]:
 
 def _needs_no_less_memory(lay: Layout, other: Layout) -> bool:
     """Whether ``lay`` needs at least ``other``'s memory on every rank: the same split of the cluster and schedule,
-    a micro-batch at least as large, recompute keeping at least as much, and no more optimizer sharding.
+    a micro-batch at least as large, recompute keeping at least as much, no more optimizer sharding, and every overlap
+    the other has (--tp-comm-overlap allocates buffers; --overlap-moe-expert-parallel-comm runs a micro-batch more in flight).
 
     Holds because activations grow with the micro-batch while held counts depend on the schedule's order
     (GPipe: micro-batch x count is the global batch share, constant), and model state does not shrink.
@@ -1026,6 +1051,8 @@ def _needs_no_less_memory(lay: Layout, other: Layout) -> bool:
         and lay.micro_batch >= other.micro_batch
         and _RECOMPUTE_MEMORY[lay.recompute] >= _RECOMPUTE_MEMORY[other.recompute]
         and lay.zero <= other.zero
+        and lay.tp_comm_overlap >= other.tp_comm_overlap  # its userbuffers (feature_buffer_bytes) only add memory
+        and lay.ep_comm_overlap >= other.ep_comm_overlap
         and lay.num_microbatches >= lay.pp
     )
 

@@ -130,6 +130,26 @@ def overlapped_collective_time(coll_s: float, matmul_s: float, tp: int) -> float
     return max(coll_s / tp, coll_s - matmul_s)
 
 
+def overlapped_dispatch_time(a2a_s: float, attn_fwd_s: float, attn_bwd_s: float, mlp_fwd_s: float, mlp_bwd_s: float) -> tuple[float, float]:
+    """(forward, backward) seconds of an MoE layer's four all-to-alls (dispatch and combine, forward and backward,
+    ``a2a_s`` each) still exposed under Megatron's --overlap-moe-expert-parallel-comm, given the computation of the
+    layer's attention and MoE MLP (without the all-to-alls), forward and backward.
+
+    Megatron-LM core_v0.16.1 (models/common/model_chunk_schedule_plan.py ``TransformerLayerSchedulePlan.run``, driven by
+    pipeline_parallel/combined_1f1b.py) runs the forward of one micro-batch and the backward of another layer by layer,
+    the all-to-alls on a communication stream against the other's computation in three phases::
+
+        comm:  combine_bwd | dispatch_fwd -> dispatch_bwd | combine_fwd
+        comp:  attn_fwd    | mlp_bwd -> mlp_dw -> mlp_fwd | attn_bwd
+
+    so what stays exposed is max(0, a2a - attn_fwd) + max(0, 2 a2a - mlp_fwd - mlp_bwd) + max(0, a2a - attn_bwd): the
+    combine's backward is charged to the backward, its forward to the forward, the middle phase half to each. Counted
+    for every micro-batch, the warm-up forwards and cool-down backwards that have no partner included (optimistic by
+    those few micro-batches). A piece holding attention and experts together gives attention 0 (all in the middle)."""
+    mid = max(0.0, 2 * a2a_s - mlp_fwd_s - mlp_bwd_s)
+    return max(0.0, a2a_s - attn_bwd_s) + mid / 2, max(0.0, a2a_s - attn_fwd_s) + mid / 2
+
+
 def tp_collective_time(cluster: Cluster, nbytes: float, ranks: Sequence[int], sequence_parallel: bool = True) -> float:
     """Seconds of one tensor-parallel collective on the residual stream of ``nbytes`` (unsharded) over ``ranks``:
     an all-gather + reduce-scatter pair with sequence parallelism, else an all-reduce."""
@@ -336,6 +356,7 @@ def analytical_times(
     cast_bytes: Sequence[tuple[Sequence[float], Sequence[float]]] | None = None,
     kept_flops: Sequence[tuple[float, float]] | None = None,
     dispatcher_terms: Sequence[tuple[float, float]] | None = None,
+    ep_overlap: bool = False,
 ) -> PieceTimes:
     """Roofline times of every piece (``costs`` already sharded with :func:`shard_costs`).
 
@@ -356,6 +377,8 @@ def analytical_times(
     memory-bound operators; ``kept_flops`` (per piece: forward and backward FLOPs, :func:`attention_core_flops`) are
     the FLOPs of those pieces that stay at ``dtype``'s rate (the attention core). ``dispatcher_terms`` (per piece:
     forward and backward seconds, :func:`moe_dispatcher_terms`) add the token dispatcher's own work to the MoE pieces.
+    ``ep_overlap`` (Megatron's --overlap-moe-expert-parallel-comm) hides the dispatch and combine behind another
+    micro-batch's computation of the same layer (:func:`overlapped_dispatch_time`).
     """
     mm_dtype = matmul_dtype or dtype
     n = len(costs.layers)
@@ -364,8 +387,12 @@ def analytical_times(
     ep, split, dispatch = experts
     a2a = [float(dispatch)] * n if isinstance(dispatch, (int, float)) else list(dispatch)
 
-    fwd, bi, bw, rc = [], [], [], []
+    fwd: list[float] = []
+    bi: list[float] = []
+    bw: list[float] = []
+    rc: list[float] = []
     for k, l in enumerate(costs.layers):
+        before = (fwd[-1], bi[-1] + bw[-1]) if ep_overlap and k > 0 and l.block is not None and costs.layers[k - 1].block == l.block else (0.0, 0.0)
         gemm_dtype = mm_dtype if matmul_dtype is None or l.kind in FP8_GEMM_KINDS else dtype
         dense_f = 0.0 if l.expert_op_flops_fwd and not l.op_flops_fwd else l.flops_fwd
         dense_b = 0.0 if l.expert_op_flops_bwd and not l.op_flops_bwd else l.flops_bwd
@@ -397,7 +424,11 @@ def analytical_times(
         else:
             f += n_f * coll[k]
             i += n_b * coll[k]
-        if l.num_experts and a2a[k] > 0:  # dispatch + combine, forward and backward
+        if l.num_experts and a2a[k] > 0 and ep_overlap:  # hidden behind the layer's work of another micro-batch
+            f_exp, b_exp = overlapped_dispatch_time(a2a[k], before[0], before[1], f, i + w)
+            f += f_exp
+            i += b_exp
+        elif l.num_experts and a2a[k] > 0:  # dispatch + combine, forward and backward
             f += 2 * a2a[k]
             i += 2 * a2a[k]
         if l.num_experts and dispatcher_terms is not None:
