@@ -27,7 +27,7 @@ import functools
 import importlib.util
 import math
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from unittest import mock
 
@@ -671,6 +671,7 @@ def moe_breakdown(run: PublishedRun) -> dict:
     from planner import hardware
     from planner.engines import get_engine
     from planner.solve import search
+    from planner.solve.plan import ep_overlap_allowed
     from planner.solve.timing import bytes_time, expert_dispatch_time, expert_gemm_time, moe_dispatcher_terms, ops_time
 
     costs = costs_for(run)
@@ -706,11 +707,14 @@ def moe_breakdown(run: PublishedRun) -> dict:
         casts, _ = search.fp8_casts(costs, lay.micro_batch, lay.tp, lay.cp, split, lay.etp)
         ms["fp8_casts"] = sum(bytes_time(tuple(f) + tuple(b), 0.0, dev) for f, b in casts or [] if f or b)
     priced = not isinstance(ev, search.Rejection)
+    # what --overlap-moe-expert-parallel-comm would give where Megatron allows it: not the row's (no source states it)
+    over = search.evaluate_layout(ctx, replace(lay, ep_comm_overlap=True), costs.dtype) if ep_overlap_allowed(lay) else None
     return {
         "id": run.id,
         "published_s": run.step_s,
         "predicted_s": ev.predicted.step_time_s if priced else None,
         "peak_gib": max(r["total"] for r in ev.rank_memory) / 2**30 if priced else None,
+        "with_ep_overlap_s": over.predicted.step_time_s if over is not None and not isinstance(over, search.Rejection) else None,
         **{k: v * 1e3 for k, v in ms.items()},
     }
 
