@@ -495,6 +495,13 @@ def expert_pin_problems(costs: ModelCosts, opts: SearchOptions, engine: EngineRu
         )
     if opts.ep and experts and experts % opts.ep:
         raise UsageError(f"--ep {opts.ep} does not divide the model's {experts} experts per MoE layer.", "Pick --ep among the divisors of the expert count.")
+    if opts.ep_comm_overlap:
+        flag = "--overlap-moe-expert-parallel-comm"
+        if "overlap-moe-expert-parallel-comm" not in engine.overlaps:
+            raise UsageError(f"engine {engine.name} has no {flag}.", f"Use --engine megatron, or drop {flag}.")
+        if not experts or opts.ep == 1:
+            why = "the model has no routed experts" if not experts else "--ep 1 runs no expert-parallel all-to-all"
+            raise UsageError(f"{flag}: {why} to overlap.", f"Drop {flag}, or plan a mixture-of-experts model with ep > 1.")
     return experts
 
 
