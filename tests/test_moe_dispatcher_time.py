@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from planner import hardware
@@ -160,3 +161,26 @@ def test_overlap_is_searched_where_megatron_runs_it():
     # no pipeline: the combined schedule without pipelining
     assert ep_overlap_allowed(dataclasses.replace(base, pp=1, vp=1, schedule="1f1b"))
     assert "overlap-moe-expert-parallel-comm" in dataclasses.replace(base, ep_comm_overlap=True).overlaps
+
+
+def test_overlap_holds_one_micro_batch_more():
+    """The combined 1F1B schedule runs the next micro-batch's forward against this one's backward: without pipelining
+    a rank holds two micro-batches' activations, not one; on an interleaved rank one (stage, micro-batch) more."""
+    from planner.engines import get_engine
+    from planner.solve import rank_memory as rmem
+    from planner.solve.plan import Layout
+    from planner.solve.search import Context, SearchOptions, evaluate_layout, one_more_in_flight
+
+    c = costs_of("moe", "moe-tiny")
+    cl = hardware.parse_gpus("4xH100")
+    ctx = Context(c, cl, SearchOptions(engine="megatron", global_batch=8, mem_target=1.0), get_engine("megatron"))
+    lay = Layout("megatron", 1, 1, 4, 1, 1, 2, 8, "1f1b", "none", 1, ep=2)
+    off, on = (evaluate_layout(ctx, dataclasses.replace(lay, ep_comm_overlap=x), c.dtype) for x in (False, True))
+    assert on.rank_memory[0]["activations"] == pytest.approx(2 * off.rank_memory[0]["activations"], rel=1e-12)
+    pts = rmem.order_points("interleaved", 2, 4, 2)
+    more = one_more_in_flight(pts)
+    for a, b in zip(pts, more):
+        k = len(a.stages)
+        assert b.held.shape == (k * a.held.shape[0], k)
+        assert b.held.sum(axis=1).max() == a.held.sum(axis=1).max() + 1
+        assert np.all(b.held.max(axis=0) == a.held.max(axis=0) + 1)

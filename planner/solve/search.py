@@ -677,6 +677,8 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     frag = 1.0 + opts.overhead.fragmentation
     fixed = opts.overhead.context + opts.overhead.communicator + feature_buffers(costs, lay) + dispatch_buffer_bytes(sharded, lay)
     points = rmem.order_points(sched.name, p, _points_m(sched.name, p, m), v) if p > 1 else rmem.order_points(sched.name, 1, 1, 1)
+    if lay.ep_comm_overlap:
+        points = one_more_in_flight(points)
     rp = rmem.RankProblem(static, act, wgrad, stage_rank, points, frag, (fixed,) * p, tuple(d.memory_bytes * opts.mem_target for d in devices))
     held = _stage_held(points, S)
     # necessary condition, cheap: the ranks' needs summed (a lower bound for any split) must fit in their capacities summed
@@ -913,6 +915,20 @@ def _points_m(name: str, p: int, m: int) -> int:
     if name in ("gpipe", "looped-bfs") or (name in ("interleaved", "interleaved-zb") and m % p):
         return m
     return min(m, _peak_m(name, p, m))
+
+
+def one_more_in_flight(points: Sequence[rmem.RankPoints]) -> tuple[rmem.RankPoints, ...]:
+    """The count points of an order that runs one forward more before its backwards, on any of the rank's stages:
+    Megatron's --overlap-moe-expert-parallel-comm (core_v0.16.1 combined_1f1b.py) pairs the forward of micro-batch
+    i + 1 with the backward of micro-batch i (without pipelining: phase k runs backward k and forward k + 1; interleaved:
+    one warm-up forward more, schedules.py ``num_warmup_microbatches + 1``). Each point gains one held micro-batch on one
+    stage, every stage tried: a bound (the combined phase frees the backward's layers while the forward's accumulate)."""
+    out = []
+    for pts in points:
+        k = len(pts.stages)
+        held = np.concatenate([pts.held + np.eye(k)[i] for i in range(k)])
+        out.append(rmem.RankPoints(pts.stages, held, np.concatenate([pts.pending] * k)))
+    return tuple(out)
 
 
 def _stage_held(points: Sequence[rmem.RankPoints], S: int) -> list[float]:
