@@ -9,7 +9,7 @@ import pytest
 
 from planner import hardware
 from planner.solve.search import fp8_casts
-from planner.solve.timing import analytical_times, fp8_cast_bytes, moe_dispatcher_terms, moe_fp8_cast_bytes, overlapped_dispatch_time
+from planner.solve.timing import analytical_times, fp8_cast_bytes, moe_dispatcher_terms, moe_fp8_cast_bytes, overlapped_dispatch_time, paired_share
 from tests.conftest import costs_of
 
 
@@ -122,7 +122,7 @@ def test_overlap_hides_the_dispatch_behind_the_layer_of_another_micro_batch():
     dev = hardware.parse_gpus("8xH100").device_of(0)
     a2a = 1e-3
     plain = analytical_times(c, dev, "bf16", experts=(4, 1, 0.0))
-    over = analytical_times(c, dev, "bf16", experts=(4, 1, a2a), ep_overlap=True)
+    over = analytical_times(c, dev, "bf16", experts=(4, 1, a2a), ep_overlap=1.0)
     seen = 0
     for k, l in enumerate(c.layers):
         if not l.num_experts:
@@ -138,6 +138,21 @@ def test_overlap_hides_the_dispatch_behind_the_layer_of_another_micro_batch():
         assert over.bwd_weight[k] == plain.bwd_weight[k]
         seen += 1
     assert seen == sum(1 for l in c.layers if l.num_experts) > 0
+
+
+def test_paired_share_in_closed_form():
+    # no pipelining: forwards 2 ... m pair with backwards 1 ... m - 1
+    assert paired_share(1, 1, 8, 1) == 7 / 8 and paired_share(1, 1, 1, 1) == 0.0
+    # pp 2, vp 2, m 4, groups of 2: 8 chunk passes per rank; warm-up 2 (1 - r) + 1 x 2 + 1 = 5 and 3 forwards
+    assert paired_share(2, 2, 4, 2) == pytest.approx(((8 - 5) / 8 + (8 - 3) / 8) / 2)
+    # half paired: half of each pass's all-to-alls exposed in full, half as overlapped
+    c = costs_of("moe", "deepseek-tiny")
+    dev = hardware.parse_gpus("8xH100").device_of(0)
+    full = analytical_times(c, dev, "bf16", experts=(4, 1, 1e-3))
+    over = analytical_times(c, dev, "bf16", experts=(4, 1, 1e-3), ep_overlap=1.0)
+    half = analytical_times(c, dev, "bf16", experts=(4, 1, 1e-3), ep_overlap=0.5)
+    for a, b, h in zip(full.fwd + full.bwd_input, over.fwd + over.bwd_input, half.fwd + half.bwd_input):
+        assert h == pytest.approx((a + b) / 2, rel=1e-12)
 
 
 def test_overlap_is_searched_where_megatron_runs_it():

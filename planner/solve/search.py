@@ -50,7 +50,7 @@ from planner.solve.memory import (
 )
 from planner.solve.plan import Layout, Predicted, ep_overlap_allowed
 from planner.solve.rules import EngineRules, RejectKind
-from planner.solve.schedules import build_schedule
+from planner.solve.schedules import build_schedule, interleaved_group_size
 from planner.solve.simulate import SimResult, StageMemory, StageTimes, simulate
 from planner.solve.timing import (
     PieceTimes,
@@ -61,6 +61,7 @@ from planner.solve.timing import (
     kv_bytes,
     moe_dispatcher_terms,
     moe_fp8_cast_bytes,
+    paired_share,
     shard_costs,
     split_context,
     tp_collective_time,
@@ -354,7 +355,7 @@ class Context:
         fp8: bool = False,
         ep: int = 1,
         etp: int = 1,
-        ep_overlap: bool = False,
+        ep_overlap: float = 0.0,
     ) -> PieceTimes:
         dev = self.cluster.device_of(first_rank)
         key = (b, tp, recompute, dev.key, sp, cp, tp_overlap, fp8, ep, etp, ep_overlap)
@@ -593,7 +594,7 @@ def lower_bound(ctx: Context, lay: Layout, dtype: str) -> float:
             lay.fp8,
             lay.ep,
             lay.etp,
-            lay.ep_comm_overlap,
+            ep_paired(lay),
         )
         total, largest = ctx.sum_and_max(t)
         best = min(best, lay.num_microbatches * max(total / lay.pp, largest))
@@ -701,7 +702,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         key = devices[r].key
         if key not in classes:
             classes[key] = len(classes)
-            times_by_class.append(ctx.times(b, tp, lay.recompute, r * block, dtype, sp, cp, lay.tp_comm_overlap, lay.fp8, lay.ep, lay.etp, lay.ep_comm_overlap))
+            times_by_class.append(ctx.times(b, tp, lay.recompute, r * block, dtype, sp, cp, lay.tp_comm_overlap, lay.fp8, lay.ep, lay.etp, ep_paired(lay)))
     compute = [ctx.prefix(t) for t in times_by_class]
     stage_device = [classes[devices[stage_rank[j]].key] for j in range(S)]
 
@@ -915,6 +916,13 @@ def _points_m(name: str, p: int, m: int) -> int:
     if name in ("gpipe", "looped-bfs") or (name in ("interleaved", "interleaved-zb") and m % p):
         return m
     return min(m, _peak_m(name, p, m))
+
+
+def ep_paired(lay: Layout) -> float:
+    """The share of passes --overlap-moe-expert-parallel-comm pairs for ``lay`` (timing.paired_share; 0 without it)."""
+    if not lay.ep_comm_overlap:
+        return 0.0
+    return paired_share(lay.pp, lay.vp, lay.num_microbatches, interleaved_group_size(lay.pp, lay.num_microbatches) if lay.pp > 1 else 1)
 
 
 def one_more_in_flight(points: Sequence[rmem.RankPoints]) -> tuple[rmem.RankPoints, ...]:

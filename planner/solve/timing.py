@@ -150,6 +150,20 @@ def overlapped_dispatch_time(a2a_s: float, attn_fwd_s: float, attn_bwd_s: float,
     return max(0.0, a2a_s - attn_bwd_s) + mid / 2, max(0.0, a2a_s - attn_fwd_s) + mid / 2
 
 
+def paired_share(pp: int, vp: int, m: int, group: int) -> float:
+    """The share of a rank's forward (and backward) passes that the combined 1F1B schedule of Megatron-LM core_v0.16.1
+    pairs with another micro-batch's, averaged over the pp ranks: without pipelining all but the first forward and the
+    last backward of the m micro-batches (combined_1f1b_schedule_for_no_pipelining: phases 1 ... m - 1); interleaved,
+    the m x vp chunk passes less the warm-up forwards, 2 (pp - 1 - r) + (vp - 1) x ``group`` + 1 on rank r (one more
+    than the interleaved schedule's: schedules.py get_pp_rank_microbatches with the overlap), and as many cool-down
+    backwards."""
+    if pp <= 1:
+        return max(0.0, (m - 1) / m) if m > 0 else 0.0
+    total = m * vp
+    warm = [min(total, 2 * (pp - 1 - r) + (vp - 1) * group + 1) for r in range(pp)]
+    return sum((total - x) / total for x in warm) / pp
+
+
 def tp_collective_time(cluster: Cluster, nbytes: float, ranks: Sequence[int], sequence_parallel: bool = True) -> float:
     """Seconds of one tensor-parallel collective on the residual stream of ``nbytes`` (unsharded) over ``ranks``:
     an all-gather + reduce-scatter pair with sequence parallelism, else an all-reduce."""
@@ -356,7 +370,7 @@ def analytical_times(
     cast_bytes: Sequence[tuple[Sequence[float], Sequence[float]]] | None = None,
     kept_flops: Sequence[tuple[float, float]] | None = None,
     dispatcher_terms: Sequence[tuple[float, float]] | None = None,
-    ep_overlap: bool = False,
+    ep_overlap: float = 0.0,
 ) -> PieceTimes:
     """Roofline times of every piece (``costs`` already sharded with :func:`shard_costs`).
 
@@ -377,8 +391,9 @@ def analytical_times(
     memory-bound operators; ``kept_flops`` (per piece: forward and backward FLOPs, :func:`attention_core_flops`) are
     the FLOPs of those pieces that stay at ``dtype``'s rate (the attention core). ``dispatcher_terms`` (per piece:
     forward and backward seconds, :func:`moe_dispatcher_terms`) add the token dispatcher's own work to the MoE pieces.
-    ``ep_overlap`` (Megatron's --overlap-moe-expert-parallel-comm) hides the dispatch and combine behind another
-    micro-batch's computation of the same layer (:func:`overlapped_dispatch_time`).
+    ``ep_overlap`` (Megatron's --overlap-moe-expert-parallel-comm) is the share of the forward and backward passes
+    that run paired with another micro-batch's (:func:`paired_share`): in those the dispatch and combine hide behind
+    its computation of the same layer (:func:`overlapped_dispatch_time`), the others expose them.
     """
     mm_dtype = matmul_dtype or dtype
     n = len(costs.layers)
@@ -426,8 +441,8 @@ def analytical_times(
             i += n_b * coll[k]
         if l.num_experts and a2a[k] > 0 and ep_overlap:  # hidden behind the layer's work of another micro-batch
             f_exp, b_exp = overlapped_dispatch_time(a2a[k], before[0], before[1], f, i + w)
-            f += f_exp
-            i += b_exp
+            f += ep_overlap * f_exp + (1.0 - ep_overlap) * 2 * a2a[k]
+            i += ep_overlap * b_exp + (1.0 - ep_overlap) * 2 * a2a[k]
         elif l.num_experts and a2a[k] > 0:  # dispatch + combine, forward and backward
             f += 2 * a2a[k]
             i += 2 * a2a[k]
