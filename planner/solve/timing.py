@@ -143,9 +143,9 @@ def overlapped_dispatch_time(a2a_s: float, attn_fwd_s: float, attn_bwd_s: float,
         comp:  attn_fwd    | mlp_bwd -> mlp_dw -> mlp_fwd | attn_bwd
 
     so what stays exposed is max(0, a2a - attn_fwd) + max(0, 2 a2a - mlp_fwd - mlp_bwd) + max(0, a2a - attn_bwd): the
-    combine's backward is charged to the backward, its forward to the forward, the middle phase half to each. Counted
-    for every micro-batch, the warm-up forwards and cool-down backwards that have no partner included (optimistic by
-    those few micro-batches). A piece holding attention and experts together gives attention 0 (all in the middle)."""
+    combine's backward is charged to the backward, its forward to the forward, the middle phase half to each. This is
+    a paired pass; the warm-up forwards and cool-down backwards that have no partner expose their two all-to-alls in
+    full (:func:`paired_share`). A piece holding attention and experts together gives attention 0 (all in the middle)."""
     mid = max(0.0, 2 * a2a_s - mlp_fwd_s - mlp_bwd_s)
     return max(0.0, a2a_s - attn_bwd_s) + mid / 2, max(0.0, a2a_s - attn_fwd_s) + mid / 2
 
