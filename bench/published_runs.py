@@ -27,7 +27,7 @@ import functools
 import importlib.util
 import math
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from unittest import mock
 
@@ -664,12 +664,15 @@ def diagnosis_markdown(rows: list[dict]) -> str:
 
 def moe_breakdown(run: PublishedRun) -> dict:
     """One MoE row priced with its layout and the memory check lifted, and one GPU's share of a micro-batch (forward +
-    backward over all stages, milliseconds) split into dense GEMMs, routed-expert GEMMs, memory-bound operators and the
-    token dispatch (4 all-to-alls per MoE layer)."""
+    backward over all stages, milliseconds) split into dense GEMMs, routed-expert GEMMs, memory-bound operators, the
+    token dispatch (4 all-to-alls per MoE layer), the dispatcher's own work around it (timing.moe_dispatcher_terms:
+    permutation 2, the probabilities' all-to-all, the token-count all-gather, the host synchronisation) and, in FP8
+    rows, the Transformer Engine cast kernels (MoE pieces: the routed and shared experts' GEMM inputs)."""
     from planner import hardware
     from planner.engines import get_engine
     from planner.solve import search
-    from planner.solve.timing import bytes_time, expert_dispatch_time, expert_gemm_time, ops_time
+    from planner.solve.plan import ep_overlap_allowed
+    from planner.solve.timing import bytes_time, expert_dispatch_time, expert_gemm_time, moe_dispatcher_terms, ops_time
 
     costs = costs_for(run)
     cluster = hardware.parse_gpus(f"{run.gpus}x{DEVICE_PROFILE[run.source.device]}")
@@ -694,13 +697,24 @@ def moe_breakdown(run: PublishedRun) -> dict:
             for l in layers
         ),
         "dispatch": sum(4 * expert_dispatch_time(cluster, l.routed_bytes / split, 0, lay.ep, lay.etp) for l in layers if l.num_experts),
+        "dispatcher_terms": sum(
+            sum(moe_dispatcher_terms(cluster, dev, l.routed_rows / split, l.routed_bytes / split, l.num_experts, 0, lay.ep, lay.etp))
+            for l in layers
+            if l.num_experts
+        ),
     }
+    if lay.fp8:
+        casts, _ = search.fp8_casts(costs, lay.micro_batch, lay.tp, lay.cp, split, lay.etp)
+        ms["fp8_casts"] = sum(bytes_time(tuple(f) + tuple(b), 0.0, dev) for f, b in casts or [] if f or b)
     priced = not isinstance(ev, search.Rejection)
+    # what --overlap-moe-expert-parallel-comm would give where Megatron allows it: not the row's (no source states it)
+    over = search.evaluate_layout(ctx, replace(lay, ep_comm_overlap=True), costs.dtype) if ep_overlap_allowed(lay) else None
     return {
         "id": run.id,
         "published_s": run.step_s,
         "predicted_s": ev.predicted.step_time_s if priced else None,
         "peak_gib": max(r["total"] for r in ev.rank_memory) / 2**30 if priced else None,
+        "with_ep_overlap_s": over.predicted.step_time_s if over is not None and not isinstance(over, search.Rejection) else None,
         **{k: v * 1e3 for k, v in ms.items()},
     }
 

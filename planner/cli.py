@@ -291,6 +291,11 @@ def plan(
     overlap_param_gather: Optional[bool] = typer.Option(
         None, "--overlap-param-gather/--no-overlap-param-gather", help="Pin the parameter all-gather overlap (Megatron, zero 1)."
     ),
+    ep_comm_overlap: Optional[bool] = typer.Option(
+        None,
+        "--overlap-moe-expert-parallel-comm/--no-overlap-moe-expert-parallel-comm",
+        help="Pin the expert-parallel all-to-all overlap (Megatron, ep > 1, vp when pp > 1, no full recompute).",
+    ),
     main_grads_dtype: str = typer.Option("fp32", "--main-grads-dtype", help="fp32 | bf16: gradients kept and reduced in (Megatron)."),
     optimizer_state_dtype: str = typer.Option("fp32", "--optimizer-state-dtype", help="fp32 | bf16 | fp16: Adam moments (Megatron, zero 1)."),
     fp8_param_gather: bool = typer.Option(
@@ -334,6 +339,7 @@ def plan(
             tp_comm_overlap=tp_comm_overlap,
             overlap_grad_reduce=overlap_grad_reduce,
             overlap_param_gather=overlap_param_gather,
+            ep_comm_overlap=ep_comm_overlap,
             main_grads_dtype=main_grads_dtype,
             optimizer_state_dtype=optimizer_state_dtype,
             fp8_param_gather=fp8_param_gather,

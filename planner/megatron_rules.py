@@ -1,4 +1,4 @@
-"""Megatron-LM's argument rules (MEG001-MEG040) as data and small checks over :class:`MegatronArgs`.
+"""Megatron-LM's argument rules (MEG001-MEG042) as data and small checks over :class:`MegatronArgs`.
 
 :func:`check_megatron_args` applies Megatron's rules (``validate_args`` in
 megatron/training/arguments.py, ``TransformerConfig.__post_init__``, the microbatch
@@ -74,6 +74,7 @@ RULES: dict[str, tuple[str, str]] = {
     "MEG039": ("warning", "expert and tensor parallelism without --sequence-parallel"),
     "MEG040": ("error", "multi-latent attention flags megatron-core refuses"),
     "MEG041": ("error", "--fp8-param-gather without FP8 training or without the distributed optimizer"),
+    "MEG042": ("error", "--overlap-moe-expert-parallel-comm without what TransformerConfig asserts for it"),
 }
 
 
@@ -580,6 +581,8 @@ class _Checker:
                 "choose ep dividing the expert count",
             )
         if experts is None:
+            if a.has("--overlap-moe-expert-parallel-comm"):
+                self.ep_overlap_rules(ep, pp, L, a.value("--moe-token-dispatcher-type") or "allgather")
             return
         topk = a.int("--moe-router-topk", 2)  # TransformerConfig's default
         if topk is not None and not 1 <= topk <= experts:
@@ -649,12 +652,41 @@ class _Checker:
                 f"MoE layers with biases and expert tensor parallelism {etp} (TransformerConfig asserts etp == 1 with biases; --expert-tensor-parallel-size defaults to tp).",
                 "add --disable-bias-linear, or --expert-tensor-parallel-size 1",
             )
+        if a.has("--overlap-moe-expert-parallel-comm"):
+            self.ep_overlap_rules(ep, pp, L, dispatcher)
         if ep > 1 and tp > 1 and not a.has("--sequence-parallel"):
             self.add(
                 "MEG039",
                 self.line("--expert-model-parallel-size"),
                 f"ep = {ep} with tp = {tp} and no --sequence-parallel (ModelParallelConfig: sequence parallelism must be used with expert and tensor parallelism).",
                 "add --sequence-parallel",
+            )
+
+    def ep_overlap_rules(self, ep: int, pp: int, L: int | None, dispatcher: str) -> None:
+        """TransformerConfig.__post_init__ (megatron-core 0.16.1) on overlap_moe_expert_parallel_comm: expert parallelism,
+        virtual pipeline stages when pp > 1, the alltoall or flex dispatcher, no full recomputation and no recompute
+        method, a bf16 or fp16 model, no --moe-shared-expert-overlap."""
+        a = self.a
+        missing = []
+        if ep <= 1:
+            missing.append("--expert-model-parallel-size > 1")
+        if pp > 1 and L is not None and virtual_size(a, L, pp) is None:
+            missing.append("virtual pipeline stages (--num-virtual-stages-per-pipeline-rank) with pp > 1")
+        if dispatcher not in ("alltoall", "flex"):
+            missing.append(f"the alltoall or flex dispatcher (not {dispatcher})")
+        gran = "selective" if a.has("--recompute-activations") else a.value("--recompute-granularity")
+        if gran == "full" or a.has("--recompute-method") or a.has("--recompute-num-layers"):
+            missing.append("no full recomputation (no --recompute-granularity full, --recompute-method, --recompute-num-layers)")
+        if not (a.has("--bf16") or a.has("--fp16")):
+            missing.append("--bf16 or --fp16")
+        if a.has("--moe-shared-expert-overlap"):
+            missing.append("no --moe-shared-expert-overlap")
+        if missing:
+            self.add(
+                "MEG042",
+                a.line("--overlap-moe-expert-parallel-comm"),
+                f"--overlap-moe-expert-parallel-comm needs {'; '.join(missing)} (TransformerConfig asserts it).",
+                "give what it needs, or drop --overlap-moe-expert-parallel-comm",
             )
 
     def mla_rules(self) -> None:

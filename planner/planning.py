@@ -47,6 +47,7 @@ RECORDED_SEARCH_FIELDS = (
     "fp8_param_gather",
     "ep",
     "etp",
+    "ep_comm_overlap",
 )
 _KNOBS = frozenset(f.name for f in fields(SearchOptions)) - frozenset(RECORDED_SEARCH_FIELDS)
 

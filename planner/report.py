@@ -374,6 +374,8 @@ def overlaps_line(lay: Layout) -> str:
         extra.append(f"{lay.optimizer_state_dtype} optimizer states")
     if lay.fp8_param_gather:
         extra.append("FP8 primary weights")
+    if lay.ep_comm_overlap:
+        extra.append("expert all-to-alls hidden behind another micro-batch's attention and experts (combined 1F1B)")
     return f"Overlaps assumed: {names}" + (f"; {', '.join(extra)}" if extra else "") + "."
 
 

@@ -528,6 +528,29 @@ def test_header_command_keeps_every_pin(tmp_path):
     assert snapshot(d) == before
 
 
+def test_header_command_keeps_the_expert_parallel_overlap_pin(tmp_path):
+    """A MoE plan pinned on --overlap-moe-expert-parallel-comm renders Megatron's flag, says so in report.md's overlaps, and
+    its header command records the pin and re-plans to the same bytes."""
+    import shlex
+    import shutil
+
+    (tmp_path / "repo").mkdir()
+    m = tmp_path / "repo" / "model.py"
+    shutil.copy(Path(__file__).resolve().parents[1] / "examples" / "moe.py", m)
+    pins = ["--model-arg", "preset=moe-tiny", "--ep", "2", "--overlap-moe-expert-parallel-comm"]
+    code, _, err = cli("plan", m, "--gpus", "4xH100", "--engine", "megatron", *pins, "--out", tmp_path / "repo" / "plan", "-q")
+    assert code == 0, err
+    d = tmp_path / "repo" / "plan"
+    before = snapshot(d)
+    assert "--overlap-moe-expert-parallel-comm" in before["pretrain_gpt.sh"].decode()
+    assert "--overlap-moe-expert-parallel-comm" in before["report.md"].decode() and "combined 1F1B" in before["report.md"].decode()
+    words = shlex.split(before["launch_slurm.sh"].decode().splitlines()[1].split(": ", 1)[1])
+    assert "--overlap-moe-expert-parallel-comm" in words and "--ep" in words
+    code, _, err = cli(*words[1:], "-q", cwd=d)
+    assert code == 0, err
+    assert snapshot(d) == before
+
+
 def test_markup_in_model_args_is_escaped_in_reports(tmp_path):
     """issue: a --model-arg with --><script> ended raw in report.md and closed the README's header comment."""
     m = model_file(tmp_path)

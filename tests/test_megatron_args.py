@@ -331,6 +331,12 @@ RULE_CASES = {
     "MEG039": (_moe({"--expert-model-parallel-size": "2"}, drop=("--sequence-parallel",)), WORLD, True, False),
     "MEG040": (_with({}, extra=MLA + [("--group-query-attention", None), ("--num-query-groups", "4")]), WORLD, True, True),
     "MEG041": (_with({}, extra=[("--fp8-format", "hybrid"), ("--fp8-param-gather", None)]), WORLD, True, True),  # no distributed optimizer
+    "MEG042": (
+        _moe({"--expert-model-parallel-size": "2", "--moe-token-dispatcher-type": "alltoall"}, extra=[("--overlap-moe-expert-parallel-comm", None)]),
+        WORLD,
+        True,
+        True,
+    ),  # pp 2 without virtual stages
 }
 
 

@@ -268,6 +268,8 @@ def test_pinned_ep_is_what_the_search_prices():
         (["--etp", "-1"], "--etp must be a whole number"),
         (["--ep", "3"], "does not divide the model's 8 experts"),
         (["--ep", "2", "--engine", "deepspeed"], "runs no expert parallelism"),
+        (["--overlap-moe-expert-parallel-comm", "--engine", "deepspeed"], "has no --overlap-moe-expert-parallel-comm"),
+        (["--overlap-moe-expert-parallel-comm", "--ep", "1"], "--ep 1 runs no expert-parallel all-to-all"),
     ],
 )
 def test_bad_ep_pins_exit_2(args, needle, tmp_path):
@@ -282,6 +284,9 @@ def test_bad_ep_pins_exit_2(args, needle, tmp_path):
 
 def test_ep_on_a_dense_model_exits_2():
     r = runner.invoke(app, ["plan", str(EXAMPLES / "llama.py"), "--model-arg", "preset=llama-tiny", "--gpus", "8xH100", "--engine", "megatron", "--ep", "2"])
+    assert r.exit_code == 2 and "no routed experts" in r.output
+    dense = ["plan", str(EXAMPLES / "llama.py"), "--model-arg", "preset=llama-tiny", "--gpus", "8xH100", "--engine", "megatron"]
+    r = runner.invoke(app, dense + ["--overlap-moe-expert-parallel-comm"])
     assert r.exit_code == 2 and "no routed experts" in r.output
 
 

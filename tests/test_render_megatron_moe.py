@@ -24,6 +24,7 @@ from planner.errors import UsageError
 from planner.megatron_args import architecture_defaults, architecture_problem, check_megatron_args
 from planner.megatron_moe import MOE_DEFAULTS, layer_freq_text, layer_pattern, parse_layer_freq
 from planner.render.megatron import planned_stage_layers, render_megatron
+from planner.report import overlaps_line
 from planner.solve.plan import Plan
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron"
@@ -366,3 +367,32 @@ def _arch_of(preset: str) -> dict:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.architecture(preset)
+
+
+# --------------------------------------------------------------------------- --overlap-moe-expert-parallel-comm
+
+
+def test_ep_overlap_renders_and_megatron_takes_it():
+    """The overlap of an interleaved plan with ep 2 is one flag, which megatron-core's TransformerConfig (and
+    Megatron-LM's validate_args, with a checkout) accept; on the 1F1B plan without virtual stages both refuse it,
+    as MEG042 does."""
+    plan = load("moe_tiny_tp2", ep=2, ep_comm_overlap=True)
+    args = rendered(plan)
+    assert args.has("--overlap-moe-expert-parallel-comm") and not rendered(load("moe_tiny_tp2", ep=2)).has("--overlap-moe-expert-parallel-comm")
+    assert check_megatron_args(args) == []
+    assert core_config(args).overlap_moe_expert_parallel_comm
+    report = overlaps_line(plan.layout)
+    assert "--overlap-moe-expert-parallel-comm" in report and "combined 1F1B" in report
+    flat = load("deepseek_tiny_pp2", ep=2, ep_comm_overlap=True)  # pp 2 without virtual stages
+    with pytest.raises(UsageError, match="MEG042"):
+        rendered(flat)
+    text = render_megatron(load("deepseek_tiny_pp2", ep=2), "c", None)["pretrain_gpt.sh"]
+    bad = parse_megatron_args(text.replace("  --expert-model-parallel-size 2\n", "  --expert-model-parallel-size 2\n  --overlap-moe-expert-parallel-comm\n"))
+    assert [f.rule for f in check_megatron_args(bad)] == ["MEG042"]
+    with pytest.raises((AssertionError, ValueError)):
+        core_config(bad)
+    if megatron_lm_path() is not None:
+        margs, cfg = megatron_lm_config(args.argv(), plan.layout.world)
+        assert margs.overlap_moe_expert_parallel_comm and cfg.overlap_moe_expert_parallel_comm
+        with pytest.raises((AssertionError, ValueError)):
+            megatron_lm_config(bad.argv(), flat.layout.world)

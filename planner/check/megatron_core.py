@@ -92,6 +92,8 @@ def moe_kwargs(args: MegatronArgs, tp: int) -> dict:
     if experts or (ep or 1) > 1:
         out["expert_model_parallel_size"] = ep
         out["expert_tensor_parallel_size"] = args.int("--expert-tensor-parallel-size", tp)
+    if args.has("--overlap-moe-expert-parallel-comm"):  # a ModelParallelConfig field; TransformerConfig checks it
+        out["overlap_moe_expert_parallel_comm"] = True
     if not experts:
         return out
     balance = args.get("--moe-router-load-balancing-type")

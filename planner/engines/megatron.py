@@ -45,7 +45,7 @@ from planner.megatron_args import ARCHITECTURE, architecture_defaults, architect
 from planner.megatron_moe import layer_pattern
 from planner.records import ModelCosts
 from planner.solve.memory import DTYPE_BYTES, StateRecipe, state_recipe
-from planner.solve.plan import Layout
+from planner.solve.plan import Layout, ep_overlap_allowed
 
 #: DistributedDataParallel's default bucket: max(40,000,000, 1,000,000 x data-parallel size) parameters
 #: (megatron/core/distributed/distributed_data_parallel.py, core_v0.16.1)
@@ -187,7 +187,7 @@ class MegatronEngine(Engine):
     #: contiguous gradient buffer (ParamAndGradBuffer.reset: ``self.grad_data.zero_()``; megatron/training/training.py
     #: and megatron/core/distributed/{distributed_data_parallel,param_and_grad_buffer}.py, core_v0.16.1 and core_r0.8.0)
     zeroes_grad_buffer = True
-    overlaps = ("tp-comm-overlap", "overlap-grad-reduce", "overlap-param-gather")
+    overlaps = ("tp-comm-overlap", "overlap-grad-reduce", "overlap-param-gather", "overlap-moe-expert-parallel-comm")
     precision_options = True
     fp8 = True
 
@@ -226,6 +226,11 @@ class MegatronEngine(Engine):
         out = super().feature_problems(layout, costs)
         if layout.tp_comm_overlap and not (layout.tp > 1 and layout.sequence_parallel):
             out.append("--tp-comm-overlap needs tensor parallelism with --sequence-parallel (validate_args asserts it)")
+        if layout.ep_comm_overlap and not ep_overlap_allowed(layout):
+            out.append(
+                "--overlap-moe-expert-parallel-comm needs expert parallelism (ep > 1), virtual pipeline stages when pp > 1 and no full"
+                " recomputation (TransformerConfig asserts them)"
+            )
         if layout.overlap_param_gather and not (layout.zero >= 1 and layout.overlap_grad_reduce):
             out.append("--overlap-param-gather needs the distributed optimizer (zero 1) and --overlap-grad-reduce (validate_args asserts both)")
         if layout.optimizer_state_dtype not in ("fp32", "bf16", "fp16"):

@@ -159,6 +159,7 @@ _SWITCHES = (
     ("--tp-comm-overlap", "--no-tp-comm-overlap", "tp_comm_overlap"),
     ("--overlap-grad-reduce", "--no-overlap-grad-reduce", "overlap_grad_reduce"),
     ("--overlap-param-gather", "--no-overlap-param-gather", "overlap_param_gather"),
+    ("--overlap-moe-expert-parallel-comm", "--no-overlap-moe-expert-parallel-comm", "ep_comm_overlap"),
     ("--fp8-param-gather", None, "fp8_param_gather"),
 )
 

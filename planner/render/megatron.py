@@ -358,6 +358,8 @@ def feature_flags(plan: Plan) -> tuple[Flags, Flags]:
         parallel.append(("--context-parallel-size", str(lay.cp)))
     if lay.tp_comm_overlap:
         parallel.append(("--tp-comm-overlap", None))
+    if lay.ep_comm_overlap:  # the combined 1F1B schedule (TransformerConfig.overlap_moe_expert_parallel_comm)
+        parallel.append(("--overlap-moe-expert-parallel-comm", None))
     return training, parallel
 
 

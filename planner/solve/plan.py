@@ -70,6 +70,9 @@ class Layout:
     ep: int = 1
     #: tensor-parallel size of the experts (Megatron --expert-tensor-parallel-size); ep x etp divides tp x cp x dp
     etp: int = 1
+    #: the expert-parallel all-to-alls of one micro-batch overlapped with the computation of another (Megatron
+    #: --overlap-moe-expert-parallel-comm: the combined 1F1B schedule; needs ep > 1, vp with pp > 1, no full recompute)
+    ep_comm_overlap: bool = False
 
     @property
     def world(self) -> int:
@@ -83,6 +86,7 @@ class Layout:
             ("tp-comm-overlap", self.tp_comm_overlap),
             ("overlap-grad-reduce", self.overlap_grad_reduce),
             ("overlap-param-gather", self.overlap_param_gather),
+            ("overlap-moe-expert-parallel-comm", self.ep_comm_overlap),
         )
         return tuple(name for name, flag in on if flag)
 
@@ -108,6 +112,14 @@ class Layout:
             f"pp{self.pp} tp{self.tp}{cp} dp{self.dp}{ep}{v} {self.schedule} mb{self.micro_batch}x{self.num_microbatches} "
             f"recompute={self.recompute} zero={self.zero}{sp}{fp8}"
         )
+
+
+def ep_overlap_allowed(lay: Layout) -> bool:
+    """Whether Megatron runs --overlap-moe-expert-parallel-comm for the layout (TransformerConfig.__post_init__,
+    core_v0.16.1): expert parallelism (ep > 1), virtual pipeline stages when pp > 1 (the combined 1F1B schedule is
+    the interleaved one's, or the one without pipelining), no full recomputation; the all-to-all dispatcher is what
+    the renderer writes and the model is bf16 / fp16 (FP8 GEMMs included)."""
+    return lay.ep > 1 and (lay.pp == 1 or lay.vp > 1) and lay.recompute != "full"
 
 
 @dataclass(frozen=True)

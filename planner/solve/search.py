@@ -31,7 +31,7 @@ import numpy as np
 
 from planner.errors import UsageError
 from planner.hardware import Cluster, DeviceProfile, memory_time
-from planner.records import ModelCosts
+from planner.records import Layer, ModelCosts
 from planner.solve import partition as part
 from planner.solve import rank_memory as rmem
 from planner.solve.expert_groups import expert_data_ranks
@@ -48,9 +48,9 @@ from planner.solve.memory import (
     range_matrices,
     stage_params,
 )
-from planner.solve.plan import Layout, Predicted
+from planner.solve.plan import Layout, Predicted, ep_overlap_allowed
 from planner.solve.rules import EngineRules, RejectKind
-from planner.solve.schedules import build_schedule
+from planner.solve.schedules import build_schedule, interleaved_group_size
 from planner.solve.simulate import SimResult, StageMemory, StageTimes, simulate
 from planner.solve.timing import (
     PieceTimes,
@@ -59,6 +59,9 @@ from planner.solve.timing import (
     expert_dispatch_time,
     fp8_cast_bytes,
     kv_bytes,
+    moe_dispatcher_terms,
+    moe_fp8_cast_bytes,
+    paired_share,
     shard_costs,
     split_context,
     tp_collective_time,
@@ -118,6 +121,8 @@ class SearchOptions:
     fp8_param_gather: bool = False  # FP8 primary weights (Megatron --fp8-param-gather; with fp8 and zero 1)
     ep: int | None = None  # expert-parallel size (searched over the divisors Megatron allows for MoE models when None)
     etp: int | None = None  # expert tensor-parallel size (searched in {1, tp} for MoE models when None)
+    #: Megatron --overlap-moe-expert-parallel-comm; None: searched (on and off) where its preconditions hold
+    ep_comm_overlap: bool | None = None
 
 
 @dataclass
@@ -231,6 +236,7 @@ class Context:
         self._gemm: dict[tuple[int, int, int], np.ndarray] = {}
         self._scaled: dict[int, ModelCosts] = {}
         self._dispatches: dict[tuple[float, int, int, int], float] = {}
+        self._terms: dict[tuple[object, ...], tuple[float, float]] = {}
         self._sum_max: dict[int, tuple[PieceTimes, float, float]] = {}
         self._coll: dict[tuple[int, int, int, bool, int], tuple[tuple[float, ...], float]] = {}
 
@@ -319,6 +325,19 @@ class Context:
             self._dispatches[key] = expert_dispatch_time(self.cluster, nbytes, first_rank, ep, etp)
         return self._dispatches[key]
 
+    def _dispatcher_terms(self, l: Layer, split: int, first_rank: int, ep: int, etp: int) -> tuple[float, float]:
+        """The token dispatcher's own (forward, backward) seconds of a piece (:func:`moe_dispatcher_terms`; (0, 0) for
+        a dense piece), shared by the pieces and candidates that route the same rows from the same ranks."""
+        if not l.num_experts:
+            return 0.0, 0.0
+        dev = self.cluster.device_of(first_rank)
+        key = (l.routed_rows / split, l.routed_bytes / split, l.num_experts, first_rank, ep, etp, dev.key)
+        if key not in self._terms:
+            self._terms[key] = moe_dispatcher_terms(
+                self.cluster, dev, l.routed_rows / split, l.routed_bytes / split, l.num_experts, first_rank, ep, etp, fixed_costs(dev)[0]
+            )
+        return self._terms[key]
+
     def sum_and_max(self, t: PieceTimes) -> tuple[float, float]:
         """(sum, largest) of the pieces' total times, computed once per :class:`PieceTimes`."""
         key = id(t)
@@ -341,9 +360,10 @@ class Context:
         fp8: bool = False,
         ep: int = 1,
         etp: int = 1,
+        ep_overlap: float = 0.0,
     ) -> PieceTimes:
         dev = self.cluster.device_of(first_rank)
-        key = (b, tp, recompute, dev.key, sp, cp, tp_overlap, fp8, ep, etp)
+        key = (b, tp, recompute, dev.key, sp, cp, tp_overlap, fp8, ep, etp, ep_overlap)
         if key not in self._times:
             sharded = self.sharded(b, tp, sp, cp)
             coll, step = self._collectives(b, tp, first_rank, sp, cp)
@@ -351,9 +371,12 @@ class Context:
             split = tp if sp and tp > 1 else 1  # tokens per GPU entering the MoE layers: 1/tp with sequence parallelism
             dispatch = [self._dispatch(l.routed_bytes / split, first_rank, ep, etp) if l.num_experts else 0.0 for l in sharded.layers]
             experts = (ep, split, dispatch)
-            casts, kept = fp8_casts(self.costs, b, tp, cp) if fp8 else (None, None)
+            casts, kept = fp8_casts(self.costs, b, tp, cp, split, etp) if fp8 else (None, None)
             coll_t = list(coll) if coll else 0.0
-            t = analytical_times(sharded, dev, dtype, recompute, tp, coll_t, tp_overlap, "fp8" if fp8 else None, kernel, cp, step, experts, casts, kept)
+            terms = [self._dispatcher_terms(l, split, first_rank, ep, etp) for l in sharded.layers] if any(l.num_experts for l in sharded.layers) else None
+            t = analytical_times(
+                sharded, dev, dtype, recompute, tp, coll_t, tp_overlap, "fp8" if fp8 else None, kernel, cp, step, experts, casts, kept, terms, ep_overlap
+            )
             measured = self.opts.measured.get(dev.key)
             if measured and tp == 1 and cp == 1 and not fp8 and ep * etp == 1:
                 f = b / self.costs.micro_batch
@@ -362,15 +385,22 @@ class Context:
         return self._times[key]
 
 
-def fp8_casts(costs: ModelCosts, b: int, tp: int, cp: int) -> tuple[list[tuple[list[float], list[float]]] | None, list[tuple[float, float]] | None]:
+def fp8_casts(
+    costs: ModelCosts, b: int, tp: int, cp: int, split: int = 1, etp: int = 1
+) -> tuple[list[tuple[list[float], list[float]]] | None, list[tuple[float, float]] | None]:
     """Per piece at micro-batch ``b`` on one GPU (s / cp x b tokens): the bytes of each Transformer Engine FP8 cast
-    (timing.fp8_cast_bytes) and the attention-core FLOPs that stay in bf16 (timing.attention_core_flops); (None, None)
-    without the model's architecture."""
+    (timing.fp8_cast_bytes; MoE pieces timing.moe_fp8_cast_bytes over the 1/``split`` of the routed rows a GPU routes,
+    expert tensor parallelism ``etp``) and the attention-core FLOPs that stay in bf16 (timing.attention_core_flops);
+    (None, None) without the model's architecture."""
     arch = costs.architecture
     if not arch or not costs.seq_len:
         return None, None
     tokens = costs.seq_len / cp * b
-    casts = [fp8_cast_bytes(arch, l.kind, tokens, tp) for l in costs.layers]
+    f = b / costs.micro_batch / cp / split
+    casts = [
+        moe_fp8_cast_bytes(arch, l.kind, tokens, tp, l.routed_rows * f, etp) if l.num_experts else fp8_cast_bytes(arch, l.kind, tokens, tp)
+        for l in costs.layers
+    ]
     kept = [attention_core_flops(arch, l.kind, costs.seq_len, tokens, tp) for l in costs.layers]
     return casts, kept
 
@@ -471,6 +501,13 @@ def expert_pin_problems(costs: ModelCosts, opts: SearchOptions, engine: EngineRu
         )
     if opts.ep and experts and experts % opts.ep:
         raise UsageError(f"--ep {opts.ep} does not divide the model's {experts} experts per MoE layer.", "Pick --ep among the divisors of the expert count.")
+    if opts.ep_comm_overlap:
+        flag = "--overlap-moe-expert-parallel-comm"
+        if "overlap-moe-expert-parallel-comm" not in engine.overlaps:
+            raise UsageError(f"engine {engine.name} has no {flag}.", f"Use --engine megatron, or drop {flag}.")
+        if not experts or opts.ep == 1:
+            why = "the model has no routed experts" if not experts else "--ep 1 runs no expert-parallel all-to-all"
+            raise UsageError(f"{flag}: {why} to overlap.", f"Drop {flag}, or plan a mixture-of-experts model with ep > 1.")
     return experts
 
 
@@ -496,10 +533,15 @@ def with_options(base: Layout, opts: SearchOptions, engine: EngineRules) -> list
         tpo = [opts.tp_comm_overlap]
     else:
         tpo = [False, True] if "tp-comm-overlap" in engine.overlaps and base.tp > 1 and base.sequence_parallel else [False]
+    if opts.ep_comm_overlap is not None:
+        epo = [opts.ep_comm_overlap]
+    else:
+        epo = [False, True] if "overlap-moe-expert-parallel-comm" in engine.overlaps and ep_overlap_allowed(base) else [False]
     return [
         replace(
             base,
             tp_comm_overlap=t,
+            ep_comm_overlap=e,
             overlap_grad_reduce=grad,
             overlap_param_gather=gather,
             main_grads_dtype=opts.main_grads_dtype,
@@ -508,6 +550,7 @@ def with_options(base: Layout, opts: SearchOptions, engine: EngineRules) -> list
             fp8_param_gather=opts.fp8_param_gather,
         )
         for t in tpo
+        for e in epo
     ]
 
 
@@ -544,7 +587,20 @@ def lower_bound(ctx: Context, lay: Layout, dtype: str) -> float:
         if key in seen:
             continue
         seen.add(key)
-        t = ctx.times(lay.micro_batch, lay.tp, lay.recompute, first, dtype, lay.sequence_parallel, lay.cp, lay.tp_comm_overlap, lay.fp8, lay.ep, lay.etp)
+        t = ctx.times(
+            lay.micro_batch,
+            lay.tp,
+            lay.recompute,
+            first,
+            dtype,
+            lay.sequence_parallel,
+            lay.cp,
+            lay.tp_comm_overlap,
+            lay.fp8,
+            lay.ep,
+            lay.etp,
+            ep_paired(lay),
+        )
         total, largest = ctx.sum_and_max(t)
         best = min(best, lay.num_microbatches * max(total / lay.pp, largest))
     return best
@@ -626,6 +682,8 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     frag = 1.0 + opts.overhead.fragmentation
     fixed = opts.overhead.context + opts.overhead.communicator + feature_buffers(costs, lay) + dispatch_buffer_bytes(sharded, lay)
     points = rmem.order_points(sched.name, p, _points_m(sched.name, p, m), v) if p > 1 else rmem.order_points(sched.name, 1, 1, 1)
+    if lay.ep_comm_overlap:
+        points = one_more_in_flight(points)
     rp = rmem.RankProblem(static, act, wgrad, stage_rank, points, frag, (fixed,) * p, tuple(d.memory_bytes * opts.mem_target for d in devices))
     held = _stage_held(points, S)
     # necessary condition, cheap: the ranks' needs summed (a lower bound for any split) must fit in their capacities summed
@@ -648,7 +706,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         key = devices[r].key
         if key not in classes:
             classes[key] = len(classes)
-            times_by_class.append(ctx.times(b, tp, lay.recompute, r * block, dtype, sp, cp, lay.tp_comm_overlap, lay.fp8, lay.ep, lay.etp))
+            times_by_class.append(ctx.times(b, tp, lay.recompute, r * block, dtype, sp, cp, lay.tp_comm_overlap, lay.fp8, lay.ep, lay.etp, ep_paired(lay)))
     compute = [ctx.prefix(t) for t in times_by_class]
     stage_device = [classes[devices[stage_rank[j]].key] for j in range(S)]
 
@@ -865,6 +923,27 @@ def _points_m(name: str, p: int, m: int) -> int:
     return min(m, _peak_m(name, p, m))
 
 
+def ep_paired(lay: Layout) -> float:
+    """The share of passes --overlap-moe-expert-parallel-comm pairs for ``lay`` (timing.paired_share; 0 without it)."""
+    if not lay.ep_comm_overlap:
+        return 0.0
+    return paired_share(lay.pp, lay.vp, lay.num_microbatches, interleaved_group_size(lay.pp, lay.num_microbatches) if lay.pp > 1 else 1)
+
+
+def one_more_in_flight(points: Sequence[rmem.RankPoints]) -> tuple[rmem.RankPoints, ...]:
+    """The count points of an order that runs one forward more before its backwards, on any of the rank's stages:
+    Megatron's --overlap-moe-expert-parallel-comm (core_v0.16.1 combined_1f1b.py) pairs the forward of micro-batch
+    i + 1 with the backward of micro-batch i (without pipelining: phase k runs backward k and forward k + 1; interleaved:
+    one warm-up forward more, schedules.py ``num_warmup_microbatches + 1``). Each point gains one held micro-batch on one
+    stage, every stage tried: a bound (the combined phase frees the backward's layers while the forward's accumulate)."""
+    out = []
+    for pts in points:
+        k = len(pts.stages)
+        held = np.concatenate([pts.held + np.eye(k)[i] for i in range(k)])
+        out.append(rmem.RankPoints(pts.stages, held, np.concatenate([pts.pending] * k)))
+    return tuple(out)
+
+
 def _stage_held(points: Sequence[rmem.RankPoints], S: int) -> list[float]:
     """Per stage, the most micro-batches of activations it holds at any point of its rank's order."""
     held = [0.0] * S
@@ -991,7 +1070,8 @@ def _dominance_group(lay: Layout) -> tuple[object, ...]:
 
 def _needs_no_less_memory(lay: Layout, other: Layout) -> bool:
     """Whether ``lay`` needs at least ``other``'s memory on every rank: the same split of the cluster and schedule,
-    a micro-batch at least as large, recompute keeping at least as much, and no more optimizer sharding.
+    a micro-batch at least as large, recompute keeping at least as much, no more optimizer sharding, and every overlap
+    the other has (--tp-comm-overlap allocates buffers; --overlap-moe-expert-parallel-comm runs a micro-batch more in flight).
 
     Holds because activations grow with the micro-batch while held counts depend on the schedule's order
     (GPipe: micro-batch x count is the global batch share, constant), and model state does not shrink.
@@ -1007,6 +1087,8 @@ def _needs_no_less_memory(lay: Layout, other: Layout) -> bool:
         and lay.micro_batch >= other.micro_batch
         and _RECOMPUTE_MEMORY[lay.recompute] >= _RECOMPUTE_MEMORY[other.recompute]
         and lay.zero <= other.zero
+        and lay.tp_comm_overlap >= other.tp_comm_overlap  # its userbuffers (feature_buffer_bytes) only add memory
+        and lay.ep_comm_overlap >= other.ep_comm_overlap
         and lay.num_microbatches >= lay.pp
     )
 

@@ -58,28 +58,55 @@ FP8_GEMM_KINDS = ("attention", "mlp", "block")
 FP8_CAST_BYTES_PER_ELEMENT = 4.0
 
 
-def fp8_gemm_shapes(arch: Mapping[str, object], kind: str, tp: int) -> list[tuple[float, float]]:
+def fp8_gemm_shapes(arch: Mapping[str, object], kind: str, tp: int, ffn_hidden: float | None = None) -> list[tuple[float, float]]:
     """(input features, output features) per GPU of each linear layer of a transformer piece under tensor parallelism
     ``tp``: QKV (h -> (q + 2 kv) / tp) and projection (q / tp -> h) in attention, FC1 (h -> ffn (x 2 gated) / tp) and
-    FC2 (ffn / tp -> h) in the MLP; both for a whole block."""
+    FC2 (ffn / tp -> h) in the MLP; both for a whole block. ``ffn_hidden`` replaces the architecture's MLP width (a
+    MoE layer's shared experts)."""
     h = float(arch["hidden_size"])  # type: ignore[arg-type]
     heads = float(arch["num_attention_heads"])  # type: ignore[arg-type]
     kv = h * float(arch.get("num_query_groups") or heads) / heads  # type: ignore[arg-type]
     gated = arch.get("activation") == "swiglu"
-    ffn = arch.get("ffn_hidden_size") or (int(8 * h / 3 / 64) * 64 if gated else 4 * h)
+    ffn = ffn_hidden or arch.get("ffn_hidden_size") or (int(8 * h / 3 / 64) * 64 if gated else 4 * h)
     attn = [(h, (h + 2 * kv) / tp), (h / tp, h)]
     mlp = [(h, float(ffn) * (2 if gated else 1) / tp), (float(ffn) / tp, h)]  # type: ignore[arg-type]
     return {"attention": attn, "mlp": mlp, "block": attn + mlp}.get(kind, [])
 
 
-def fp8_cast_bytes(arch: Mapping[str, object], kind: str, tokens: float, tp: int) -> tuple[list[float], list[float]]:
+def fp8_cast_bytes(arch: Mapping[str, object], kind: str, tokens: float, tp: int, ffn_hidden: float | None = None) -> tuple[list[float], list[float]]:
     """Bytes of each FP8 cast kernel of one piece for ``tokens`` tokens per GPU (forward, backward): every linear
     layer's input forward and its output gradient backward, :data:`FP8_CAST_BYTES_PER_ELEMENT` each. Counted unfused
     (TE fuses the QKV and FC1 input casts into the preceding norm, which then writes 1 FP8 byte in place of 2 bf16
-    ones: an over-count of at most 1 byte per element of those two inputs)."""
-    shapes = fp8_gemm_shapes(arch, kind, tp)
+    ones: an over-count of at most 1 byte per element of those two inputs). ``ffn_hidden``: as :func:`fp8_gemm_shapes`."""
+    shapes = fp8_gemm_shapes(arch, kind, tp, ffn_hidden)
     fwd = [FP8_CAST_BYTES_PER_ELEMENT * tokens * k for k, _ in shapes]
     bwd = [FP8_CAST_BYTES_PER_ELEMENT * tokens * n for _, n in shapes]
+    return fwd, bwd
+
+
+def moe_fp8_cast_bytes(arch: Mapping[str, object], kind: str, tokens: float, tp: int, rows: float, etp: int = 1) -> tuple[list[float], list[float]]:
+    """Bytes of each FP8 cast kernel of a mixture-of-experts piece (forward, backward): its shared experts' MLP (and
+    its attention, for a whole block) as :func:`fp8_cast_bytes` at their own width, and the routed experts' grouped
+    GEMMs over the ``rows`` token-expert pairs the GPU routes (before the expert-TP all-gather).
+
+    The routed experts are Transformer Engine GroupedLinear layers (megatron/core/transformer/moe/experts.py
+    TEGroupedMLP, core_v0.16.1), which under FP8 quantize each GEMM's input forward and its output gradient backward
+    as a linear layer does: FC1 reads the etp x rows gathered rows at the full width h and writes (2 x, gated)
+    moe_ffn / etp; FC2 reads moe_ffn / etp and writes h. So forward 4 x rows x (etp x h + moe_ffn) bytes, backward
+    4 x rows x (etp x h + 2 moe_ffn) (gated), at :data:`FP8_CAST_BYTES_PER_ELEMENT`. A MoE piece has no dense MLP of
+    the architecture's ``ffn_hidden_size`` to cast."""
+    shared = arch.get("moe_shared_expert_intermediate_size")
+    dense_kind = kind if shared or kind != "block" else "attention"
+    width = float(shared) if shared else None  # type: ignore[arg-type]
+    fwd, bwd = fp8_cast_bytes(arch, dense_kind, tokens, tp, width) if shared or kind == "block" else ([], [])
+    ffn = arch.get("moe_ffn_hidden_size")
+    if rows > 0 and ffn:
+        h = float(arch["hidden_size"])  # type: ignore[arg-type]
+        f = float(ffn)  # type: ignore[arg-type]
+        gate = 2.0 if arch.get("activation") == "swiglu" else 1.0
+        c = FP8_CAST_BYTES_PER_ELEMENT * rows
+        fwd = fwd + [c * etp * h, c * f]
+        bwd = bwd + [c * etp * h, c * gate * f]
     return fwd, bwd
 
 
@@ -101,6 +128,40 @@ def overlapped_collective_time(coll_s: float, matmul_s: float, tp: int) -> float
     if coll_s <= 0 or tp <= 1:
         return max(0.0, coll_s)
     return max(coll_s / tp, coll_s - matmul_s)
+
+
+def overlapped_dispatch_time(a2a_s: float, attn_fwd_s: float, attn_bwd_s: float, mlp_fwd_s: float, mlp_bwd_s: float) -> tuple[float, float]:
+    """(forward, backward) seconds of an MoE layer's four all-to-alls (dispatch and combine, forward and backward,
+    ``a2a_s`` each) still exposed under Megatron's --overlap-moe-expert-parallel-comm, given the computation of the
+    layer's attention and MoE MLP (without the all-to-alls), forward and backward.
+
+    Megatron-LM core_v0.16.1 (models/common/model_chunk_schedule_plan.py ``TransformerLayerSchedulePlan.run``, driven by
+    pipeline_parallel/combined_1f1b.py) runs the forward of one micro-batch and the backward of another layer by layer,
+    the all-to-alls on a communication stream against the other's computation in three phases::
+
+        comm:  combine_bwd | dispatch_fwd -> dispatch_bwd | combine_fwd
+        comp:  attn_fwd    | mlp_bwd -> mlp_dw -> mlp_fwd | attn_bwd
+
+    so what stays exposed is max(0, a2a - attn_fwd) + max(0, 2 a2a - mlp_fwd - mlp_bwd) + max(0, a2a - attn_bwd): the
+    combine's backward is charged to the backward, its forward to the forward, the middle phase half to each. This is
+    a paired pass; the warm-up forwards and cool-down backwards that have no partner expose their two all-to-alls in
+    full (:func:`paired_share`). A piece holding attention and experts together gives attention 0 (all in the middle)."""
+    mid = max(0.0, 2 * a2a_s - mlp_fwd_s - mlp_bwd_s)
+    return max(0.0, a2a_s - attn_bwd_s) + mid / 2, max(0.0, a2a_s - attn_fwd_s) + mid / 2
+
+
+def paired_share(pp: int, vp: int, m: int, group: int) -> float:
+    """The share of a rank's forward (and backward) passes that the combined 1F1B schedule of Megatron-LM core_v0.16.1
+    pairs with another micro-batch's, averaged over the pp ranks: without pipelining all but the first forward and the
+    last backward of the m micro-batches (combined_1f1b_schedule_for_no_pipelining: phases 1 ... m - 1); interleaved,
+    the m x vp chunk passes less the warm-up forwards, 2 (pp - 1 - r) + (vp - 1) x ``group`` + 1 on rank r (one more
+    than the interleaved schedule's: schedules.py get_pp_rank_microbatches with the overlap), and as many cool-down
+    backwards."""
+    if pp <= 1:
+        return max(0.0, (m - 1) / m) if m > 0 else 0.0
+    total = m * vp
+    warm = [min(total, 2 * (pp - 1 - r) + (vp - 1) * group + 1) for r in range(pp)]
+    return sum((total - x) / total for x in warm) / pp
 
 
 def tp_collective_time(cluster: Cluster, nbytes: float, ranks: Sequence[int], sequence_parallel: bool = True) -> float:
@@ -142,6 +203,55 @@ def expert_dispatch_time(cluster: Cluster, nbytes: float, first_rank: int, ep: i
     if etp > 1:
         t += cluster.all_gather_time(nbytes * etp, expert_tensor_ranks(first_rank, etp))
     return float(t)
+
+
+#: bytes per routed row of the router's probabilities the dispatcher sends with the rows: TopKRouter returns them in
+#: the logits' dtype (megatron/core/transformer/moe/router.py, core_v0.16.1: softmax in fp32, then ``type_as(logits)``;
+#: the logits are in the input dtype unless --moe-router-dtype asks for fp32), bf16 in a bf16 / FP8 run
+MOE_PROBS_BYTES_PER_ROW = 2.0
+#: bytes per expert of the token counts each GPU all-gathers before its dispatch (int64 ``routing_map.sum(0).long()``)
+MOE_COUNT_BYTES_PER_EXPERT = 8.0
+
+
+def moe_dispatcher_terms(
+    cluster: Cluster, device: DeviceProfile, routed_rows: float, routed_bytes: float, num_experts: int, first_rank: int, ep: int, etp: int, floor_s: float = 0.0
+) -> tuple[float, float]:
+    """(forward, backward) seconds of the all-to-all token dispatcher's work around its dispatch and combine that the
+    costed model itself does not do, per MoE layer and micro-batch, for ``routed_rows`` rows of ``routed_bytes`` a GPU
+    routes (MoEAlltoAllTokenDispatcher, megatron/core/transformer/moe/token_dispatcher.py, core_v0.16.1, dropless):
+
+    * permutation 2: with more than one local expert (num_experts / ep > 1) the rows received from the ep (x etp)
+      GPUs are re-sorted by local expert (``sort_chunks_by_idxs`` in dispatch_postprocess) and sorted back before the
+      combine (combine_preprocess): one copy of the etp x rows each (read and write, 2 x etp x routed_bytes), and
+      one each in the backward (the gradient of the split-and-concatenate is another concatenation);
+    * the probabilities' all-to-all (``all_to_all(ep_group, permuted_probs, ...)`` next to the rows' one, and its
+      backward): :func:`expert_dispatch_time` of rows x :data:`MOE_PROBS_BYTES_PER_ROW`;
+    * with ep x etp > 1, ``preprocess`` all-gathers every GPU's per-expert token counts over the expert tensor and
+      expert parallel group (``gather_from_sequence_parallel_region(..., group=tp_ep_group)``) before the dispatch:
+      a small all-gather, all latency;
+    * the host synchronisation before the all-to-all (``_maybe_dtoh_and_synchronize``: the split sizes are copied to
+      the host and the CPU waits on that copy's event before it can issue the all-to-all, so the GPU's queue drains):
+      one per layer forward (the backward reuses the host's split sizes), priced as the device profile's
+      synchronisation figure of a pipeline send/recv (``p2p_sync_s``: Megatron synchronises the device after each
+      batched pipeline send/recv the same way), 0 where the profile has none.
+
+    The first permutation and the unpermutation (moe_utils.permute / unpermute: the gather of each token's k rows,
+    the scatter-add back weighted by the probabilities), the router's softmax / top-k and the probabilities'
+    multiply are operators of the costed model (examples/moe.py runs them) and are in its memory-bound bytes."""
+    if num_experts <= 0 or routed_rows <= 0:
+        return 0.0, 0.0
+    fwd = device.p2p_sync_s
+    bwd = 0.0
+    if num_experts // max(1, ep) > 1:
+        copy = 2.0 * etp * routed_bytes
+        t = max(floor_s, hardware.memory_time(copy, device, bytes_per_op=copy))
+        fwd += 2 * t
+        bwd += 2 * t
+    if ep * etp > 1:
+        probs = expert_dispatch_time(cluster, routed_rows * MOE_PROBS_BYTES_PER_ROW, first_rank, ep, etp)
+        fwd += probs + cluster.all_gather_time(MOE_COUNT_BYTES_PER_EXPERT * num_experts * ep * etp, list(range(first_rank, first_rank + ep * etp)))
+        bwd += probs
+    return float(fwd), float(bwd)
 
 
 @dataclass(frozen=True)
@@ -259,6 +369,8 @@ def analytical_times(
     experts: tuple[int, int, float | Sequence[float]] = (1, 1, 0.0),
     cast_bytes: Sequence[tuple[Sequence[float], Sequence[float]]] | None = None,
     kept_flops: Sequence[tuple[float, float]] | None = None,
+    dispatcher_terms: Sequence[tuple[float, float]] | None = None,
+    ep_overlap: float = 0.0,
 ) -> PieceTimes:
     """Roofline times of every piece (``costs`` already sharded with :func:`shard_costs`).
 
@@ -277,7 +389,11 @@ def analytical_times(
     With ``matmul_dtype`` only the pieces of :data:`FP8_GEMM_KINDS` run their GEMMs at it, and ``cast_bytes``
     (per piece: forward and backward bytes of each cast kernel, :func:`fp8_cast_bytes`) adds their casts as
     memory-bound operators; ``kept_flops`` (per piece: forward and backward FLOPs, :func:`attention_core_flops`) are
-    the FLOPs of those pieces that stay at ``dtype``'s rate (the attention core).
+    the FLOPs of those pieces that stay at ``dtype``'s rate (the attention core). ``dispatcher_terms`` (per piece:
+    forward and backward seconds, :func:`moe_dispatcher_terms`) add the token dispatcher's own work to the MoE pieces.
+    ``ep_overlap`` (Megatron's --overlap-moe-expert-parallel-comm) is the share of the forward and backward passes
+    that run paired with another micro-batch's (:func:`paired_share`): in those the dispatch and combine hide behind
+    its computation of the same layer (:func:`overlapped_dispatch_time`), the others expose them.
     """
     mm_dtype = matmul_dtype or dtype
     n = len(costs.layers)
@@ -286,8 +402,12 @@ def analytical_times(
     ep, split, dispatch = experts
     a2a = [float(dispatch)] * n if isinstance(dispatch, (int, float)) else list(dispatch)
 
-    fwd, bi, bw, rc = [], [], [], []
+    fwd: list[float] = []
+    bi: list[float] = []
+    bw: list[float] = []
+    rc: list[float] = []
     for k, l in enumerate(costs.layers):
+        before = (fwd[-1], bi[-1] + bw[-1]) if ep_overlap and k > 0 and l.block is not None and costs.layers[k - 1].block == l.block else (0.0, 0.0)
         gemm_dtype = mm_dtype if matmul_dtype is None or l.kind in FP8_GEMM_KINDS else dtype
         dense_f = 0.0 if l.expert_op_flops_fwd and not l.op_flops_fwd else l.flops_fwd
         dense_b = 0.0 if l.expert_op_flops_bwd and not l.op_flops_bwd else l.flops_bwd
@@ -319,9 +439,16 @@ def analytical_times(
         else:
             f += n_f * coll[k]
             i += n_b * coll[k]
-        if l.num_experts and a2a[k] > 0:  # dispatch + combine, forward and backward
+        if l.num_experts and a2a[k] > 0 and ep_overlap:  # hidden behind the layer's work of another micro-batch
+            f_exp, b_exp = overlapped_dispatch_time(a2a[k], before[0], before[1], f, i + w)
+            f += ep_overlap * f_exp + (1.0 - ep_overlap) * 2 * a2a[k]
+            i += ep_overlap * b_exp + (1.0 - ep_overlap) * 2 * a2a[k]
+        elif l.num_experts and a2a[k] > 0:  # dispatch + combine, forward and backward
             f += 2 * a2a[k]
             i += 2 * a2a[k]
+        if l.num_experts and dispatcher_terms is not None:
+            f += dispatcher_terms[k][0]
+            i += dispatcher_terms[k][1]
         if cp > 1 and l.core_flops_fwd > 0:
             core = ops_time(l.op_flops_core, l.core_flops_fwd, device, dtype, kernel_floor_s) + bytes_time(
                 l.op_bytes_core, l.core_bytes_fwd, device, kernel_floor_s
