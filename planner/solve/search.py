@@ -297,7 +297,11 @@ class Context:
             coll: tuple[float, ...] = ()
             if tp > 1:
                 ranks = list(range(first_rank, first_rank + tp))
-                coll = tuple(tp_collective_time(self.cluster, c.bytes / cp, ranks, sp) for c in self.scaled(b).cuts[:-1])
+                by_bytes: dict[float, float] = {}  # the residual stream's cuts mostly carry the same bytes
+                for c in self.scaled(b).cuts[:-1]:
+                    if c.bytes / cp not in by_bytes:
+                        by_bytes[c.bytes / cp] = tp_collective_time(self.cluster, c.bytes / cp, ranks, sp)
+                coll = tuple(by_bytes[c.bytes / cp] for c in self.scaled(b).cuts[:-1])
             step = 0.0
             if cp > 1:
                 ring = [first_rank + k * tp for k in range(cp)]
@@ -623,7 +627,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     fixed = opts.overhead.context + opts.overhead.communicator + feature_buffers(costs, lay) + dispatch_buffer_bytes(sharded, lay)
     points = rmem.order_points(sched.name, p, _points_m(sched.name, p, m), v) if p > 1 else rmem.order_points(sched.name, 1, 1, 1)
     rp = rmem.RankProblem(static, act, wgrad, stage_rank, points, frag, (fixed,) * p, tuple(d.memory_bytes * opts.mem_target for d in devices))
-    held = _stage_held(points, S)
+    held = rmem.stage_held(points, S)
     # necessary condition, cheap: the ranks' needs summed (a lower bound for any split) must fit in their capacities summed
     total = rmem.lower_bound_total(rp, n)
     if bounds is None and total > sum(rp.capacity):
@@ -636,6 +640,8 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
             need_bytes=total / p,
             capacity_bytes=cap * opts.mem_target,
         )
+    if bounds is None and not part.cuttable(ctx.allowed, S):  # what solve_split would answer, before the times are gathered
+        return Rejection(lay, f"{n} pieces cannot be cut into {S} stages at the cut points this engine can use", RejectKind.SPLIT)
 
     # piece times per device class, and their prefix sums (seconds per micro-batch)
     classes: dict[str, int] = {}
@@ -858,15 +864,6 @@ def _points_m(name: str, p: int, m: int) -> int:
     if name in ("gpipe", "looped-bfs") or (name in ("interleaved", "interleaved-zb") and m % p):
         return m
     return min(m, _peak_m(name, p, m))
-
-
-def _stage_held(points: Sequence[rmem.RankPoints], S: int) -> list[float]:
-    """Per stage, the most micro-batches of activations it holds at any point of its rank's order."""
-    held = [0.0] * S
-    for pts in points:
-        for i, s in enumerate(pts.stages):
-            held[s] = float(pts.held[:, i].max())
-    return held
 
 
 def _simulate_extrapolated(name: str, p: int, m: int, v: int, times: StageTimes, mem: StageMemory) -> SimResult:
