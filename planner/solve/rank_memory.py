@@ -87,11 +87,13 @@ def order_points(name: str, p: int, m: int, v: int) -> tuple[RankPoints, ...]:
                 continue
             seen.add(tuple(cur))
         pts = np.array(sorted(seen, key=lambda x: -sum(x)), dtype=np.float64)
-        keep: list[np.ndarray] = []
+        keep = np.empty_like(pts)
+        kept = 0
         for q in pts:  # a point is kept unless a kept one is >= in every count (sorted by total: dominators come first)
-            if not any(np.all(o >= q) for o in keep):
-                keep.append(q)
-        arr = np.array(keep)
+            if not kept or not np.any(np.all(keep[:kept] >= q, axis=1)):
+                keep[kept] = q
+                kept += 1
+        arr = keep[:kept].copy()
         out.append(RankPoints(stages, arr[:, :k], arr[:, k:]))
     return tuple(out)
 

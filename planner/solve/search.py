@@ -233,6 +233,7 @@ class Context:
         self._dispatches: dict[tuple[float, int, int, int], float] = {}
         self._sum_max: dict[int, tuple[PieceTimes, float, float]] = {}
         self._coll: dict[tuple[int, int, int, bool, int], tuple[tuple[float, ...], float]] = {}
+        self._sims: dict[tuple[object, ...], SimResult] = {}
 
     def sharded(self, b: int, tp: int, sp: bool = True, cp: int = 1) -> ModelCosts:
         key = (b, tp, sp and tp > 1, cp)
@@ -317,6 +318,25 @@ class Context:
         if key not in self._dispatches:
             self._dispatches[key] = expert_dispatch_time(self.cluster, nbytes, first_rank, ep, etp)
         return self._dispatches[key]
+
+    def simulated(self, name: str, p: int, m: int, v: int, times: StageTimes, mem: StageMemory) -> SimResult:
+        """:func:`_simulate_extrapolated`, once per schedule, stage times and stage bytes: layouts that differ only in
+        what the pipeline does not see (ZeRO level, optimizer state, overlaps of the gradient exchange) and got the
+        same split simulate the same step. Each caller gets its own copy of the lists."""
+        stages = (times.fwd, times.bwd_input, times.bwd_weight, times.send_fwd, times.send_bwd, mem.activation, mem.wgrad_pending)
+        key = (name, p, m, v, *(tuple(x) for x in stages))
+        if key not in self._sims:
+            self._sims[key] = _simulate_extrapolated(name, p, m, v, times, mem)
+        r = self._sims[key]
+        return replace(
+            r,
+            busy=list(r.busy),
+            peak_inflight=list(r.peak_inflight),
+            peak_inflight_by_stage=list(r.peak_inflight_by_stage),
+            peak_bytes=None if r.peak_bytes is None else list(r.peak_bytes),
+            timeline=list(r.timeline),
+            peak_pending_w=list(r.peak_pending_w),
+        )
 
     def sum_and_max(self, t: PieceTimes) -> tuple[float, float]:
         """(sum, largest) of the pieces' total times, computed once per :class:`PieceTimes`."""
@@ -703,7 +723,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     times = StageTimes(F, I, W, sf, sb)
     act_mb = tuple(float(act[a, c]) for a, c in rng)
     wg_mb = tuple(float(wgrad[a, c]) for a, c in rng)
-    sim = _simulate_extrapolated(sched.name, p, m, v, times, StageMemory(act_mb, wg_mb))
+    sim = ctx.simulated(sched.name, p, m, v, times, StageMemory(act_mb, wg_mb))
 
     # per-stage and per-rank memory
     stage_mem = []
