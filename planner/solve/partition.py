@@ -128,7 +128,10 @@ def _mem_block(pb: PartitionProblem, j: int, static: np.ndarray, act: np.ndarray
         out: np.ndarray = static + pb.held[j] * act
         return out
     w = wgrad if wgrad is not None else np.zeros_like(act)
-    peak = np.max([h * act + q * w for h, q in pb.stage_points[j]], axis=0)
+    pairs = pb.stage_points[j]
+    peak = pairs[0][0] * act + pairs[0][1] * w
+    for h, q in pairs[1:]:  # the elementwise max over the stage's count points
+        np.maximum(peak, h * act + q * w, out=peak)
     res: np.ndarray = static + peak
     return res
 

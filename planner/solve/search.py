@@ -234,12 +234,22 @@ class Context:
         self._sum_max: dict[int, tuple[PieceTimes, float, float]] = {}
         self._coll: dict[tuple[int, int, int, bool, int], tuple[tuple[float, ...], float]] = {}
         self._sims: dict[tuple[object, ...], SimResult] = {}
+        self._experts: dict[tuple[int, int, bool, int], bool] = {}
+        self._devices: dict[tuple[int, int], tuple[tuple[DeviceProfile, ...], str | None]] = {}
+        self._sends: dict[tuple[object, ...], tuple[list[np.ndarray], list[np.ndarray]]] = {}
 
     def sharded(self, b: int, tp: int, sp: bool = True, cp: int = 1) -> ModelCosts:
         key = (b, tp, sp and tp > 1, cp)
         if key not in self._sharded:
             self._sharded[key] = split_context(shard_costs(self.scaled(b), tp, sequence_parallel=sp and tp > 1), cp)
         return self._sharded[key]
+
+    def has_expert_params(self, b: int, tp: int, sp: bool = True, cp: int = 1) -> bool:
+        """Whether a piece of :meth:`sharded` holds routed-expert parameters."""
+        key = (b, tp, sp and tp > 1, cp)
+        if key not in self._experts:
+            self._experts[key] = any(l.expert_params for l in self.sharded(b, tp, sp, cp).layers)
+        return self._experts[key]
 
     def memory(
         self, b: int, tp: int, recompute: str, sp: bool = True, cp: int = 1, fp8: bool = False, ep: int = 1, etp: int = 1
@@ -277,6 +287,37 @@ class Context:
             sync = fixed_costs(self.cluster.device_of(src))[1]
             self._p2p[key] = _p2p(self.cluster, fwd if forward else bwd, src, dst, sync)
         return self._p2p[key]
+
+    def rank_devices(self, p: int, block: int) -> tuple[tuple[DeviceProfile, ...], str | None]:
+        """The device of each of ``p`` pipeline ranks of ``block`` consecutive GPUs, and why they cannot run (a rank
+        spanning two kinds of device; None when they can)."""
+        key = (p, block)
+        if key not in self._devices:
+            devices: list[DeviceProfile] = []
+            span = None
+            for r in range(p):
+                d0, d1 = self.cluster.device_of(r * block), self.cluster.device_of((r + 1) * block - 1)
+                if d0.key != d1.key:
+                    span = f"pipeline rank {r} would span {d0.key} and {d1.key} GPUs (a stage must run on one kind of device)"
+                    break
+                devices.append(d0)
+            self._devices[key] = (tuple(devices), span)
+        return self._devices[key]
+
+    def boundary_sends(self, b: int, tp: int, sp: bool, cp: int, block: int, stage_rank: tuple[int, ...]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Per stage boundary, seconds to send each cut's activations forward and its gradients back (:meth:`p2p`)
+        between the ranks of ``stage_rank`` (pipeline ranks of ``block`` GPUs). Shared by the layouts with the same
+        micro-batch, tp, cp and stage placement; read only."""
+        key = (b, tp, sp, cp, block, stage_rank)
+        if key not in self._sends:
+            send_f: list[np.ndarray] = []
+            send_b: list[np.ndarray] = []
+            for j in range(len(stage_rank) - 1):
+                a, c = stage_rank[j] * block, stage_rank[j + 1] * block
+                send_f.append(self.p2p(b, tp, a, c, forward=True, sp=sp, cp=cp))
+                send_b.append(self.p2p(b, tp, c, a, forward=False, sp=sp, cp=cp))
+            self._sends[key] = (send_f, send_b)
+        return self._sends[key]
 
     def prefix(self, t: PieceTimes) -> np.ndarray:
         key = id(t)
@@ -611,13 +652,10 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     p, v, tp, dp, b, m, cp = lay.pp, lay.vp, lay.tp, lay.dp, lay.micro_batch, lay.num_microbatches, lay.cp
     S = p * v
     block = dp * cp * tp
-    devices = []
-    for r in range(p):
-        first, last = r * block, (r + 1) * block - 1
-        d0, d1 = cluster.device_of(first), cluster.device_of(last)
-        if d0.key != d1.key:
-            return Rejection(lay, f"pipeline rank {r} would span {d0.key} and {d1.key} GPUs (a stage must run on one kind of device)", RejectKind.DEVICES)
-        devices.append(d0)
+    found, span = ctx.rank_devices(p, block)
+    if span is not None:
+        return Rejection(lay, span, RejectKind.DEVICES)
+    devices = list(found)
     m_order = min(m, _peak_m(lay.schedule, p, m)) if p > 1 else 1
     sched = build_schedule(lay.schedule, p, m_order, v) if p > 1 else build_schedule("1f1b", 1, 1, 1)
     stage_rank = tuple(sched.stage_to_rank)
@@ -634,7 +672,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     edp = expert_data_parallel(tp, cp, dp, ep, etp) if ctx.engine.expert_parallel else dp * cp
     we, ge, oe = recipe.per_param(edp)  # expert gradients and optimizer state: over the expert-data-parallel group
     params_m, other_m, act, wgrad = ctx.memory(b, tp, lay.recompute, sp, cp, lay.fp8, ep, etp)
-    experts_m = expert_range_params(sharded, ep, etp) if ep * etp > 1 or any(l.expert_params for l in sharded.layers) else None
+    experts_m = expert_range_params(sharded, ep, etp) if ep * etp > 1 or ctx.has_expert_params(b, tp, sp, cp) else None
     static = params_m * per_param + other_m
     if recipe.fp8_gemm_bytes:  # TE's FP8 copies of the transformer blocks' GEMM weights
         static = static + ctx.gemm_params(tp, ep, etp) * recipe.fp8_gemm_bytes
@@ -675,12 +713,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     stage_device = [classes[devices[stage_rank[j]].key] for j in range(S)]
 
     # boundary transfers: forward activations and backward gradients over the link between neighbouring stages
-    send_f: list[np.ndarray] = []
-    send_b: list[np.ndarray] = []
-    for j in range(S - 1):
-        a, c = stage_rank[j] * block, stage_rank[j + 1] * block
-        send_f.append(ctx.p2p(b, tp, a, c, forward=True, sp=sp, cp=cp))
-        send_b.append(ctx.p2p(b, tp, c, a, forward=False, sp=sp, cp=cp))
+    send_f, send_b = ctx.boundary_sends(b, tp, sp, cp, block, stage_rank)
     zero = np.zeros(n + 1)
     comm_in = [zero] + [send_f[j - 1] + send_b[j - 1] for j in range(1, S)]
     comm_out = [send_f[j] + send_b[j] for j in range(S - 1)] + [zero]
