@@ -85,3 +85,83 @@ def test_disallowed_cuts_are_never_used():
     part = solve(_uniform([1.0, 5.0, 1.0, 5.0, 1.0, 5.0], 3, allowed=allowed))
     assert all(allowed[k] for k in part.bounds)
     assert part.bounds == (0, 2, 4, 6)
+
+
+def _reference_solve(pb):
+    """The DP over every piece boundary, as it was before it ran over the allowed cuts only: the reference that
+    the faster :func:`solve` must match exactly (bounds, ties and all)."""
+    from planner.solve.partition import INF, _matrix, _mem_block, _result
+
+    n, S = pb.n, pb.stages
+    if S < 1 or S > n:
+        return None
+    compute = [_matrix(c) for c in pb.compute]
+    static, act = _matrix(pb.static_mem), _matrix(pb.act_mem)
+    wgrad = None if pb.wgrad_mem is None else _matrix(pb.wgrad_mem)
+    idx = np.arange(n + 1)
+    upper = idx[:, None] < idx[None, :]
+    allowed = np.asarray(pb.allowed, dtype=bool).copy()
+    allowed[0] = allowed[n] = True
+    f = np.full(n + 1, INF)
+    f[0] = 0.0
+    choice = np.zeros((S, n + 1), dtype=np.int64)
+    for j in range(S):
+        a0, a1 = j, n - S + j + 1
+        b0, b1 = j + 1, n - S + j + 2
+        rows, cols = slice(a0, a1), slice(b0, b1)
+        t = compute[pb.stage_device[j]][rows, cols] + np.asarray(pb.comm_in[j])[rows, None] + np.asarray(pb.comm_out[j])[None, cols]
+        ok = upper[rows, cols] & (_mem_block(pb, j, static[rows, cols], act[rows, cols], None if wgrad is None else wgrad[rows, cols]) <= pb.capacity[j])
+        ok &= allowed[rows, None]
+        ok &= allowed[None, cols] if j < S - 1 else (idx[cols] == n)[None, :]
+        cand = np.where(ok, np.maximum(f[rows, None], t), INF)
+        best = np.argmin(cand, axis=0)
+        f = np.full(n + 1, INF)
+        f[cols] = cand[best, np.arange(b1 - b0)]
+        choice[j, cols] = best + a0
+    if not np.isfinite(f[n]):
+        return None
+    bounds = [n]
+    for j in range(S - 1, -1, -1):
+        bounds.append(int(choice[j][bounds[-1]]))
+    bounds.reverse()
+    return _result(pb, tuple(bounds))
+
+
+@st.composite
+def tied_problems(draw):
+    """Instances with whole-number times and bytes (many ties between splits), sparse allowed cuts, matrix or prefix
+    inputs, and per-stage count points with a W-input term: every input form the search hands to :func:`solve`."""
+    n = draw(st.integers(1, 14))
+    S = draw(st.integers(1, 6))
+    ints = st.integers(0, 4).map(float)
+    compute = [np.concatenate([[0.0], np.cumsum(draw(st.lists(ints, min_size=n, max_size=n)))])]
+    if draw(st.booleans()):
+        compute = [_matrix_of(compute[0])]
+    cut = np.array(draw(st.lists(ints, min_size=n + 1, max_size=n + 1)))
+    zero = np.zeros(n + 1)
+    comm_in = [zero] + [cut] * (S - 1)
+    comm_out = [cut] * (S - 1) + [zero]
+    state = _matrix_of(np.concatenate([[0.0], np.cumsum(draw(st.lists(ints, min_size=n, max_size=n)))]))
+    act = np.concatenate([[0.0], np.cumsum(draw(st.lists(ints, min_size=n, max_size=n)))])
+    wgrad = np.concatenate([[0.0], np.cumsum(draw(st.lists(ints, min_size=n, max_size=n)))])
+    points = None
+    if draw(st.booleans()):
+        pair = st.tuples(st.integers(0, 3).map(float), st.integers(0, 2).map(float))
+        points = [tuple(draw(st.lists(pair, min_size=1, max_size=3))) for _ in range(S)]
+    held = [float(draw(st.integers(1, 4))) for _ in range(S)]
+    capacity = [float(draw(st.integers(0, 40))) if draw(st.booleans()) else float("inf") for _ in range(S)]
+    inner = draw(st.lists(st.booleans(), min_size=max(n - 1, 0), max_size=max(n - 1, 0)))
+    allowed = np.array([True] + inner + [True])[: n + 1]
+    return PartitionProblem(compute, [0] * S, comm_in, comm_out, state, act, held, capacity, allowed, wgrad if points else None, points)
+
+
+def _matrix_of(prefix):
+    return prefix[None, :] - prefix[:, None]
+
+
+@settings(max_examples=600, deadline=None)
+@given(tied_problems())
+def test_dp_over_allowed_cuts_equals_the_dp_over_every_boundary(pb):
+    """The same partition, bit for bit, as the DP over every piece boundary: same bounds (ties broken the same way),
+    stage times and memory; None exactly when it is None."""
+    assert solve(pb) == _reference_solve(pb)

@@ -247,3 +247,40 @@ def test_an_accepted_interleaved_plan_reports_the_simulated_rank_need(gpt2xl):
     assert [m["total"] for m in ev.rank_memory] == pytest.approx(_simulated_totals(ev, ctx), rel=1e-9)
     assert memory_rejection(ev, 0.85) is None
     assert all(m["total"] <= 0.85 * c for m, c in zip(ev.rank_memory, ev.capacity))
+
+
+def _reference_min_sum(rp, allowed, n, point):
+    """rank_memory._min_sum as a sum DP over every piece boundary (the non-allowed ones masked): the reference for
+    the DP over the allowed cuts only."""
+    S = len(rp.stage_rank)
+    ok = np.asarray(allowed, dtype=bool).copy()
+    ok[0] = ok[n] = True
+    idx = np.arange(n + 1)
+    upper = idx[:, None] < idx[None, :]
+    f = np.full(n + 1, math.inf)
+    f[0] = 0.0
+    for j in range(S):
+        r = rp.stage_rank[j]
+        pts = rp.points[r]
+        i = pts.stages.index(j)
+        h, w = pts.held[point[r], i], pts.pending[point[r], i]
+        cost = (rp.static + h * rp.act + w * rp.wgrad) * (rp.frag / (rp.capacity[r] - rp.fixed[r]))
+        f = np.where(upper & ok[:, None], f[:, None] + cost, math.inf).min(axis=0)
+        if j < S - 1:
+            f = np.where(ok, f, math.inf)
+            f[n] = math.inf
+    return float(f[n])
+
+
+@pytest.mark.parametrize("name,v", SPLIT_SCHEDULES)
+def test_the_sum_proof_over_allowed_cuts_equals_the_one_over_every_boundary(name, v):
+    """_min_sum (the cheap proof that no split fits) gives the same number, bit for bit, as the DP over every boundary."""
+    rng = np.random.default_rng(zlib.crc32(f"minsum{name}{v}{SEED}".encode()))
+    for _ in range(20):
+        p = int(rng.integers(2, 4))
+        S = p * v
+        n = int(rng.integers(S, S + 6))
+        pb, rp, m = _instance(rng, name, p, v, n, tight=float(rng.uniform(0.6, 1.6)))
+        allowed = np.concatenate([[True], rng.random(n - 1) < 0.6, [True]])
+        point = [int(rng.integers(0, len(pts.held))) for pts in rp.points]
+        assert rmem._min_sum(rp, allowed, n, point) == _reference_min_sum(rp, allowed, n, point)

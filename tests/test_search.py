@@ -192,3 +192,52 @@ def test_memory_dominance_never_prunes_a_layout_that_fits(llama7b):
     assert len(claims) > 20
     for lay, other in claims:
         assert lay in no_fit, f"{lay.short()} fits although it was claimed to need at least the memory of {other.short()}"
+
+
+# ----------------------------------------------------------------- the search's caches against a straightforward reference
+
+
+def _everything(res):
+    """Every figure a search reports: counts, each ranked layout's split, times, memory and simulated step, and each
+    rejection's reason and numbers (exact floats)."""
+    ranked = [
+        (e.layout, e.bounds, e.stage_rank, e.predicted, e.stage_times, e.stage_memory, e.rank_memory, e.sim.step_time, e.sim.busy, e.sim.peak_bytes)
+        for e in res.ranked
+    ]
+    rejected = [(r.layout, r.reason, r.kind, r.lower_bound, r.need_bytes, r.capacity_bytes, r.bounds) for r in res.rejected]
+    return res.considered, res.priced, res.global_batch, ranked, rejected
+
+
+@pytest.mark.parametrize(("engine", "gpus", "mem", "exhaustive"), [("megatron", "16xA100-40GB", 0.85, False), ("megatron", "8xA100-40GB", 0.5, True)])
+def test_the_fast_search_reports_what_the_straightforward_one_does(gpt2xl, monkeypatch, engine, gpus, mem, exhaustive):
+    """The same search with every shortcut of the pricing replaced by its straightforward form (the partition DP and
+    the sum proof over every piece boundary, no remembered count-point answers, simulations, rank devices or send
+    times) reports the same thing, bit for bit: the same layouts priced, ranked and rejected, with the same figures."""
+    from planner.solve import partition as part
+    from planner.solve import rank_memory as rmem
+    from planner.solve import search as srch
+    from tests.test_partition import _reference_solve
+    from tests.test_rank_memory import _reference_min_sum
+
+    cl = hardware.parse_gpus(gpus)
+    opts = SearchOptions(engine=engine, top_k=3, mem_target=mem, exhaustive=exhaustive)
+    fast = _everything(search(gpt2xl, cl, opts, get_engine(engine)))
+
+    def uncached(method, store):
+        def call(self, *a, **k):
+            getattr(self, store).clear()
+            return method(self, *a, **k)
+
+        return call
+
+    monkeypatch.setattr(part, "solve", _reference_solve)
+    monkeypatch.setattr(rmem, "_min_sum", _reference_min_sum)
+    monkeypatch.setattr(rmem, "_derived", lambda what, points, make: make())
+    monkeypatch.setattr(srch.Context, "simulated", lambda self, *a: srch._simulate_extrapolated(*a))
+    monkeypatch.setattr(srch.Context, "rank_devices", uncached(srch.Context.rank_devices, "_devices"))
+    monkeypatch.setattr(srch.Context, "boundary_sends", uncached(srch.Context.boundary_sends, "_sends"))
+    slow = _everything(search(gpt2xl, cl, opts, get_engine(engine)))
+    assert slow[:3] == fast[:3]
+    assert slow[3] == fast[3]
+    assert slow[4] == fast[4]
+    assert fast[3], "the case should rank layouts"

@@ -95,8 +95,31 @@ def _matrix(x: np.ndarray) -> np.ndarray:
     return diff
 
 
+def cuttable(allowed: np.ndarray, stages: int) -> bool:
+    """Whether ``len(allowed) - 1`` pieces can be cut into ``stages`` non-empty stages at the ``allowed`` cuts
+    (0 and n count as allowed): there are at least ``stages - 1`` allowed cuts strictly inside."""
+    n = len(allowed) - 1
+    return stages <= n and int(np.count_nonzero(np.asarray(allowed, dtype=bool)[1:n])) >= stages - 1
+
+
+def _entry(x: np.ndarray, a: int, b: int) -> np.float64:
+    """Entry [a, b] of :func:`_matrix` (x) without building the matrix: x[b] - x[a] for a prefix vector."""
+    x = np.asarray(x, dtype=np.float64)
+    out: np.float64 = x[a, b] if x.ndim == 2 else x[b] - x[a]
+    return out
+
+
+def _at_cuts(x: np.ndarray, cuts: np.ndarray) -> np.ndarray:
+    """:func:`_matrix` (x) restricted to the rows and columns ``cuts`` (the same numbers, gathered)."""
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim == 2:
+        sub: np.ndarray = x[np.ix_(cuts, cuts)]
+        return sub
+    return _matrix(x[cuts])
+
+
 def stage_time(pb: PartitionProblem, j: int, a: int, b: int) -> float:
-    return float(_matrix(pb.compute[pb.stage_device[j]])[a, b] + pb.comm_in[j][a] + pb.comm_out[j][b])
+    return float(_entry(pb.compute[pb.stage_device[j]], a, b) + pb.comm_in[j][a] + pb.comm_out[j][b])
 
 
 def _mem_block(pb: PartitionProblem, j: int, static: np.ndarray, act: np.ndarray, wgrad: np.ndarray | None) -> np.ndarray:
@@ -105,55 +128,73 @@ def _mem_block(pb: PartitionProblem, j: int, static: np.ndarray, act: np.ndarray
         out: np.ndarray = static + pb.held[j] * act
         return out
     w = wgrad if wgrad is not None else np.zeros_like(act)
-    peak = np.max([h * act + q * w for h, q in pb.stage_points[j]], axis=0)
+    pairs = pb.stage_points[j]
+    peak = pairs[0][0] * act + pairs[0][1] * w
+    for h, q in pairs[1:]:  # the elementwise max over the stage's count points
+        np.maximum(peak, h * act + q * w, out=peak)
     res: np.ndarray = static + peak
     return res
 
 
 def stage_mem(pb: PartitionProblem, j: int, a: int, b: int) -> float:
-    wg = None if pb.wgrad_mem is None else _matrix(pb.wgrad_mem)[a : a + 1, b : b + 1]
-    return float(_mem_block(pb, j, _matrix(pb.static_mem)[a : a + 1, b : b + 1], _matrix(pb.act_mem)[a : a + 1, b : b + 1], wg)[0, 0])
+    def one(x: np.ndarray) -> np.ndarray:
+        return np.array([[_entry(x, a, b)]])
+
+    wg = None if pb.wgrad_mem is None else one(pb.wgrad_mem)
+    return float(_mem_block(pb, j, one(pb.static_mem), one(pb.act_mem), wg)[0, 0])
 
 
 def solve(pb: PartitionProblem) -> Partition | None:
     """The partition with the smallest bottleneck stage time, or None when no partition fits.
 
     Ties are broken towards the earliest boundaries, so the result is deterministic.
+
+    The DP runs over the allowed cuts only (the matrices gathered at them): a stage boundary elsewhere is never
+    feasible, so its rows and columns could only hold infinities, and each stage's window of start and end cuts
+    (j stages before it, S - j - 1 after it, each holding at least one range between allowed cuts) shrinks to the
+    cuts that can lie on a complete partition. The bottleneck and the boundaries are those of the DP over every
+    piece boundary (its first minimum among the same finite candidates, in the same order).
     """
     n, S = pb.n, pb.stages
     if S < 1 or S > n:
         return None
-    compute = [_matrix(c) for c in pb.compute]
-    static, act = _matrix(pb.static_mem), _matrix(pb.act_mem)
-    wgrad = None if pb.wgrad_mem is None else _matrix(pb.wgrad_mem)
-    idx = np.arange(n + 1)
-    upper = idx[:, None] < idx[None, :]  # a < b: each stage runs at least one piece
     allowed = np.asarray(pb.allowed, dtype=bool).copy()
     allowed[0] = allowed[n] = True
-    f = np.full(n + 1, INF)
+    cuts = np.flatnonzero(allowed)  # positions of the allowed cuts, 0 and n included
+    N = len(cuts) - 1  # ranges between consecutive allowed cuts
+    if S > N:
+        return None
+    compute = [_at_cuts(c, cuts) for c in pb.compute]
+    static, act = _at_cuts(pb.static_mem, cuts), _at_cuts(pb.act_mem, cuts)
+    wgrad = None if pb.wgrad_mem is None else _at_cuts(pb.wgrad_mem, cuts)
+    comm_in = [np.asarray(c)[cuts] for c in pb.comm_in]
+    comm_out = [np.asarray(c)[cuts] for c in pb.comm_out]
+    idx = np.arange(N + 1)
+    upper = idx[:, None] < idx[None, :]  # a < b: each stage runs at least one piece
+    f = np.full(N + 1, INF)
     f[0] = 0.0
-    choice = np.zeros((S, n + 1), dtype=np.int64)
+    choice = np.zeros((S, N + 1), dtype=np.int64)
     for j in range(S):
-        # stage j starts at a in [j, n-S+j] (j stages before it, S-j-1 after it, each non-empty) and ends at b in [j+1, n-S+j+1]
-        a0, a1 = j, n - S + j + 1
-        b0, b1 = j + 1, n - S + j + 2
+        # stage j starts at cut a in [j, N-S+j] (j stages before it, S-j-1 after it, each non-empty) and ends at b in [j+1, N-S+j+1]
+        a0, a1 = j, N - S + j + 1
+        b0, b1 = j + 1, N - S + j + 2
         rows, cols = slice(a0, a1), slice(b0, b1)
-        t = compute[pb.stage_device[j]][rows, cols] + np.asarray(pb.comm_in[j])[rows, None] + np.asarray(pb.comm_out[j])[None, cols]
+        t = compute[pb.stage_device[j]][rows, cols] + comm_in[j][rows, None] + comm_out[j][None, cols]
         ok = upper[rows, cols] & (_mem_block(pb, j, static[rows, cols], act[rows, cols], None if wgrad is None else wgrad[rows, cols]) <= pb.capacity[j])
-        ok &= allowed[rows, None]
-        ok &= allowed[None, cols] if j < S - 1 else (idx[cols] == n)[None, :]
+        if j == S - 1:
+            ok &= (idx[cols] == N)[None, :]
         cand = np.where(ok, np.maximum(f[rows, None], t), INF)
         best = np.argmin(cand, axis=0)
-        f = np.full(n + 1, INF)
+        f = np.full(N + 1, INF)
         f[cols] = cand[best, np.arange(b1 - b0)]
         choice[j, cols] = best + a0
-    if not np.isfinite(f[n]):
+    if not np.isfinite(f[N]):
         return None
-    bounds = [n]
+    bounds = [N]
     for j in range(S - 1, -1, -1):
         bounds.append(int(choice[j][bounds[-1]]))
     bounds.reverse()
-    return _result(pb, tuple(bounds))
+    return _result(pb, tuple(int(cuts[k]) for k in bounds))
 
 
 def _result(pb: PartitionProblem, bounds: tuple[int, ...]) -> Partition:

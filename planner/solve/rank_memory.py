@@ -20,14 +20,17 @@ its Pareto-maximal points can be the peak (all bytes are >= 0), and those are ke
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import TypeVar, cast
 
 import numpy as np
 
 from planner.solve import partition as part
 from planner.solve.schedules import build_schedule
+
+T = TypeVar("T")
 
 #: search nodes (stage placements tried) of the exact fallback of :func:`solve_split` before it stops unproven
 NODE_LIMIT = 200
@@ -84,11 +87,13 @@ def order_points(name: str, p: int, m: int, v: int) -> tuple[RankPoints, ...]:
                 continue
             seen.add(tuple(cur))
         pts = np.array(sorted(seen, key=lambda x: -sum(x)), dtype=np.float64)
-        keep: list[np.ndarray] = []
+        keep = np.empty_like(pts)
+        kept = 0
         for q in pts:  # a point is kept unless a kept one is >= in every count (sorted by total: dominators come first)
-            if not any(np.all(o >= q) for o in keep):
-                keep.append(q)
-        arr = np.array(keep)
+            if not kept or not np.any(np.all(keep[:kept] >= q, axis=1)):
+                keep[kept] = q
+                kept += 1
+        arr = keep[:kept].copy()
         out.append(RankPoints(stages, arr[:, :k], arr[:, k:]))
     return tuple(out)
 
@@ -162,7 +167,7 @@ def lower_bound_total(rp: RankProblem, n: int) -> float:
     ``h_r = max_t min_s held[t][s]`` times its stages' activations; so the sum is at least
     frag x (static(0, n) + min_r h_r x act(0, n)) + sum of the fixed reserves.
     """
-    h = min(float(np.max(np.min(pts.held, axis=1))) for pts in rp.points)
+    h = _derived("floor", rp.points, lambda: min(float(np.max(np.min(pts.held, axis=1))) for pts in rp.points))
     return (float(rp.static[0, n]) + h * float(rp.act[0, n])) * rp.frag + sum(rp.fixed)
 
 
@@ -183,14 +188,51 @@ class SplitResult:
     cuttable: bool = True
 
 
+#: answers that depend on a count-points table only, by (what, the table's identity); each entry keeps its table
+#: alive, so an identity is never reused while its answers are remembered
+_DERIVED: dict[tuple[str, int], tuple[tuple[RankPoints, ...], object]] = {}
+
+
+def _derived(what: str, points: tuple[RankPoints, ...], make: Callable[[], T]) -> T:
+    """``make()``, remembered for this ``points`` table (:func:`order_points` shares one between the candidates of a
+    schedule, so what follows from the counts alone is worked out once per table)."""
+    key = (what, id(points))
+    hit = _DERIVED.get(key)
+    if hit is not None and hit[0] is points:
+        return cast(T, hit[1])
+    value = make()
+    if len(_DERIVED) >= 4096:
+        _DERIVED.clear()
+    _DERIVED[key] = (points, value)
+    return value
+
+
+def stage_held(points: tuple[RankPoints, ...], S: int) -> list[float]:
+    """Per stage, the most micro-batches of activations it holds at any point of its rank's order."""
+
+    def make() -> tuple[float, ...]:
+        held = [0.0] * S
+        for pts in points:
+            for i, s in enumerate(pts.stages):
+                held[s] = float(pts.held[:, i].max())
+        return tuple(held)
+
+    return list(_derived(f"held/{S}", points, make))
+
+
 def _stage_points(rp: RankProblem) -> list[tuple[tuple[float, float], ...]]:
     """Per global stage, the (held, pending) counts of its rank's points restricted to it (deduplicated)."""
-    out: list[tuple[tuple[float, float], ...]] = [()] * len(rp.stage_rank)
-    for pts in rp.points:
-        for i, s in enumerate(pts.stages):
-            pairs = sorted({(float(h), float(w)) for h, w in zip(pts.held[:, i], pts.pending[:, i])}, reverse=True)
-            out[s] = tuple(q for q in pairs if not any(o != q and o[0] >= q[0] and o[1] >= q[1] for o in pairs))
-    return out
+    S = len(rp.stage_rank)
+
+    def make() -> tuple[tuple[tuple[float, float], ...], ...]:
+        out: list[tuple[tuple[float, float], ...]] = [()] * S
+        for pts in rp.points:
+            for i, s in enumerate(pts.stages):
+                pairs = sorted({(float(h), float(w)) for h, w in zip(pts.held[:, i], pts.pending[:, i])}, reverse=True)
+                out[s] = tuple(q for q in pairs if not any(o != q and o[0] >= q[0] and o[1] >= q[1] for o in pairs))
+        return tuple(out)
+
+    return list(_derived(f"points/{S}", rp.points, make))
 
 
 def _ratio_problem(pb: part.PartitionProblem, rp: RankProblem, stage_pts: list[tuple[tuple[float, float], ...]]) -> part.PartitionProblem:
@@ -253,6 +295,8 @@ def solve_split(
     (``closest`` is then None).
     """
     S, n = len(rp.stage_rank), pb.n
+    if not part.cuttable(pb.allowed, S):
+        return SplitResult(None, None, True, cuttable=False)  # the pieces cannot be cut into S stages at the allowed cuts
     stage_pts = _stage_points(rp)
     budget = [rp.capacity[rp.stage_rank[j]] - rp.fixed[rp.stage_rank[j]] for j in range(S)]
     mem_pb = replace(pb, static_mem=rp.static * rp.frag, act_mem=rp.act * rp.frag, wgrad_mem=rp.wgrad * rp.frag, stage_points=stage_pts, capacity=budget)
@@ -276,8 +320,6 @@ def solve_split(
         sol = part.solve(mem_pb)
     if sol is not None and fits(rp, sol.bounds):
         return SplitResult(sol.bounds, sol.bounds, True)
-    if n < S or int(np.count_nonzero(np.asarray(pb.allowed, dtype=bool)[1:n])) < S - 1:
-        return SplitResult(None, None, True, cuttable=False)  # the pieces cannot be cut into S stages at the allowed cuts
     # none fits when: one stage per rank (the exact DP found none), no stage fits even alone, or by _min_sum
     none = one_each or not seeds or _proven_none(rp, pb.allowed, n, seeds[-1:])
     if none and not explain:
@@ -298,26 +340,30 @@ def _min_sum(rp: RankProblem, allowed: np.ndarray, n: int, point: Sequence[int])
     """The smallest, over all splits, of sum_r (need_r - fixed_r) / (capacity_r - fixed_r) with each rank's peak taken at
     its count point ``point[r]`` only (a lower bound of its need): a sum DP over the stage boundaries.
 
-    A split that fits has every term <= 1, so a result above the number of ranks proves that none fits."""
+    A split that fits has every term <= 1, so a result above the number of ranks proves that none fits.
+    The DP runs over the allowed cuts only (the matrices gathered at them; a boundary elsewhere is never feasible)."""
     S = len(rp.stage_rank)
     ok = np.asarray(allowed, dtype=bool).copy()
     ok[0] = ok[n] = True
-    idx = np.arange(n + 1)
+    cuts = np.flatnonzero(ok)
+    N = len(cuts) - 1
+    at = np.ix_(cuts, cuts)
+    static, act, wgrad = rp.static[at], rp.act[at], rp.wgrad[at]
+    idx = np.arange(N + 1)
     upper = idx[:, None] < idx[None, :]
-    f = np.full(n + 1, math.inf)
+    f = np.full(N + 1, math.inf)
     f[0] = 0.0
     for j in range(S):
         r = rp.stage_rank[j]
         pts = rp.points[r]
         i = pts.stages.index(j)
         h, w = pts.held[point[r], i], pts.pending[point[r], i]
-        cost = (rp.static + h * rp.act + w * rp.wgrad) * (rp.frag / (rp.capacity[r] - rp.fixed[r]))
-        cand = np.where(upper & ok[:, None], f[:, None] + cost, math.inf)
+        cost = (static + h * act + w * wgrad) * (rp.frag / (rp.capacity[r] - rp.fixed[r]))
+        cand = np.where(upper, f[:, None] + cost, math.inf)
         f = cand.min(axis=0)
         if j < S - 1:
-            f = np.where(ok, f, math.inf)
-            f[n] = math.inf
-    return float(f[n])
+            f[N] = math.inf
+    return float(f[N])
 
 
 def _proven_none(rp: RankProblem, allowed: np.ndarray, n: int, splits: Sequence[tuple[int, ...]]) -> bool:

@@ -239,12 +239,23 @@ class Context:
         self._terms: dict[tuple[object, ...], tuple[float, float]] = {}
         self._sum_max: dict[int, tuple[PieceTimes, float, float]] = {}
         self._coll: dict[tuple[int, int, int, bool, int], tuple[tuple[float, ...], float]] = {}
+        self._sims: dict[tuple[object, ...], SimResult] = {}
+        self._experts: dict[tuple[int, int, bool, int], bool] = {}
+        self._devices: dict[tuple[int, int], tuple[tuple[DeviceProfile, ...], str | None]] = {}
+        self._sends: dict[tuple[object, ...], tuple[list[np.ndarray], list[np.ndarray]]] = {}
 
     def sharded(self, b: int, tp: int, sp: bool = True, cp: int = 1) -> ModelCosts:
         key = (b, tp, sp and tp > 1, cp)
         if key not in self._sharded:
             self._sharded[key] = split_context(shard_costs(self.scaled(b), tp, sequence_parallel=sp and tp > 1), cp)
         return self._sharded[key]
+
+    def has_expert_params(self, b: int, tp: int, sp: bool = True, cp: int = 1) -> bool:
+        """Whether a piece of :meth:`sharded` holds routed-expert parameters."""
+        key = (b, tp, sp and tp > 1, cp)
+        if key not in self._experts:
+            self._experts[key] = any(l.expert_params for l in self.sharded(b, tp, sp, cp).layers)
+        return self._experts[key]
 
     def memory(
         self, b: int, tp: int, recompute: str, sp: bool = True, cp: int = 1, fp8: bool = False, ep: int = 1, etp: int = 1
@@ -288,6 +299,37 @@ class Context:
             self._p2p[key] = _p2p(self.cluster, fwd if forward else bwd, src, dst, sync)
         return self._p2p[key]
 
+    def rank_devices(self, p: int, block: int) -> tuple[tuple[DeviceProfile, ...], str | None]:
+        """The device of each of ``p`` pipeline ranks of ``block`` consecutive GPUs, and why they cannot run (a rank
+        spanning two kinds of device; None when they can)."""
+        key = (p, block)
+        if key not in self._devices:
+            devices: list[DeviceProfile] = []
+            span = None
+            for r in range(p):
+                d0, d1 = self.cluster.device_of(r * block), self.cluster.device_of((r + 1) * block - 1)
+                if d0.key != d1.key:
+                    span = f"pipeline rank {r} would span {d0.key} and {d1.key} GPUs (a stage must run on one kind of device)"
+                    break
+                devices.append(d0)
+            self._devices[key] = (tuple(devices), span)
+        return self._devices[key]
+
+    def boundary_sends(self, b: int, tp: int, sp: bool, cp: int, block: int, stage_rank: tuple[int, ...]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Per stage boundary, seconds to send each cut's activations forward and its gradients back (:meth:`p2p`)
+        between the ranks of ``stage_rank`` (pipeline ranks of ``block`` GPUs). Shared by the layouts with the same
+        micro-batch, tp, cp and stage placement; read only."""
+        key = (b, tp, sp, cp, block, stage_rank)
+        if key not in self._sends:
+            send_f: list[np.ndarray] = []
+            send_b: list[np.ndarray] = []
+            for j in range(len(stage_rank) - 1):
+                a, c = stage_rank[j] * block, stage_rank[j + 1] * block
+                send_f.append(self.p2p(b, tp, a, c, forward=True, sp=sp, cp=cp))
+                send_b.append(self.p2p(b, tp, c, a, forward=False, sp=sp, cp=cp))
+            self._sends[key] = (send_f, send_b)
+        return self._sends[key]
+
     def prefix(self, t: PieceTimes) -> np.ndarray:
         key = id(t)
         if key not in self._prefix:
@@ -308,7 +350,11 @@ class Context:
             coll: tuple[float, ...] = ()
             if tp > 1:
                 ranks = list(range(first_rank, first_rank + tp))
-                coll = tuple(tp_collective_time(self.cluster, c.bytes / cp, ranks, sp) for c in self.scaled(b).cuts[:-1])
+                by_bytes: dict[float, float] = {}  # the residual stream's cuts mostly carry the same bytes
+                for c in self.scaled(b).cuts[:-1]:
+                    if c.bytes / cp not in by_bytes:
+                        by_bytes[c.bytes / cp] = tp_collective_time(self.cluster, c.bytes / cp, ranks, sp)
+                coll = tuple(by_bytes[c.bytes / cp] for c in self.scaled(b).cuts[:-1])
             step = 0.0
             if cp > 1:
                 ring = [first_rank + k * tp for k in range(cp)]
@@ -337,6 +383,25 @@ class Context:
                 self.cluster, dev, l.routed_rows / split, l.routed_bytes / split, l.num_experts, first_rank, ep, etp, fixed_costs(dev)[0]
             )
         return self._terms[key]
+
+    def simulated(self, name: str, p: int, m: int, v: int, times: StageTimes, mem: StageMemory) -> SimResult:
+        """:func:`_simulate_extrapolated`, once per schedule, stage times and stage bytes: layouts that differ only in
+        what the pipeline does not see (ZeRO level, optimizer state, overlaps of the gradient exchange) and got the
+        same split simulate the same step. Each caller gets its own copy of the lists."""
+        stages = (times.fwd, times.bwd_input, times.bwd_weight, times.send_fwd, times.send_bwd, mem.activation, mem.wgrad_pending)
+        key = (name, p, m, v, *(tuple(x) for x in stages))
+        if key not in self._sims:
+            self._sims[key] = _simulate_extrapolated(name, p, m, v, times, mem)
+        r = self._sims[key]
+        return replace(
+            r,
+            busy=list(r.busy),
+            peak_inflight=list(r.peak_inflight),
+            peak_inflight_by_stage=list(r.peak_inflight_by_stage),
+            peak_bytes=None if r.peak_bytes is None else list(r.peak_bytes),
+            timeline=list(r.timeline),
+            peak_pending_w=list(r.peak_pending_w),
+        )
 
     def sum_and_max(self, t: PieceTimes) -> tuple[float, float]:
         """(sum, largest) of the pieces' total times, computed once per :class:`PieceTimes`."""
@@ -648,13 +713,10 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     p, v, tp, dp, b, m, cp = lay.pp, lay.vp, lay.tp, lay.dp, lay.micro_batch, lay.num_microbatches, lay.cp
     S = p * v
     block = dp * cp * tp
-    devices = []
-    for r in range(p):
-        first, last = r * block, (r + 1) * block - 1
-        d0, d1 = cluster.device_of(first), cluster.device_of(last)
-        if d0.key != d1.key:
-            return Rejection(lay, f"pipeline rank {r} would span {d0.key} and {d1.key} GPUs (a stage must run on one kind of device)", RejectKind.DEVICES)
-        devices.append(d0)
+    found, span = ctx.rank_devices(p, block)
+    if span is not None:
+        return Rejection(lay, span, RejectKind.DEVICES)
+    devices = list(found)
     m_order = min(m, _peak_m(lay.schedule, p, m)) if p > 1 else 1
     sched = build_schedule(lay.schedule, p, m_order, v) if p > 1 else build_schedule("1f1b", 1, 1, 1)
     stage_rank = tuple(sched.stage_to_rank)
@@ -671,7 +733,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     edp = expert_data_parallel(tp, cp, dp, ep, etp) if ctx.engine.expert_parallel else dp * cp
     we, ge, oe = recipe.per_param(edp)  # expert gradients and optimizer state: over the expert-data-parallel group
     params_m, other_m, act, wgrad = ctx.memory(b, tp, lay.recompute, sp, cp, lay.fp8, ep, etp)
-    experts_m = expert_range_params(sharded, ep, etp) if ep * etp > 1 or any(l.expert_params for l in sharded.layers) else None
+    experts_m = expert_range_params(sharded, ep, etp) if ep * etp > 1 or ctx.has_expert_params(b, tp, sp, cp) else None
     static = params_m * per_param + other_m
     if recipe.fp8_gemm_bytes:  # TE's FP8 copies of the transformer blocks' GEMM weights
         static = static + ctx.gemm_params(tp, ep, etp) * recipe.fp8_gemm_bytes
@@ -685,7 +747,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     if lay.ep_comm_overlap:
         points = one_more_in_flight(points)
     rp = rmem.RankProblem(static, act, wgrad, stage_rank, points, frag, (fixed,) * p, tuple(d.memory_bytes * opts.mem_target for d in devices))
-    held = _stage_held(points, S)
+    held = rmem.stage_held(points, S)
     # necessary condition, cheap: the ranks' needs summed (a lower bound for any split) must fit in their capacities summed
     total = rmem.lower_bound_total(rp, n)
     if bounds is None and total > sum(rp.capacity):
@@ -698,6 +760,8 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
             need_bytes=total / p,
             capacity_bytes=cap * opts.mem_target,
         )
+    if bounds is None and not part.cuttable(ctx.allowed, S):  # what solve_split would answer, before the times are gathered
+        return Rejection(lay, f"{n} pieces cannot be cut into {S} stages at the cut points this engine can use", RejectKind.SPLIT)
 
     # piece times per device class, and their prefix sums (seconds per micro-batch)
     classes: dict[str, int] = {}
@@ -711,12 +775,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     stage_device = [classes[devices[stage_rank[j]].key] for j in range(S)]
 
     # boundary transfers: forward activations and backward gradients over the link between neighbouring stages
-    send_f: list[np.ndarray] = []
-    send_b: list[np.ndarray] = []
-    for j in range(S - 1):
-        a, c = stage_rank[j] * block, stage_rank[j + 1] * block
-        send_f.append(ctx.p2p(b, tp, a, c, forward=True, sp=sp, cp=cp))
-        send_b.append(ctx.p2p(b, tp, c, a, forward=False, sp=sp, cp=cp))
+    send_f, send_b = ctx.boundary_sends(b, tp, sp, cp, block, stage_rank)
     zero = np.zeros(n + 1)
     comm_in = [zero] + [send_f[j - 1] + send_b[j - 1] for j in range(1, S)]
     comm_out = [send_f[j] + send_b[j] for j in range(S - 1)] + [zero]
@@ -759,7 +818,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     times = StageTimes(F, I, W, sf, sb)
     act_mb = tuple(float(act[a, c]) for a, c in rng)
     wg_mb = tuple(float(wgrad[a, c]) for a, c in rng)
-    sim = _simulate_extrapolated(sched.name, p, m, v, times, StageMemory(act_mb, wg_mb))
+    sim = ctx.simulated(sched.name, p, m, v, times, StageMemory(act_mb, wg_mb))
 
     # per-stage and per-rank memory
     stage_mem = []
@@ -942,15 +1001,6 @@ def one_more_in_flight(points: Sequence[rmem.RankPoints]) -> tuple[rmem.RankPoin
         held = np.concatenate([pts.held + np.eye(k)[i] for i in range(k)])
         out.append(rmem.RankPoints(pts.stages, held, np.concatenate([pts.pending] * k)))
     return tuple(out)
-
-
-def _stage_held(points: Sequence[rmem.RankPoints], S: int) -> list[float]:
-    """Per stage, the most micro-batches of activations it holds at any point of its rank's order."""
-    held = [0.0] * S
-    for pts in points:
-        for i, s in enumerate(pts.stages):
-            held[s] = float(pts.held[:, i].max())
-    return held
 
 
 def _simulate_extrapolated(name: str, p: int, m: int, v: int, times: StageTimes, mem: StageMemory) -> SimResult:
