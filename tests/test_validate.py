@@ -389,9 +389,14 @@ def test_rendered_plans_validate_clean(tmp_path_factory, engine, preset, gpus, p
     assert [round(t) for t in report.memory[0].rank_total_bytes] == [r.memory_bytes["total"] for r in plan.ranks]
 
 
-@pytest.mark.parametrize("preset, pins", [("moe-tiny", dict(pp=2, tp=2)), ("deepseek-tiny", dict(pp=2))])
+@pytest.mark.parametrize(
+    "preset, pins",
+    [("moe-tiny", dict(pp=2, tp=2)), ("moe-tiny", dict(pp=2, tp=1, ep=2, etp=1)), ("moe-tiny", dict(pp=2, tp=2, ep=2, etp=2)), ("deepseek-tiny", dict(pp=2))],
+)
 def test_rendered_moe_plans_validate_clean(tmp_path, preset, pins):
-    """Megatron plans of examples/moe.py (MoE flags, MLA for deepseek-tiny) pass every rule, the drift check and the memory check."""
+    """Megatron plans of examples/moe.py (MoE flags, MLA for deepseek-tiny) pass every rule, the drift check and the memory
+    check, which prices the script's own expert groups (--expert-model-parallel-size, --expert-tensor-parallel-size) to
+    the byte of plan.json's ranks."""
     from planner.planning import PlanRequest, plan_model
     from planner.render import write_plan_dir
 
@@ -400,9 +405,11 @@ def test_rendered_moe_plans_validate_clean(tmp_path, preset, pins):
     out = tmp_path / "plan"
     write_plan_dir(out, plan, f"planner plan {model} --gpus 8xA100 --engine megatron --out {out}")
     assert "--num-experts" in (out / "pretrain_gpt.sh").read_text()
+    assert (plan.layout.ep, plan.layout.etp) == (pins.get("ep", plan.layout.ep), pins.get("etp", plan.layout.etp))
     report = validate([out], Options(model=model))
     assert [f for f in report.findings if f.severity != "info"] == [], "\n".join(map(str, report.findings))
     assert report.memory, "memory was not checked"
+    assert [round(t) for t in report.memory[0].rank_total_bytes] == [r.memory_bytes["total"] for r in plan.ranks]
 
 
 # --------------------------------------------------------------------------- formats, exit codes, usage errors

@@ -676,6 +676,10 @@ def _memory_megatron(run: _Run, ctx: _Ctx, rel: str, args, world: int | None) ->
         optimizer_state_dtype=args.value("--exp-avg-dtype") or "fp32",
         fp8=args.has("--fp8-format"),
         fp8_param_gather=args.has("--fp8-format") and args.has("--fp8-param-gather"),
+        # expert parallelism; --expert-tensor-parallel-size unset means tp (arguments.py validate_args, core_v0.16.1)
+        ep=args.int("--expert-model-parallel-size", 1) or 1,
+        etp=args.int("--expert-tensor-parallel-size", tp) or tp,
+        ep_comm_overlap=args.has("--overlap-moe-expert-parallel-comm"),
     )
     costs = _costs(run, ctx, rel, line, dtype)
     if costs is None:
