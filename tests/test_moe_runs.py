@@ -240,3 +240,8 @@ def test_ep_comm_overlap_is_the_rows_recipe_setting():
     # the 25.09 DeepSeek-V3 recipe turns the gradient-reduce overlap off on H100 (param gather alone is not a Megatron-LM layout)
     ds = pr.layout_for(runs["B25-deepseek-v3-h100"])
     assert ds.ep_comm_overlap and not ds.overlap_grad_reduce and not ds.overlap_param_gather
+    # every Bridge recipe reduces gradients in bf16 (grad_reduce_in_fp32 False) with FP8 primary weights (fp8_cs / fp8_mx)
+    for k, r in runs.items():
+        if r.source.key.startswith("bridge"):
+            lay = pr.layout_for(r)
+            assert (lay.main_grads_dtype, lay.fp8_param_gather, lay.fp8) == ("bf16", True, True), k
