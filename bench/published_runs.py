@@ -52,7 +52,7 @@ class Source:
     flop_text: str
     step_from: str  # tflops | tokens | step_s: which published figure gives the step time
     attention: str  # explicit (s x s scores kept, 2021-22 Megatron) | flash
-    overlaps: tuple[str, ...]  # grad_reduce | param_gather | tp_comm: what the source's runs overlapped (stated or its defaults)
+    overlaps: tuple[str, ...]  # grad_reduce | param_gather | tp_comm | ep_comm: what the source's runs overlapped (stated or its defaults)
     overlaps_text: str  # where the overlaps come from
     precision_text: str = ""  # where the rows' gradient dtype and FP8 primary weights come from (FP8 sources)
     pipeline_text: str = ""  # what the source says of its pipeline schedule and stage split, where it says more than pp
@@ -358,15 +358,15 @@ def _moe_pins(run: PublishedRun, options_cls) -> dict:
 
 def layout_for(run: PublishedRun, recompute: str | None = None, fp8: bool | None = None):
     """The row's Megatron Layout: its parallel sizes, schedule, recomputation, FP8 (with FP8 primary weights where the
-    row ran them), gradient dtype and the overlaps its source ran, each overlap kept only where Megatron's validate_args
-    allows it for this layout."""
+    row ran them), gradient dtype and the overlaps its source ran (``ep_comm``: --overlap-moe-expert-parallel-comm), each
+    overlap kept only where Megatron's validate_args allows it for this layout."""
     from planner.solve.plan import Layout
 
     zero = 1 if run.distributed_optimizer else 0
     grad_reduce = "grad_reduce" in run.overlap and (run.dp * run.cp > 1 or zero >= 1)
     moe = {k: v for k, v in (("ep", run.ep), ("etp", run.etp)) if _has_field(Layout, k)}  # once the Layout has them
     fp8_on = run.precision in ("fp8", "mxfp8") if fp8 is None else fp8
-    return Layout(
+    lay = Layout(
         "megatron",
         run.pp,
         run.tp,
@@ -388,6 +388,13 @@ def layout_for(run: PublishedRun, recompute: str | None = None, fp8: bool | None
         fp8_param_gather=run.fp8_param_gather and fp8_on,
         **moe,
     )
+    if "ep_comm" in run.overlap and _has_field(Layout, "ep_comm_overlap"):
+        # --overlap-moe-expert-parallel-comm (Bridge's overlap_moe_expert_parallel_comm / moe_a2a_overlap), where
+        # Megatron allows it for this layout
+        from planner.solve.plan import ep_overlap_allowed
+
+        lay = replace(lay, ep_comm_overlap=ep_overlap_allowed(lay))
+    return lay
 
 
 def split_args(run: PublishedRun):
@@ -707,14 +714,18 @@ def moe_breakdown(run: PublishedRun) -> dict:
         casts, _ = search.fp8_casts(costs, lay.micro_batch, lay.tp, lay.cp, split, lay.etp)
         ms["fp8_casts"] = sum(bytes_time(tuple(f) + tuple(b), 0.0, dev) for f, b in casts or [] if f or b)
     priced = not isinstance(ev, search.Rejection)
-    # what --overlap-moe-expert-parallel-comm would give where Megatron allows it: not the row's (no source states it)
+    # the row's layout with --overlap-moe-expert-parallel-comm on and off, where Megatron allows it (the row's own
+    # setting is one of the two: its `overlap` names ep_comm where its source's recipe runs the overlap)
     over = search.evaluate_layout(ctx, replace(lay, ep_comm_overlap=True), costs.dtype) if ep_overlap_allowed(lay) else None
+    under = search.evaluate_layout(ctx, replace(lay, ep_comm_overlap=False), costs.dtype) if lay.ep_comm_overlap else ev
     return {
         "id": run.id,
         "published_s": run.step_s,
         "predicted_s": ev.predicted.step_time_s if priced else None,
         "peak_gib": max(r["total"] for r in ev.rank_memory) / 2**30 if priced else None,
+        "ep_comm_overlap": lay.ep_comm_overlap,
         "with_ep_overlap_s": over.predicted.step_time_s if over is not None and not isinstance(over, search.Rejection) else None,
+        "without_ep_overlap_s": under.predicted.step_time_s if not isinstance(under, search.Rejection) else None,
         **{k: v * 1e3 for k, v in ms.items()},
     }
 

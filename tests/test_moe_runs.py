@@ -217,3 +217,31 @@ def test_without_expert_parallelism_rows_are_reported_not_dropped():
     assert all(p.predicted_step_s is None and "expert parallelism" in p.skipped for p in preds)
     table = pr.markdown(preds)
     assert table.count("not expressible: needs") == len(ROWS) and "ep 32" in table
+
+
+def test_ep_comm_overlap_is_the_rows_recipe_setting():
+    """A row whose `overlap` names ep_comm (its recipe's moe_a2a_overlap / overlap_moe_expert_parallel_comm) gets
+    Layout.ep_comm_overlap where Megatron allows it (ep > 1, vp with pp > 1, no full recomputation), and only then;
+    the other overlaps map as before (Qwen3-235B on H100 runs without --tp-comm-overlap)."""
+    import dataclasses
+
+    runs = {r.id: r for r in pr.load_moe_runs()}
+    on = {"B26-qwen3-30b-h100", "B26-qwen3-235b-h100", "B25-qwen3-30b-h100", "B25-qwen3-235b-h100", "B25-deepseek-v3-h100"}
+    assert {k for k, r in runs.items() if "ep_comm" in r.overlap} == on
+    for k, r in runs.items():
+        assert pr.layout_for(r).ep_comm_overlap == (k in on), k
+    r = runs["B26-qwen3-235b-h100"]
+    lay = pr.layout_for(r)
+    assert not lay.tp_comm_overlap and lay.overlap_grad_reduce and lay.overlap_param_gather
+    assert "overlap-moe-expert-parallel-comm" in lay.overlaps
+    # Megatron refuses the overlap with pp > 1 and no virtual stages, and with full recomputation: the row keeps it off
+    assert not pr.layout_for(dataclasses.replace(r, vp=1)).ep_comm_overlap
+    assert not pr.layout_for(r, recompute="full").ep_comm_overlap
+    # the 25.09 DeepSeek-V3 recipe turns the gradient-reduce overlap off on H100 (param gather alone is not a Megatron-LM layout)
+    ds = pr.layout_for(runs["B25-deepseek-v3-h100"])
+    assert ds.ep_comm_overlap and not ds.overlap_grad_reduce and not ds.overlap_param_gather
+    # every Bridge recipe reduces gradients in bf16 (grad_reduce_in_fp32 False) with FP8 primary weights (fp8_cs / fp8_mx)
+    for k, r in runs.items():
+        if r.source.key.startswith("bridge"):
+            lay = pr.layout_for(r)
+            assert (lay.main_grads_dtype, lay.fp8_param_gather, lay.fp8) == ("bf16", True, True), k

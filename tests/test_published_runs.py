@@ -178,8 +178,13 @@ def test_layouts_carry_cp_fp8_and_the_sources_overlaps():
     assert layout_for(runs["C1"]).overlaps == () and not layout_for(runs["C1"]).fp8
     assert layout_for(runs["L3-16k-cp16"]).cp == 16
     for r in runs.values():
-        if r.source.key in ("nemo_2407", "bridge_2602", "llama3"):
+        if r.source.key in ("nemo_2407", "llama3"):
             assert "overlaps" in r.assumed, r.id  # not stated by the source: its software's defaults, marked
+        if r.source.key == "bridge_2602":
+            # read off the Megatron-Bridge v0.3.0 performance recipes (tp_comm_overlap=True, both DP overlaps)
+            assert not r.assumed, r.id
+            assert r.pipeline_split == (("embedding", "loss") if r.id == "B-llama3-405b" else ()), r.id  # llama31_405b_pretrain_config
+            assert layout_for(r).overlaps == ("tp-comm-overlap", "overlap-grad-reduce", "overlap-param-gather"), r.id
 
 
 def test_fp8_rows_carry_the_precision_their_software_ran():
@@ -227,7 +232,9 @@ def test_split_layers_are_megatron_cores(run):
     args = split_args(run)
     ours = stage_layers(args)
     assert ours == core_stage_layers(core_config(args))
-    assert ours[0] == 0 and ours[-1] == 0 and set(ours[1:-1]) == {1}
+    per_chunk = (run.model.layers + 2) // (run.pp * run.vp)  # the embedding and the loss each take a layer's place
+    assert (run.model.layers + 2) % (run.pp * run.vp) == 0
+    assert ours[0] == ours[-1] == per_chunk - 1 and set(ours[1:-1]) == {per_chunk}
 
 
 def test_stage_bounds_put_the_embedding_alone_first_and_the_head_alone_last():
