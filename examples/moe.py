@@ -540,7 +540,9 @@ def architecture(preset="mixtral-8x7b", **overrides):
         "num_attention_heads": cfg["n_heads"],
         "num_query_groups": None if mla else cfg["n_kv_heads"],  # MLA excludes grouped-query attention
         "kv_channels": None if mla else cfg["head_dim"],
-        "qk_layernorm": bool(cfg["qk_norm"]),
+        # MLA's latent norms (q_norm, kv_norm) are Megatron's q_layernorm / kv_layernorm, which its layer spec builds only
+        # with --qk-layernorm (megatron/core/models/gpt/gpt_layer_specs.py, core_v0.16.1)
+        "qk_layernorm": bool(cfg["qk_norm"]) or mla,
         "ffn_hidden_size": cfg["ffn_dim"],
         "seq_length": cfg["seq_len"],
         "max_position_embeddings": cfg["seq_len"],

@@ -103,7 +103,7 @@ ARCHITECTURE: tuple[ArchKey, ...] = (
     ArchKey("rope_scaling_factor", None, "the factor of rope_scaling, required with it (`--rope-scaling-factor`; an integer above 1 for linear)"),
     ArchKey("mrope_section", None, "list of ints, required with position_embedding `mrope` (`--mrope-section`)"),
     ArchKey("kv_channels", None, "width of each attention head; unset means hidden_size / heads (`--kv-channels`, written when it differs)"),
-    ArchKey("qk_layernorm", False, "normalize each head's queries and keys (`--qk-layernorm`)"),
+    ArchKey("qk_layernorm", False, "normalize each head's queries and keys, or with MLA the q and kv latents (`--qk-layernorm`)"),
     # multi-latent attention (DeepSeek-V2/V3): megatron-core's MLATransformerConfig
     ArchKey("multi_latent_attention", False, "multi-latent attention; excludes num_query_groups and needs rope (`--multi-latent-attention`)"),
     ArchKey("q_lora_rank", None, "low-rank width of the query projection; unset means a full-rank query (`--q-lora-rank`)"),

@@ -138,6 +138,10 @@ def test_hf_moe_plans_render_for_megatron_and_megatron_core_builds_them(tmp_path
     c = CONFIGS[name]
     assert cfg.num_moe_experts == (c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts"))
     assert mlp_kinds(cfg) == _sparse_layers(_hf_model(path))
+    # the model's own attention norms (Qwen3's per-head q/k norms, DeepSeek-V3's MLA latent norms) are built by Megatron
+    # only under --qk-layernorm (q_layernorm / kv_layernorm in gpt_layer_specs.py)
+    norms = ("q_norm", "k_norm", "q_a_layernorm", "kv_a_layernorm")
+    assert cfg.qk_layernorm == any(n.rsplit(".", 1)[-1] in norms for n, _ in _hf_model(path).named_modules())
     if megatron_lm_path() is not None:  # and Megatron-LM's own parse_args / validate_args, where a checkout is named
         _, lm_cfg = megatron_lm_config(args.argv(), plan.layout.world)
         assert mlp_kinds(lm_cfg) == mlp_kinds(cfg)

@@ -191,6 +191,18 @@ def test_architecture_maps_onto_megatron(preset):
         assert extra <= {"kv_channels", "qk_layernorm"}, extra
 
 
+@pytest.mark.parametrize("preset", ["moe-tiny", "deepseek-tiny", "qwen3-30b-a3b", "mixtral-8x7b"])
+def test_qk_layernorm_says_whether_attention_has_its_own_norms(preset):
+    """Megatron builds the attention's own norms (Qwen3's per-head q/k norms, MLA's latent q/kv norms) only under
+    --qk-layernorm: architecture() says so exactly when the model file has them."""
+    import torch
+
+    with torch.device("meta"):
+        model = moe.build_model(preset=preset, n_layers=2)
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, moe.RMSNorm)}
+    assert moe.architecture(preset, n_layers=2)["qk_layernorm"] == bool(names & {"q_norm", "k_norm", "kv_norm"})
+
+
 def test_architecture_carries_the_moe_shape():
     a = moe.architecture("deepseek-v3")
     assert a["num_experts"] == 256 and a["moe_router_topk"] == 8 and a["moe_ffn_hidden_size"] == 2048

@@ -311,6 +311,9 @@ def hf_architecture(config: Any, seq_len: int) -> dict[str, Any] | None:
         arch["qk_layernorm"] = True  # q_norm / k_norm: RMSNorm over each head
     if mla:
         arch["num_query_groups"] = None
+        # DeepseekV3Attention's q_a_layernorm / kv_a_layernorm: Megatron's MLA builds its latent norms only with
+        # --qk-layernorm (gpt_layer_specs.py, core_v0.16.1)
+        arch["qk_layernorm"] = True
     arch.update({k: v for k, v in moe.items() if k != "dense"})
     return arch
 
