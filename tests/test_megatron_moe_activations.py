@@ -27,6 +27,25 @@ from planner.engines.megatron_moe_activations import (
 from planner.solve.memory import range_matrices
 from planner.solve.search import Context, SearchOptions, expert_saved_extra
 
+
+def _te_norm(inp, weight):
+    """TENorm (RMSNorm) as an autograd Function that saves what TE's saves: its input and the fp32 1/sigma."""
+    import torch
+
+    class _TENorm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            rs = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+            ctx.save_for_backward(x, rs)
+            return (x.float() * rs).to(x.dtype) * w
+
+        @staticmethod
+        def backward(ctx, g):  # pragma: no cover - forward only
+            raise NotImplementedError
+
+    return _TENorm.apply(inp, weight)
+
+
 MIXTRAL = {
     "num_layers": 32,
     "hidden_size": 4096,
@@ -221,22 +240,11 @@ def test_dense_arch_is_the_dense_layer():
 def _megatron_moe_forward(x, weights, cfg):
     """One MoE sub-layer as Megatron-Core core_v0.16.1 runs it with ep = etp = tp = 1, the alltoall dispatcher, grouped
     GEMMs and no fusions, written with the same torch calls (the all-to-alls are the identity at ep 1):
-    TENorm (``_TENormLike``: TE saves the input and fp32 1/sigma), TopKRouter.gating (RouterGatingLinearFunction saves
+    TENorm (:func:`_te_norm`: TE saves the input and fp32 1/sigma), TopKRouter.gating (RouterGatingLinearFunction saves
     its input), moe_utils.topk_routing_with_score_function (unfused), permute / sort_chunks_by_idxs / unpermute
     (unfused), TEGroupedMLP with WeightedSwiGLUFunction (fused_bias_swiglu.py), GroupedLinear as torch._grouped_mm
     (which keeps its input rows, as TE's GroupedLinear does), SharedExpertMLP with SwiGLUFunction."""
     import torch
-
-    class _TENormLike(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, inp, w):
-            rs = torch.rsqrt(inp.float().pow(2).mean(-1, keepdim=True) + 1e-6)
-            ctx.save_for_backward(inp, rs)
-            return (inp.float() * rs).to(inp.dtype) * w
-
-        @staticmethod
-        def backward(ctx, g):  # pragma: no cover - forward only
-            raise NotImplementedError
 
     class _RouterGating(torch.autograd.Function):
         @staticmethod
@@ -271,7 +279,7 @@ def _megatron_moe_forward(x, weights, cfg):
             raise NotImplementedError
 
     E, k = cfg["experts"], cfg["topk"]
-    h = _TENormLike.apply(x, weights["norm"])
+    h = _te_norm(x, weights["norm"])
     tokens = h.view(-1, h.shape[-1])
     num_tokens = tokens.shape[0]
     logits = _RouterGating.apply(tokens, weights["router"])
@@ -540,17 +548,6 @@ def _megatron_mla_forward(x, w, cfg):
     attention kernel q, k, v, its output and fp32 softmax statistics."""
     import torch
 
-    class _Norm(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, inp, weight):
-            rs = torch.rsqrt(inp.float().pow(2).mean(-1, keepdim=True) + 1e-6)
-            ctx.save_for_backward(inp, rs)
-            return (inp.float() * rs).to(inp.dtype) * weight
-
-        @staticmethod
-        def backward(ctx, g):  # pragma: no cover
-            raise NotImplementedError
-
     class _Linear(torch.autograd.Function):
         @staticmethod
         def forward(ctx, inp, weight):
@@ -590,7 +587,7 @@ def _megatron_mla_forward(x, w, cfg):
 
     heads, qk, rd, vd, r_kv = cfg["heads"], cfg["qk"], cfg["rope"], cfg["v"], cfg["kv_rank"]
     s = x.shape[0]
-    hidden = _Norm.apply(x, w["norm"])
+    hidden = _te_norm(x, w["norm"])
     freqs = torch.outer(torch.arange(s, dtype=torch.float32), torch.ones(rd // 2))
     freqs = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
     q_compressed = _Linear.apply(hidden, w["q_down"])
