@@ -89,6 +89,11 @@ class Engine(ABC):
         module as it is. An engine that returns other costs has priced its expert layers' rows itself (etp included)."""
         return costs
 
+    def layer_traffic(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int) -> ModelCosts:
+        """``costs`` (already scaled and sharded over tp and cp) with the memory-bound bytes of the layers this engine
+        runs: as traced, since the engine runs the user's module as it is."""
+        return costs
+
     def default_overlaps(self, tp: int, zero: int, data_parallel: int) -> dict[str, bool]:
         """The overlaps an unpinned search turns on for a layout (none unless the engine has them)."""
         return {}

@@ -39,8 +39,9 @@ from typing import Any
 import numpy as np
 
 from planner.engines.base import Engine, whole_block_cuts
-from planner.engines.megatron_activations import PartBytes, part_bytes
+from planner.engines.megatron_activations import LayerShape, PartBytes, part_bytes
 from planner.engines.megatron_moe_activations import AUX_LOSSES, megatron_layer_saved
+from planner.engines.megatron_traffic import ROTARY, layer_traffic, part_traffic
 from planner.megatron_args import ARCHITECTURE, architecture_defaults, architecture_problem, tensor_parallel_problems
 from planner.megatron_moe import layer_pattern
 from planner.records import ModelCosts
@@ -118,6 +119,57 @@ def megatron_layer_activations(costs: ModelCosts, tp: int, sequence_parallel: bo
                 sums[k][i] += x
         for k, (total, gemm, shared, core) in sums.items():
             layers[k] = replace(layers[k], saved_bytes=int(total), gemm_saved_bytes=int(gemm), gemm_shared_bytes=int(shared), core_saved_bytes=int(core))
+    return replace(costs, layers=tuple(layers))
+
+
+def megatron_layer_traffic(costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int) -> ModelCosts:
+    """``costs`` (scaled and sharded) with each transformer block's memory-bound kernels those of Megatron's own TE
+    layer (planner.engines.megatron_traffic), for a dense ``architecture()`` (q/k norms allowed; no experts, no
+    multi-latent attention) whose block count is its ``num_layers`` and whose traced attention is fused (no piece
+    with s x s operators: explicit attention keeps its traced kernels, the s x s ones being most of them); otherwise
+    unchanged. The bytes go to the block's pieces as :func:`megatron_layer_activations` places the saved bytes; the
+    GEMM and attention-core FLOPs stay as traced."""
+    arch = costs.architecture
+    blocks: dict[str, list[int]] = {}
+    for k, l in enumerate(costs.layers):
+        if l.block is not None:
+            blocks.setdefault(l.block, []).append(k)
+    if not arch or not costs.seq_len or not megatron_layer(arch) or arch.get("num_experts") or arch.get("multi_latent_attention"):
+        return costs
+    layers = list(costs.layers)
+    if len(blocks) != int(arch.get("num_layers", -1)) or any(layers[k].core_bytes_fwd > 0 or layers[k].num_experts for ks in blocks.values() for k in ks):
+        return costs
+    a = architecture_defaults(arch)
+    kernels = layer_traffic(
+        LayerShape.from_architecture(arch),
+        costs.seq_len // cp,
+        costs.micro_batch,
+        tp,
+        sequence_parallel,
+        DTYPE_BYTES.get(costs.dtype, 2.0),
+        rotary=a["position_embedding"] in ROTARY,
+        qk_norm=bool(a.get("qk_layernorm")),
+        bias=bool(a["bias"]),
+    )
+    parts = {p: part_traffic(kernels, p) for p in ("attention", "mlp")}
+    for ks in blocks.values():
+        attn = next((k for k in ks if layers[k].kind == "attention"), ks[0])
+        mlp = next((k for k in ks if layers[k].kind == "mlp"), ks[-1])
+        fwd: dict[int, tuple[float, ...]] = {k: () for k in ks}
+        bwd: dict[int, tuple[float, ...]] = {k: () for k in ks}
+        for k, part in ((attn, "attention"), (mlp, "mlp")):
+            fwd[k] += parts[part][0]
+            bwd[k] += parts[part][1]
+        for k in ks:
+            layers[k] = replace(
+                layers[k],
+                op_bytes_fwd=fwd[k],
+                op_bytes_bwd=bwd[k],
+                op_bytes_fwd_resid=(),
+                op_bytes_bwd_resid=(),
+                mem_bytes_fwd=sum(fwd[k]),
+                mem_bytes_bwd=sum(bwd[k]),
+            )
     return replace(costs, layers=tuple(layers))
 
 
@@ -215,6 +267,10 @@ class MegatronEngine(Engine):
     def layer_activations(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str, etp: int = 1) -> ModelCosts:
         """pretrain_gpt.py runs its own TE layer, not the user's module: :func:`megatron_layer_activations`."""
         return megatron_layer_activations(costs, tp, sequence_parallel, cp, recompute, etp)
+
+    def layer_traffic(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int) -> ModelCosts:
+        """pretrain_gpt.py runs its own TE layer, not the user's module: :func:`megatron_layer_traffic`."""
+        return megatron_layer_traffic(costs, tp, sequence_parallel, cp)
 
     def default_overlaps(self, tp: int, zero: int, data_parallel: int) -> dict[str, bool]:
         return {

@@ -68,6 +68,11 @@ class EngineRules(Protocol):
         builds its own; then its expert layers' rows include the expert tensor-parallel all-gather over ``etp``)."""
         ...
 
+    def layer_traffic(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int) -> ModelCosts:
+        """The sharded ``costs`` with the memory-bound bytes of the layers the engine runs (the traced ones unless it
+        builds its own)."""
+        ...
+
     def default_overlaps(self, tp: int, zero: int, data_parallel: int) -> dict[str, bool]:
         """The overlaps (Layout field names) an unpinned search turns on."""
         ...

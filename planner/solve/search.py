@@ -228,6 +228,7 @@ class Context:
         self.allowed = engine.allowed_cuts(costs)
         self.min_gpus_per_node = min(g.gpus_per_node for g in cluster.groups)
         self._sharded: dict[tuple[int, int, bool, int], ModelCosts] = {}
+        self._timed: dict[tuple[int, int, bool, int], ModelCosts] = {}
         self._times: dict[tuple[object, ...], PieceTimes] = {}
         self._memory: dict[tuple[int, int, str, bool, int, bool, int, int], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
         self._cuts: dict[tuple[int, int, bool, int], tuple[np.ndarray, np.ndarray]] = {}
@@ -249,6 +250,13 @@ class Context:
         if key not in self._sharded:
             self._sharded[key] = split_context(shard_costs(self.scaled(b), tp, sequence_parallel=sp and tp > 1), cp)
         return self._sharded[key]
+
+    def timed(self, b: int, tp: int, sp: bool = True, cp: int = 1) -> ModelCosts:
+        """The sharded costs with the memory-bound bytes of the layers the engine runs (``layer_traffic``)."""
+        key = (b, tp, sp and tp > 1, cp)
+        if key not in self._timed:
+            self._timed[key] = self.engine.layer_traffic(self.sharded(b, tp, sp, cp), tp, sp and tp > 1, cp)
+        return self._timed[key]
 
     def has_expert_params(self, b: int, tp: int, sp: bool = True, cp: int = 1) -> bool:
         """Whether a piece of :meth:`sharded` holds routed-expert parameters."""
@@ -431,6 +439,7 @@ class Context:
         key = (b, tp, recompute, dev.key, sp, cp, tp_overlap, fp8, ep, etp, ep_overlap)
         if key not in self._times:
             sharded = self.sharded(b, tp, sp, cp)
+            timed = self.timed(b, tp, sp, cp)
             coll, step = self._collectives(b, tp, first_rank, sp, cp)
             kernel = fixed_costs(dev)[0]
             split = tp if sp and tp > 1 else 1  # tokens per GPU entering the MoE layers: 1/tp with sequence parallelism
@@ -440,7 +449,7 @@ class Context:
             coll_t = list(coll) if coll else 0.0
             terms = [self._dispatcher_terms(l, split, first_rank, ep, etp) for l in sharded.layers] if any(l.num_experts for l in sharded.layers) else None
             t = analytical_times(
-                sharded, dev, dtype, recompute, tp, coll_t, tp_overlap, "fp8" if fp8 else None, kernel, cp, step, experts, casts, kept, terms, ep_overlap
+                timed, dev, dtype, recompute, tp, coll_t, tp_overlap, "fp8" if fp8 else None, kernel, cp, step, experts, casts, kept, terms, ep_overlap
             )
             measured = self.opts.measured.get(dev.key)
             if measured and tp == 1 and cp == 1 and not fp8 and ep * etp == 1:
