@@ -81,7 +81,7 @@ def _recorded_gpu() -> str:
 
 
 def main() -> None:
-    from bench import calibration, fit_fixed_costs, inspect_speed, partition_quality, planning_speed, published_runs, smoke_vs_prediction
+    from bench import calibration, fit_fixed_costs, fit_sustained, inspect_speed, partition_quality, planning_speed, published_runs, smoke_vs_prediction
 
     started = time.time()
     sections = []
@@ -107,6 +107,11 @@ def main() -> None:
     t = time.time()
     fits = [fit_fixed_costs.fit_device(d) for d in sorted(fit_fixed_costs.TUNE_SOURCES)]
     sections.append(("Fixed costs fitted on the tune rows", fit_fixed_costs.__doc__.strip() + "\n\n" + fit_fixed_costs.markdown(fits), time.time() - t))
+    t = time.time()
+    sustained = [fit_sustained.fit_device(d) for d in sorted(fit_fixed_costs.TUNE_SOURCES)]
+    sections.append(
+        ("Sustained GEMM rate fitted on the tune rows", fit_sustained.__doc__.strip() + "\n\n" + fit_sustained.markdown(sustained), time.time() - t)
+    )
     t = time.time()
     sections.append(("Planning speed and memory", planning_speed.__doc__.strip() + "\n\n" + planning_speed.markdown(planning_speed.run_all()), time.time() - t))
     t = time.time()

@@ -610,7 +610,7 @@ def test_matmul_and_memory_time(profiles):
     """The time model against its closed forms, with every figure read from the YAML file itself (not the loader)."""
     raw = bundled_yaml("a100-80gb")
     a100 = profiles["a100-80gb"]
-    eff_mm, eff_mem = raw["efficiency"]["matmul"], raw["efficiency"]["memory"]
+    eff_mm, eff_mem = raw["efficiency"]["matmul"] * raw["efficiency"].get("sustained", 1.0), raw["efficiency"]["memory"]
     bf16, fp32 = raw["peak_tflops"]["bf16"] * 1e12, raw["peak_tflops"]["fp32"] * 1e12
     big = 1e12  # past the top of the size curve
     assert hw.matmul_efficiency_at(big, a100) == pytest.approx(eff_mm)
@@ -622,10 +622,25 @@ def test_matmul_and_memory_time(profiles):
         hw.matmul_time(1e9, profiles["v100-32gb"], "bf16")
 
 
+def test_sustained_fraction_scales_every_gemm_and_no_memory_kernel(profiles):
+    """efficiency.sustained multiplies the rate of every GEMM (bf16 and FP8, at every size) and leaves memory-bound
+    kernels alone; 1 when a profile does not state it."""
+    from dataclasses import replace
+
+    h100 = profiles["h100-sxm"]
+    assert profiles["l4"].sustained_matmul == 1.0 and 0.7 <= h100.sustained_matmul <= 1.0  # unstated: 1
+    half = replace(h100, sustained_matmul=h100.sustained_matmul / 2)
+    for size in (1e6, 4e9, 1e12):
+        for dtype in ("bf16", "fp8"):
+            assert hw.matmul_time(size, half, dtype) == pytest.approx(2 * hw.matmul_time(size, h100, dtype))
+    assert hw.memory_time(1e9, half, bytes_per_op=1e6) == hw.memory_time(1e9, h100, bytes_per_op=1e6)
+
+
 def test_matmul_efficiency_depends_on_op_size(profiles):
     """Calculon's a100_80g.json tiers (0.95 at 128 GFLOP, 0.9 at 16, 0.6 at 1, 0.1 below), relative to its ceiling."""
     a100 = profiles["a100-80gb"]
-    eff = bundled_yaml("a100-80gb")["efficiency"]["matmul"]
+    raw = bundled_yaml("a100-80gb")["efficiency"]
+    eff = raw["matmul"] * raw.get("sustained", 1.0)
     assert hw.matmul_efficiency_at(1e9, a100) == pytest.approx(eff * 0.6 / 0.95)
     assert hw.matmul_efficiency_at(16e9, a100) == pytest.approx(eff * 0.9 / 0.95)
     assert hw.matmul_efficiency_at(1e3, a100) == pytest.approx(eff * 0.1 / 0.95)
@@ -640,7 +655,7 @@ def test_matmul_efficiency_depends_on_op_size(profiles):
 def test_size_curves_are_profile_data(tmp_path, profiles):
     """A profile's own efficiency curves replace the defaults (Calculon's A100 tiers) for that device alone."""
     data = bundled_yaml()
-    eff_mm, eff_mem = data["efficiency"]["matmul"], data["efficiency"]["memory"]
+    eff_mm, eff_mem = data["efficiency"]["matmul"] * data["efficiency"].get("sustained", 1.0), data["efficiency"]["memory"]
     data["efficiency"]["matmul_size_scale"] = [[1e9, 0.5], [1e10, 1.0]]
     data["efficiency"]["memory_size_scale"] = [[1e6, 0.25], [1e8, 1.0]]
     own = hw.load_profile(write_profile(tmp_path / "curved.yaml", data))
@@ -715,7 +730,10 @@ XLA_SM90_BF16_MEDIANS = {
 def test_gh100_gemm_size_curve_is_the_measured_sm90_table(name):
     """The GH100 profiles rate a BF16 GEMM of each size at the median the XLA table measured for it (within the curve's
     3-digit rounding), and the table's largest GEMMs at the MAMF ceiling; the A100 keeps the default (Calculon) curve."""
-    p = hw_profiles.load_profile(hardware_profiles_dir() / name)
+    from dataclasses import replace
+
+    # the table's short-loop rates: before the fraction of them a training step sustains (efficiency.sustained)
+    p = replace(hw_profiles.load_profile(hardware_profiles_dir() / name), sustained_matmul=1.0)
     for flops, median in XLA_SM90_BF16_MEDIANS.items():
         tflops = median[1] if isinstance(median, tuple) else median
         assert p.flops("bf16") * hw.matmul_efficiency_at(flops, p, "bf16") / 1e12 == pytest.approx(tflops, rel=2e-3)

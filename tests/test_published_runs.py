@@ -308,3 +308,18 @@ def test_bundled_profile_agreement_is_what_the_fit_decides():
     assert shipped_agrees(plausible) == (shipped == pytest.approx((4.0, 120.0)))
     assert shipped_agrees(implausible) != shipped_agrees(plausible)
     assert "| A100-80GB | 200 | 30000 | no |" in markdown([implausible])
+
+
+def test_bundled_sustained_fraction_is_what_the_fit_decides():
+    """The bench's check for efficiency.sustained (`python -m bench` runs the fit): a plausible fit agrees only with a
+    profile carrying its value, an implausible one only with 1; the fit minimises the tune rows' squared log error."""
+    from bench.fit_fixed_costs import profile_path
+    from bench.fit_sustained import PLAUSIBLE, SustainedFit, markdown, shipped_agrees
+    from planner.hardware import load_profile
+
+    shipped = load_profile(profile_path("H100-SXM")).sustained_matmul
+    assert PLAUSIBLE[0] <= shipped <= PLAUSIBLE[1]
+    assert shipped_agrees(SustainedFit("H100-SXM", shipped, ("M24-1.7b",), (-0.3,), (-0.1,)))
+    assert not shipped_agrees(SustainedFit("H100-SXM", round(shipped - 0.05, 2), ("M24-1.7b",), (-0.3,), (-0.1,)))
+    assert shipped_agrees(SustainedFit("H100-SXM", 0.5, ("M24-1.7b",), (-0.3,), (-0.1,))) == (shipped == 1.0)
+    assert f"| H100-SXM | 1 | {shipped:.2f} | yes |" in markdown([SustainedFit("H100-SXM", shipped, ("M24-1.7b",), (-0.3,), (-0.1,))])

@@ -12,10 +12,11 @@ __all__ = ["MATMUL_SIZE_SCALE", "MEMORY_SIZE_SCALE", "matmul_efficiency_at", "ma
 
 def matmul_efficiency_at(flops_per_op: float, device: DeviceProfile, dtype: str | None = None) -> float:
     """Fraction of the ``dtype`` dense peak that one matmul of ``flops_per_op`` FLOPs reaches on ``device``: FP8 GEMMs
-    by the profile's own FP8 ceiling and size curve where it has them (efficiency.matmul_fp8), else the matmul ones."""
+    by the profile's own FP8 ceiling and size curve where it has them (efficiency.matmul_fp8), else the matmul ones;
+    both times the share of them the device sustains through a training step (efficiency.sustained)."""
     if dtype is not None and device.matmul_fp8_efficiency > 0 and normalize_dtype(dtype) == "fp8":
-        return device.matmul_fp8_efficiency * size_scale(flops_per_op, device.matmul_fp8_size_scale or device.matmul_size_scale)
-    return device.matmul_efficiency * size_scale(flops_per_op, device.matmul_size_scale)
+        return device.sustained_matmul * device.matmul_fp8_efficiency * size_scale(flops_per_op, device.matmul_fp8_size_scale or device.matmul_size_scale)
+    return device.sustained_matmul * device.matmul_efficiency * size_scale(flops_per_op, device.matmul_size_scale)
 
 
 def matmul_time(flops: float, device: DeviceProfile, dtype: str, flops_per_op: float | None = None) -> float:

@@ -98,6 +98,9 @@ class DeviceProfile:
     #: FP8 GEMMs: large-GEMM fraction of the fp8 peak and its size curve (0 / empty: matmul_efficiency and its curve)
     matmul_fp8_efficiency: float = 0.0
     matmul_fp8_size_scale: tuple[tuple[float, float], ...] = ()
+    #: fraction of the matmul rates above (short-loop GEMM measurements) the device holds through a training step, whose
+    #: back-to-back GEMMs run at the clock its power limit allows (1: the measured rates)
+    sustained_matmul: float = 1.0
     #: least seconds one operator (kernel) takes in an eager training step: back-to-back kernel issue (profile fixed_costs)
     kernel_floor_s: float = 0.0
     #: seconds of synchronisation each pipeline send/recv adds besides its link latency (profile fixed_costs)
@@ -195,13 +198,14 @@ _SUB = {
         "memory_size_scale": ("curve", "a list of [bytes one operator moves, fraction of efficiency.memory] points"),
         "matmul_fp8": ("fraction", "the large-GEMM fraction of the fp8 peak an FP8 GEMM reaches, in (0, 1]"),
         "matmul_fp8_size_scale": ("curve", "a list of [FLOPs of one FP8 matmul, fraction of efficiency.matmul_fp8] points"),
+        "sustained": ("fraction", "the fraction of the matmul rates held through a training step (power-limited clock), in (0, 1]"),
     },
     "fixed_costs": {
         "kernel_us": ("pos", "microseconds: the least time one kernel of an eager training step takes"),
         "p2p_sync_us": ("pos", "microseconds of synchronisation per pipeline send/recv"),
     },
 }
-_SUB_OPTIONAL = {"matmul_size_scale", "memory_size_scale", "matmul_fp8", "matmul_fp8_size_scale"}
+_SUB_OPTIONAL = {"matmul_size_scale", "memory_size_scale", "matmul_fp8", "matmul_fp8_size_scale", "sustained"}
 # Every numeric field group needs sources[group] (or sources["group.sub"] for each sub-field).
 _NUMERIC_GROUPS = (
     "memory_gib",
@@ -486,6 +490,7 @@ def profile_from_dict(data: Any, path: str | Path) -> DeviceProfile:
         memory_size_scale=eff.get("memory_size_scale", ()),
         matmul_fp8_efficiency=eff.get("matmul_fp8", 0.0),
         matmul_fp8_size_scale=eff.get("matmul_fp8_size_scale", ()),
+        sustained_matmul=eff.get("sustained", 1.0),
         kernel_floor_s=v.get("fixed_costs", {}).get("kernel_us", 0.0) * 1e-6,
         p2p_sync_s=v.get("fixed_costs", {}).get("p2p_sync_us", 0.0) * 1e-6,
     )
