@@ -430,3 +430,33 @@ def test_calibrated_profile_predicts_a_run_it_was_not_fitted_to(tmp_path):
     assert abs(a["calibrated"] / a["measured"] - 1) <= 0.20, attempts
     assert abs(a["calibrated"] - a["measured"]) < abs(a["uncalibrated"] - a["measured"]), attempts
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_written_profile_keeps_the_base_fields_the_fit_does_not_touch(tmp_path):
+    """A calibrated profile keeps the base's GEMM and memory size curves, FP8 ceiling and sustained fraction (the time
+    model reads them; the fit held them fixed), and loads back with the same values."""
+    from dataclasses import replace
+
+    import yaml
+
+    from planner import hardware
+    from planner.check.calibrate import kept_efficiency
+    from planner.resources import hardware_profiles_dir
+
+    h100 = hardware.load_profile(hardware_profiles_dir() / "h100-sxm.yaml")
+    kept = kept_efficiency(h100)
+    assert kept["sustained"] == h100.sustained_matmul and kept["matmul_fp8"] == h100.matmul_fp8_efficiency
+    assert [tuple(p) for p in kept["matmul_size_scale"]] == list(h100.matmul_size_scale)
+    a100 = hardware.load_profile(hardware_profiles_dir() / "a100-80gb.yaml")
+    assert set(kept_efficiency(a100)) == {"sustained"}  # the default curves are not written out
+    assert kept_efficiency(replace(a100, sustained_matmul=1.0)) == {}
+    raw = yaml.safe_load((hardware_profiles_dir() / "h100-sxm.yaml").read_text())
+    raw["efficiency"] = {k: v for k, v in raw["efficiency"].items() if k in ("matmul", "memory", "allreduce_intra", "allreduce_inter")} | kept
+    path = tmp_path / "h100-calibrated.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    back = hardware.load_profile(path)
+    assert (back.sustained_matmul, back.matmul_fp8_efficiency, back.matmul_size_scale) == (
+        h100.sustained_matmul,
+        h100.matmul_fp8_efficiency,
+        h100.matmul_size_scale,
+    )

@@ -545,9 +545,30 @@ def profile_document(name: str, fit: Fit, runs: Sequence[Run], dtypes: Sequence[
             "memory": eff("memory_efficiency", mem_out),
             "allreduce_intra": eff("allreduce_efficiency_intra"),
             "allreduce_inter": eff("allreduce_efficiency_inter"),
+            **kept_efficiency(b),
         },
+        **({"fixed_costs": {"kernel_us": b.kernel_floor_s * 1e6, "p2p_sync_us": b.p2p_sync_s * 1e6}} if b.kernel_floor_s or b.p2p_sync_s else {}),
         "sources": sources,
     }
+
+
+def kept_efficiency(base: hardware.DeviceProfile) -> dict[str, Any]:
+    """The base profile's efficiency fields the fit does not touch and the time model reads: its size curves (where not
+    the defaults), FP8 GEMM ceiling and curve, and sustained fraction (where not 1), so the written profile prices as
+    the fitted device did."""
+    out: dict[str, Any] = {}
+    for key, curve, default in (
+        ("matmul_size_scale", base.matmul_size_scale, hardware.MATMUL_SIZE_SCALE),
+        ("memory_size_scale", base.memory_size_scale, hardware.MEMORY_SIZE_SCALE),
+        ("matmul_fp8_size_scale", base.matmul_fp8_size_scale, ()),
+    ):
+        if tuple(curve) != tuple(default):
+            out[key] = [[float(x), float(y)] for x, y in curve]
+    if base.matmul_fp8_efficiency > 0:
+        out["matmul_fp8"] = base.matmul_fp8_efficiency
+    if base.sustained_matmul != 1.0:
+        out["sustained"] = base.sustained_matmul
+    return out
 
 
 def _unit(p: Param, v: float) -> str:
