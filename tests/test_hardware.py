@@ -744,3 +744,13 @@ def test_gh100_gemm_size_curve_is_the_measured_sm90_table(name):
     assert hw.matmul_efficiency_at(2 * 4 * 4096**3, p, "bf16") == pytest.approx(0.8)
     a100 = hw_profiles.load_profile(hardware_profiles_dir() / "a100-80gb.yaml")
     assert a100.matmul_size_scale == hw_profiles.MATMUL_SIZE_SCALE
+
+
+def test_hardware_show_lists_the_sustained_fraction_where_a_profile_states_one(profiles):
+    """`planner hardware show` prints efficiency.sustained and its source where the profile has one, nothing where not."""
+    from planner.hardware import describe_profile
+
+    h100 = {k: (v, s) for k, v, s in describe_profile(profiles["h100-sxm"])}
+    assert h100["efficiency.sustained"][0].startswith(f"{profiles['h100-sxm'].sustained_matmul:g} ")
+    assert "bench/fit_sustained.py" in h100["efficiency.sustained"][1]
+    assert "efficiency.sustained" not in {k for k, _, _ in describe_profile(profiles["l4"])}

@@ -88,6 +88,8 @@ def describe_profile(profile: DeviceProfile) -> list[tuple[str, str, str]]:
     ]
     if p.matmul_fp8_efficiency > 0:
         rows.append(("efficiency.matmul_fp8", f"{p.matmul_fp8_efficiency:g} of the fp8 peak (large FP8 GEMMs)", s("efficiency", "matmul_fp8")))
+    if p.sustained_matmul != 1.0:
+        rows.append(("efficiency.sustained", f"{p.sustained_matmul:g} of the GEMM rates above, held through a training step", s("efficiency", "sustained")))
     default_curve = "default: after Calculon's a100_80g.json (planner.hardware.profiles)"
     for field, curve, unit in (("matmul_size_scale", p.matmul_size_scale, "FLOPs"), ("memory_size_scale", p.memory_size_scale, "B")):
         text = ", ".join(f"{x:.3g} {unit}: {y:.3f}" for x, y in curve)
