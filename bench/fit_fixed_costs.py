@@ -70,27 +70,32 @@ def tune_rows(device: str) -> list[pr.PublishedRun]:
     return [r for r in pr.RUNS_ALL if r.split == "tune" and r.source.device == device and r.source.key in TUNE_SOURCES[device]]
 
 
-def _cluster(run: pr.PublishedRun, kernel_us: float, p2p_us: float):
+def _cluster(run: pr.PublishedRun, **device: float):
+    """The row's cluster with these DeviceProfile fields replaced on every device."""
     from planner import hardware
 
     c = hardware.parse_gpus(f"{run.gpus}x{pr.DEVICE_PROFILE[run.source.device]}")
-    dev = {"kernel_floor_s": kernel_us * 1e-6, "p2p_sync_s": p2p_us * 1e-6}
-    return dataclasses.replace(c, groups=tuple(dataclasses.replace(g, device=dataclasses.replace(g.device, **dev)) for g in c.groups))
+    return dataclasses.replace(c, groups=tuple(dataclasses.replace(g, device=dataclasses.replace(g.device, **device)) for g in c.groups))
 
 
-def predicted_step(run: pr.PublishedRun, kernel_us: float, p2p_us: float) -> float:
-    """Seconds per step of the row's pinned layout with these fixed costs (memory check lifted)."""
+def priced_step(run: pr.PublishedRun, **device: float) -> float:
+    """Seconds per step of the row's pinned layout with these DeviceProfile fields replaced (memory check lifted)."""
     from planner.engines import get_engine
     from planner.solve import search
 
     costs = pr.costs_for(run)
     lay = pr.layout_for(run)
     opts = search.SearchOptions(engine="megatron", global_batch=run.global_batch, mem_target=pr.UNCHECKED, cp=run.cp, fp8=lay.fp8)
-    ctx = search.Context(costs, _cluster(run, kernel_us, p2p_us), opts, get_engine("megatron"))
+    ctx = search.Context(costs, _cluster(run, **device), opts, get_engine("megatron"))
     ev = search.price_layout(ctx, lay, costs.dtype, pr.stage_bounds(run, costs))
     if isinstance(ev, search.Rejection):
         raise ValueError(f"{run.id}: {ev.reason}")
     return ev.predicted.step_time_s
+
+
+def predicted_step(run: pr.PublishedRun, kernel_us: float, p2p_us: float) -> float:
+    """Seconds per step of the row's pinned layout with these fixed costs (memory check lifted)."""
+    return priced_step(run, kernel_floor_s=kernel_us * 1e-6, p2p_sync_s=p2p_us * 1e-6)
 
 
 def log_errors(rows: Sequence[pr.PublishedRun], kernel_us: float, p2p_us: float) -> tuple[float, ...]:

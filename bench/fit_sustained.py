@@ -21,14 +21,13 @@ clock 30% under the short-loop one; the B200 measurement above is 20%).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bench import published_runs as pr
-from bench.fit_fixed_costs import TUNE_SOURCES, _golden, profile_path, tune_rows
+from bench.fit_fixed_costs import TUNE_SOURCES, _golden, priced_step, profile_path, tune_rows
 
 #: the search interval and the range a shipped value must lie in
 SEARCH = (0.6, 1.0)
@@ -50,26 +49,9 @@ class SustainedFit:
         return PLAUSIBLE[0] <= self.sustained <= PLAUSIBLE[1]
 
 
-def _cluster(run: pr.PublishedRun, sustained: float):
-    from planner import hardware
-
-    c = hardware.parse_gpus(f"{run.gpus}x{pr.DEVICE_PROFILE[run.source.device]}")
-    return dataclasses.replace(c, groups=tuple(dataclasses.replace(g, device=dataclasses.replace(g.device, sustained_matmul=sustained)) for g in c.groups))
-
-
 def predicted_step(run: pr.PublishedRun, sustained: float) -> float:
     """Seconds per step of the row's pinned layout with GEMMs at ``sustained`` of the profile's rates (memory check lifted)."""
-    from planner.engines import get_engine
-    from planner.solve import search
-
-    costs = pr.costs_for(run)
-    lay = pr.layout_for(run)
-    opts = search.SearchOptions(engine="megatron", global_batch=run.global_batch, mem_target=pr.UNCHECKED, cp=run.cp, fp8=lay.fp8)
-    ctx = search.Context(costs, _cluster(run, sustained), opts, get_engine("megatron"))
-    ev = search.price_layout(ctx, lay, costs.dtype, pr.stage_bounds(run, costs))
-    if isinstance(ev, search.Rejection):
-        raise ValueError(f"{run.id}: {ev.reason}")
-    return ev.predicted.step_time_s
+    return priced_step(run, sustained_matmul=sustained)
 
 
 def log_errors(rows: Sequence[pr.PublishedRun], sustained: float) -> tuple[float, ...]:

@@ -44,7 +44,7 @@ from planner.engines.megatron_moe_activations import AUX_LOSSES, megatron_layer_
 from planner.engines.megatron_traffic import ROTARY, layer_traffic, part_traffic
 from planner.megatron_args import ARCHITECTURE, architecture_defaults, architecture_problem, tensor_parallel_problems
 from planner.megatron_moe import layer_pattern
-from planner.records import ModelCosts
+from planner.records import Layer, ModelCosts
 from planner.solve.memory import DTYPE_BYTES, StateRecipe, state_recipe
 from planner.solve.plan import Layout, ep_overlap_allowed
 
@@ -80,6 +80,24 @@ def megatron_layer(arch: dict[str, Any]) -> bool:
     return not arch.get("num_experts") or arch.get("moe_router_load_balancing_type") in (None, "none") + AUX_LOSSES
 
 
+def block_pieces(costs: ModelCosts) -> dict[str, list[int]]:
+    """Indices of each transformer block's pieces, by block path, in execution order."""
+    blocks: dict[str, list[int]] = {}
+    for k, l in enumerate(costs.layers):
+        if l.block is not None:
+            blocks.setdefault(l.block, []).append(k)
+    return blocks
+
+
+def part_pieces(layers: Sequence[Layer], ks: Sequence[int]) -> tuple[tuple[int, str], ...]:
+    """Where one block's sub-layers go among its pieces ``ks``: the attention to its first piece of kind ``attention``
+    (else its first piece), the MLP to its first piece of kind ``mlp`` (else its last). Megatron cuts whole layers only,
+    so only the block's total counts."""
+    attn = next((k for k in ks if layers[k].kind == "attention"), ks[0])
+    mlp = next((k for k in ks if layers[k].kind == "mlp"), ks[-1])
+    return ((attn, "attention"), (mlp, "mlp"))
+
+
 def megatron_layer_activations(costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str, etp: int = 1) -> ModelCosts:
     """``costs`` (scaled and sharded) with each transformer block's saved bytes those of Megatron's own TE layer
     (planner.engines.megatron_activations; MoE layers, MLA and q/k norms: planner.engines.megatron_moe_activations, with
@@ -90,10 +108,7 @@ def megatron_layer_activations(costs: ModelCosts, tp: int, sequence_parallel: bo
     ``mlp`` (else its last), its other pieces keep none. The embedding, final norm, output layer and loss stay as
     traced; full recompute keeps each layer's input (the traced cut), and the rebuilt layer is this one."""
     arch = costs.architecture
-    blocks: dict[str, list[int]] = {}
-    for k, l in enumerate(costs.layers):
-        if l.block is not None:
-            blocks.setdefault(l.block, []).append(k)
+    blocks = block_pieces(costs)
     if not arch or not costs.seq_len or not megatron_layer(arch) or len(blocks) != int(arch.get("num_layers", -1)):
         return costs
     layers = list(costs.layers)
@@ -110,10 +125,8 @@ def megatron_layer_activations(costs: ModelCosts, tp: int, sequence_parallel: bo
         terms = megatron_layer_saved(arch, moe, costs.seq_len // cp, costs.micro_batch, tp, sequence_parallel, etp, dtype, mode)
         parts[moe] = {p: part_bytes(terms, p) for p in ("attention", "mlp")}
     for ks, moe in zip(blocks.values(), is_moe):
-        attn = next((k for k in ks if layers[k].kind == "attention"), ks[0])
-        mlp = next((k for k in ks if layers[k].kind == "mlp"), ks[-1])
         sums: dict[int, list[float]] = {k: [0.0, 0.0, 0.0, 0.0] for k in ks}
-        for k, part in ((attn, "attention"), (mlp, "mlp")):
+        for k, part in part_pieces(layers, ks):
             pb = parts[moe][part]
             for i, x in enumerate((pb.total, pb.gemm, pb.shared, pb.core)):
                 sums[k][i] += x
@@ -130,10 +143,7 @@ def megatron_layer_traffic(costs: ModelCosts, tp: int, sequence_parallel: bool, 
     unchanged. The bytes go to the block's pieces as :func:`megatron_layer_activations` places the saved bytes; the
     GEMM and attention-core FLOPs stay as traced."""
     arch = costs.architecture
-    blocks: dict[str, list[int]] = {}
-    for k, l in enumerate(costs.layers):
-        if l.block is not None:
-            blocks.setdefault(l.block, []).append(k)
+    blocks = block_pieces(costs)
     if not arch or not costs.seq_len or not megatron_layer(arch) or arch.get("num_experts") or arch.get("multi_latent_attention"):
         return costs
     layers = list(costs.layers)
@@ -153,11 +163,9 @@ def megatron_layer_traffic(costs: ModelCosts, tp: int, sequence_parallel: bool, 
     )
     parts = {p: part_traffic(kernels, p) for p in ("attention", "mlp")}
     for ks in blocks.values():
-        attn = next((k for k in ks if layers[k].kind == "attention"), ks[0])
-        mlp = next((k for k in ks if layers[k].kind == "mlp"), ks[-1])
         fwd: dict[int, tuple[float, ...]] = {k: () for k in ks}
         bwd: dict[int, tuple[float, ...]] = {k: () for k in ks}
-        for k, part in ((attn, "attention"), (mlp, "mlp")):
+        for k, part in part_pieces(layers, ks):
             fwd[k] += parts[part][0]
             bwd[k] += parts[part][1]
         for k in ks:
