@@ -432,31 +432,34 @@ def test_calibrated_profile_predicts_a_run_it_was_not_fitted_to(tmp_path):
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
-def test_written_profile_keeps_the_base_fields_the_fit_does_not_touch(tmp_path):
-    """A calibrated profile keeps the base's GEMM and memory size curves, FP8 ceiling and sustained fraction (the time
-    model reads them; the fit held them fixed), and loads back with the same values."""
+def test_written_profile_keeps_the_base_fields_the_fit_does_not_touch(tmp_path, runs):
+    """The profile `planner calibrate` writes (profile_document) keeps the base's GEMM size curve, FP8 ceiling and
+    sustained fraction (the time model reads them; the fit held them fixed) and loads back with them; the default
+    curves are not written out."""
     from dataclasses import replace
 
     import yaml
 
-    from planner import hardware
-    from planner.check.calibrate import kept_efficiency
+    from planner.check.calibrate import Fit, kept_efficiency, profile_document
     from planner.resources import hardware_profiles_dir
 
     h100 = hardware.load_profile(hardware_profiles_dir() / "h100-sxm.yaml")
-    kept = kept_efficiency(h100)
-    assert kept["sustained"] == h100.sustained_matmul and kept["matmul_fp8"] == h100.matmul_fp8_efficiency
-    assert [tuple(p) for p in kept["matmul_size_scale"]] == list(h100.matmul_size_scale)
-    a100 = hardware.load_profile(hardware_profiles_dir() / "a100-80gb.yaml")
-    assert set(kept_efficiency(a100)) == {"sustained"}  # the default curves are not written out
-    assert kept_efficiency(replace(a100, sustained_matmul=1.0)) == {}
-    raw = yaml.safe_load((hardware_profiles_dir() / "h100-sxm.yaml").read_text())
-    raw["efficiency"] = {k: v for k, v in raw["efficiency"].items() if k in ("matmul", "memory", "allreduce_intra", "allreduce_inter")} | kept
-    path = tmp_path / "h100-calibrated.yaml"
-    path.write_text(yaml.safe_dump(raw))
+    fitted = replace(h100, memory_efficiency=0.7)
+    fit = Fit(h100, fitted, {p.attr: ("fitted" if p.attr == "memory_efficiency" else "not identified") for p in cal.PARAMS}, {}, 1)
+    doc = profile_document("h100-lab", fit, runs[:1], ["bf16"])
+    path = tmp_path / "h100-lab.yaml"
+    path.write_text(yaml.safe_dump(doc))
     back = hardware.load_profile(path)
+    assert back.memory_efficiency == 0.7
     assert (back.sustained_matmul, back.matmul_fp8_efficiency, back.matmul_size_scale) == (
         h100.sustained_matmul,
         h100.matmul_fp8_efficiency,
         h100.matmul_size_scale,
     )
+    for x in (1e9, 3e10, 1e12):
+        # within the profile's 4-digit rounding of the peaks
+        assert hardware.matmul_time(x, back, "bf16") == pytest.approx(hardware.matmul_time(x, fitted, "bf16"), rel=1e-3)
+        assert hardware.matmul_time(x, back, "fp8") == pytest.approx(hardware.matmul_time(x, fitted, "fp8"), rel=1e-3)
+    a100 = hardware.load_profile(hardware_profiles_dir() / "a100-80gb.yaml")
+    assert set(kept_efficiency(a100)) == {"sustained"}
+    assert kept_efficiency(replace(a100, sustained_matmul=1.0)) == {}
