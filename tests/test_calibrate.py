@@ -288,6 +288,23 @@ def test_new_smoke_format_with_memory(tmp_path):
     assert r.exit_code == 0, r.output
     assert "peak memory per pipeline rank" in r.output
     assert "measured allocator reserve 10.0%" in r.output
+    assert "of the predicted activation bytes" in r.output
+
+
+def test_reserve_as_a_share_of_activations_is_the_median_over_ranks():
+    """(reserved - allocated) / predicted activations, median over the ranks that recorded both; none without them."""
+    from planner.check.calibrate import MemoryRow, measured_fragmentation, measured_reserve_of_activations
+
+    gib = 2**30
+    rows = [
+        MemoryRow("a", 0, 10 * gib, 11 * gib, 9 * gib, 10 * gib, 4 * gib),  # 1 GiB over 4 GiB of activations: 25%
+        MemoryRow("a", 1, 10 * gib, 10.5 * gib, 9 * gib, 10 * gib, 5 * gib),  # 10%
+        MemoryRow("a", 2, 10 * gib, 12 * gib, 9 * gib, 10 * gib, 5 * gib),  # 40%
+        MemoryRow("a", 3, None, 12 * gib, 9 * gib, 10 * gib, 5 * gib),  # not recorded: left out
+    ]
+    assert measured_reserve_of_activations(rows) == pytest.approx(0.25)
+    assert measured_fragmentation(rows) == pytest.approx(0.10)
+    assert measured_reserve_of_activations(rows[3:]) is None
 
 
 @pytest.mark.parametrize(

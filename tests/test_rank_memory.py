@@ -28,7 +28,7 @@ def _matrix(prefix: np.ndarray) -> np.ndarray:
 
 
 def _reference_need(name, p, m, v, static, act, wgrad, frag, fixed, bounds, times=None):
-    """Per rank: (its stages' static bytes + the simulator's activation peak) x frag + fixed."""
+    """Per rank: its stages' static bytes + the simulator's activation peak x frag + fixed."""
     sched = build_schedule(name, p, m, v)
     rng = list(zip(bounds, bounds[1:]))
     S = p * v
@@ -38,7 +38,7 @@ def _reference_need(name, p, m, v, static, act, wgrad, frag, fixed, bounds, time
     st = [0.0] * p
     for j, r in enumerate(rng):
         st[sched.stage_to_rank[j]] += float(static[r])
-    return [(st[r] + peaks[r]) * frag + fixed[r] for r in range(p)]
+    return [st[r] + peaks[r] * frag + fixed[r] for r in range(p)]
 
 
 def _random_times(rng, S):
@@ -172,7 +172,8 @@ def test_the_necessary_condition_is_a_lower_bound(name, v):
 
 
 def _simulated_totals(ev, ctx):
-    """Each rank's need recomputed from the evaluation's own simulation (real stage times, all micro-batches)."""
+    """Each rank's need recomputed from the evaluation's own simulation (real stage times, all micro-batches): the model
+    state as it is, the working set and buffers and the activation peak with the fragmentation reserve, the fixed reserve."""
     from planner.solve.search import feature_buffers
 
     o = ctx.opts.overhead
@@ -180,10 +181,10 @@ def _simulated_totals(ev, ctx):
     assert ev.layout.num_microbatches * ev.layout.pp * ev.layout.vp <= 20000  # simulated in full, not extrapolated
     out = []
     for r in range(ev.layout.pp):
-        static = sum(
-            sum(ev.stage_memory[j][k] for k in ("weights", "grads", "optimizer", "buffers")) for j in range(len(ev.stage_rank)) if ev.stage_rank[j] == r
-        )
-        out.append((static + ev.sim.peak_bytes[r]) * (1 + o.fragmentation) + fixed)
+        js = [j for j in range(len(ev.stage_rank)) if ev.stage_rank[j] == r]
+        state = sum(ev.stage_memory[j][k] for j in js for k in ("weights", "grads", "optimizer"))
+        buffers = sum(ev.stage_memory[j]["buffers"] for j in js)
+        out.append(state + (buffers + ev.sim.peak_bytes[r]) * (1 + o.fragmentation) + fixed)
     return out
 
 
@@ -249,6 +250,33 @@ def test_an_accepted_interleaved_plan_reports_the_simulated_rank_need(gpt2xl):
     assert all(m["total"] <= 0.85 * c for m, c in zip(ev.rank_memory, ev.capacity))
 
 
+def test_the_fragmentation_reserve_is_charged_on_transient_bytes_never_on_the_model_state(gpt2xl):
+    """fp32 main gradients in place of bf16 grow the model state (the gradients, and the optimizer's shard) and nothing
+    transient: every rank's total grows by exactly that growth (no reserve on it), and each rank's overhead is the fixed
+    reserve plus 5% of its activation peak and buffers, in both."""
+    from dataclasses import replace
+
+    from planner import hardware
+    from planner.engines import get_engine
+    from planner.solve.plan import Layout
+    from planner.solve.search import Context, Evaluation, SearchOptions, evaluate_layout, feature_buffers
+
+    cluster = hardware.parse_gpus("8xA100")
+    ctx = Context(gpt2xl, cluster, SearchOptions(engine="megatron", mem_target=100.0), get_engine("megatron"))
+    lay = Layout("megatron", 2, 1, 4, 1, 1, 8, 32, "1f1b", "none", 1, True, main_grads_dtype="bf16")
+    bf16 = evaluate_layout(ctx, lay, "bf16")
+    fp32 = evaluate_layout(ctx, replace(lay, main_grads_dtype="fp32"), "bf16")
+    assert isinstance(bf16, Evaluation) and isinstance(fp32, Evaluation)
+    o = ctx.opts.overhead
+    fixed = o.context + o.communicator + feature_buffers(gpt2xl, lay)
+    for a, b in zip(bf16.rank_memory, fp32.rank_memory):
+        assert b["grads"] > a["grads"] and b["activations"] == a["activations"] and b["buffers"] == a["buffers"]
+        state = sum(b[k] - a[k] for k in ("weights", "grads", "optimizer"))
+        assert b["total"] - a["total"] == pytest.approx(state, rel=1e-9) and b["overhead"] == a["overhead"]
+        for m in (a, b):
+            assert m["overhead"] == pytest.approx(fixed + o.fragmentation * (m["activations"] + m["buffers"]), rel=1e-9)
+
+
 def _reference_min_sum(rp, allowed, n, point):
     """rank_memory._min_sum as a sum DP over every piece boundary (the non-allowed ones masked): the reference for
     the DP over the allowed cuts only."""
@@ -264,7 +292,7 @@ def _reference_min_sum(rp, allowed, n, point):
         pts = rp.points[r]
         i = pts.stages.index(j)
         h, w = pts.held[point[r], i], pts.pending[point[r], i]
-        cost = (rp.static + h * rp.act + w * rp.wgrad) * (rp.frag / (rp.capacity[r] - rp.fixed[r]))
+        cost = (rp.static + (h * rp.act + w * rp.wgrad) * rp.frag) / (rp.capacity[r] - rp.fixed[r])
         f = np.where(upper & ok[:, None], f[:, None] + cost, math.inf).min(axis=0)
         if j < S - 1:
             f = np.where(ok, f, math.inf)

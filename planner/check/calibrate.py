@@ -20,10 +20,11 @@ runs pin down alone (>= ``RESOLVED``) and which only in combination with others.
 
 Memory (:func:`memory_rows`): where a run recorded each rank's peak allocated
 and reserved bytes, the allocator's reserve (reserved / allocated - 1) is
-measured; the planner's fragmentation reserve is a constant
-(RuntimeOverhead.fragmentation in planner/solve/memory.py, not a profile
-field), so the measured value is reported and written to the profile's notes,
-not applied.
+measured, and also as a share of the rank's predicted activation bytes (what
+the planner's reserve is charged on); the planner's fragmentation reserve is a
+constant (RuntimeOverhead.fragmentation in planner/solve/memory.py, not a
+profile field), so the measured values are reported and written to the
+profile's notes, not applied.
 """
 
 from __future__ import annotations
@@ -438,6 +439,7 @@ class MemoryRow:
     measured_reserved: int | None
     predicted_tensors: float  # what the planner says the rank allocates (its total less the runtime reserve)
     predicted_total: float  # with the context, communicator and fragmentation reserves
+    predicted_activations: float = 0.0  # the rank's simulated activation peak (what the fragmentation reserve is charged on)
 
 
 def memory_rows(runs: Sequence[Run], evs: Sequence[Evaluation]) -> list[MemoryRow]:
@@ -456,13 +458,24 @@ def memory_rows(runs: Sequence[Run], evs: Sequence[Evaluation]) -> list[MemoryRo
             if pr >= len(ev.rank_memory):
                 continue
             mem = ev.rank_memory[pr]
-            rows.append(MemoryRow(run.name, pr, alloc.get(pr), res.get(pr), mem["total"] - mem["overhead"], mem["total"]))
+            rows.append(MemoryRow(run.name, pr, alloc.get(pr), res.get(pr), mem["total"] - mem["overhead"], mem["total"], mem["activations"]))
     return rows
 
 
 def measured_fragmentation(rows: Sequence[MemoryRow]) -> float | None:
     """The caching allocator's reserve, median over ranks of reserved / allocated - 1 (None without both)."""
     ratios = [r.measured_reserved / r.measured_allocated - 1.0 for r in rows if r.measured_reserved and r.measured_allocated]
+    return max(0.0, statistics.median(ratios)) if ratios else None
+
+
+def measured_reserve_of_activations(rows: Sequence[MemoryRow]) -> float | None:
+    """The caching allocator's reserve as a share of the predicted activations, median over ranks of
+    (reserved - allocated) / activations (None without both measurements or without activations)."""
+    ratios = [
+        (r.measured_reserved - r.measured_allocated) / r.predicted_activations
+        for r in rows
+        if r.measured_reserved and r.measured_allocated and r.predicted_activations > 0
+    ]
     return max(0.0, statistics.median(ratios)) if ratios else None
 
 
@@ -672,14 +685,17 @@ def calibrate(
     ]
     mem = memory_rows(runs, before_evs)
     frag = measured_fragmentation(mem)
+    of_act = measured_reserve_of_activations(mem)
     kept = [f"{p.field} ({p.what}): no run's step time depends on it by {SENSITIVITY:.0%} or more" for p in PARAMS if fit.status[p.attr] == "not identified"]
     notes = [n for r in runs for n in (f"{r.name}: {x}" for x in r.notes)]
     if frag is None:
         kept.append("memory reserve: no run recorded both peak allocated and peak reserved memory")
     else:
         notes.append(
-            f"measured allocator reserve {frag:.1%} of allocated bytes (reserved / allocated - 1, median over ranks) against the planner's "
-            f"{RuntimeOverhead().fragmentation:.0%} (RuntimeOverhead.fragmentation, not a profile field: reported, not applied)"
+            f"measured allocator reserve {frag:.1%} of allocated bytes (reserved / allocated - 1, median over ranks); "
+            + (f"{of_act:.1%} of the predicted activation bytes, " if of_act is not None else "")
+            + f"against the planner's {RuntimeOverhead().fragmentation:.0%} of the activation bytes "
+            "(RuntimeOverhead.fragmentation, not a profile field: reported, not applied)"
         )
     doc["notes"] = _notes_text(fit, rows, kept, notes)
     text = _header(name, out, rows, mem, fit) + yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, width=10_000)

@@ -2,13 +2,14 @@
 
 For a split (stage boundaries ``bounds``), rank r holding stages s (one for 1F1B, v for interleaved, two for ZB-V) needs
 
-    need_r = (sum_s static_s + peak_r) * frag + fixed_r
+    need_r = sum_s static_s + peak_r * frag + fixed_r
     peak_r = max over the points t of the rank's action order of sum_s held[t][s] * act_s + pending[t][s] * wgrad_s
 
-where ``static_s`` is the held-count-independent bytes of stage s (model state, buffers), ``act_s`` the activation bytes of
-one micro-batch of it, ``wgrad_s`` what a deferred weight-gradient pass still reads, ``frag`` 1 + the allocator
-fragmentation reserve, and ``fixed_r`` the runtime reserve (CUDA context, communicators, feature buffers). ``held[t][s]``
-and ``pending[t][s]`` count the micro-batches of stage s alive (F begun, B/I not ended) and waiting for their W pass
+where ``static_s`` is the held-count-independent bytes of stage s (model state; the working set and buffers with
+their fragmentation reserve), ``act_s`` the activation bytes of one micro-batch of it, ``wgrad_s`` what a deferred
+weight-gradient pass still reads, ``frag`` 1 + the allocator fragmentation reserve (charged on what is allocated and
+freed every micro-batch, never on the model state: :class:`planner.solve.memory.RuntimeOverhead`), and ``fixed_r``
+the runtime reserve (CUDA context, communicators, feature buffers). ``held[t][s]`` and ``pending[t][s]`` count the micro-batches of stage s alive (F begun, B/I not ended) and waiting for their W pass
 after the t-th action of the rank, exactly as :mod:`planner.solve.simulate` holds them. Those counts depend on the
 order of the rank's actions only, never on their times, so one table per (schedule, p, m, v) serves every split; only
 its Pareto-maximal points can be the peak (all bytes are >= 0), and those are kept.
@@ -106,7 +107,7 @@ class RankProblem:
         static, act, wgrad: (n+1) x (n+1) byte matrices, entry [a, b] for pieces [a, b) (no fragmentation reserve).
         stage_rank: rank of each global stage.
         points: per rank, its :class:`RankPoints`.
-        frag: 1 + fragmentation reserve (multiplies the tensors).
+        frag: 1 + fragmentation reserve (multiplies the activations and pending weight-gradient inputs, not the static bytes).
         fixed: per rank, bytes of the runtime reserve.
         capacity: per rank, the bytes it may use (device memory x the memory target).
     """
@@ -151,7 +152,7 @@ def rank_need(rp: RankProblem, bounds: Sequence[int]) -> RankNeed:
         pk = float(max(0.0, float(np.max(pts.held @ a + pts.pending @ w))))
         static.append(st)
         peak.append(pk)
-        total.append((st + pk) * rp.frag + rp.fixed[r])
+        total.append(st + pk * rp.frag + rp.fixed[r])
     return RankNeed(tuple(static), tuple(peak), tuple(total))
 
 
@@ -165,10 +166,10 @@ def lower_bound_total(rp: RankProblem, n: int) -> float:
 
     Every piece's static bytes are on some rank; rank r's peak is at least its count point t's sum, hence at least
     ``h_r = max_t min_s held[t][s]`` times its stages' activations; so the sum is at least
-    frag x (static(0, n) + min_r h_r x act(0, n)) + sum of the fixed reserves.
+    static(0, n) + frag x min_r h_r x act(0, n) + sum of the fixed reserves.
     """
     h = _derived("floor", rp.points, lambda: min(float(np.max(np.min(pts.held, axis=1))) for pts in rp.points))
-    return (float(rp.static[0, n]) + h * float(rp.act[0, n])) * rp.frag + sum(rp.fixed)
+    return float(rp.static[0, n]) + h * float(rp.act[0, n]) * rp.frag + sum(rp.fixed)
 
 
 @dataclass(frozen=True)
@@ -262,7 +263,7 @@ def _ratio_problem(pb: part.PartitionProblem, rp: RankProblem, stage_pts: list[t
 def _own_matrix(rp: RankProblem, pts: tuple[tuple[float, float], ...]) -> np.ndarray:
     """Bytes (with fragmentation) one stage needs on its own over every range: static + max over its count points."""
     peak = np.max([h * rp.act + w * rp.wgrad for h, w in pts], axis=0)
-    out: np.ndarray = (rp.static + peak) * rp.frag
+    out: np.ndarray = rp.static + peak * rp.frag
     return out
 
 
@@ -299,7 +300,7 @@ def solve_split(
         return SplitResult(None, None, True, cuttable=False)  # the pieces cannot be cut into S stages at the allowed cuts
     stage_pts = _stage_points(rp)
     budget = [rp.capacity[rp.stage_rank[j]] - rp.fixed[rp.stage_rank[j]] for j in range(S)]
-    mem_pb = replace(pb, static_mem=rp.static * rp.frag, act_mem=rp.act * rp.frag, wgrad_mem=rp.wgrad * rp.frag, stage_points=stage_pts, capacity=budget)
+    mem_pb = replace(pb, static_mem=rp.static, act_mem=rp.act * rp.frag, wgrad_mem=rp.wgrad * rp.frag, stage_points=stage_pts, capacity=budget)
     one_each = all(len(pts.stages) == 1 for pts in rp.points)
     seeds: list[tuple[int, ...]] = []
     sol = part.solve(mem_pb)
@@ -358,7 +359,7 @@ def _min_sum(rp: RankProblem, allowed: np.ndarray, n: int, point: Sequence[int])
         pts = rp.points[r]
         i = pts.stages.index(j)
         h, w = pts.held[point[r], i], pts.pending[point[r], i]
-        cost = (static + h * act + w * wgrad) * (rp.frag / (rp.capacity[r] - rp.fixed[r]))
+        cost = (static + (h * act + w * wgrad) * rp.frag) / (rp.capacity[r] - rp.fixed[r])
         cand = np.where(upper, f[:, None] + cost, math.inf)
         f = cand.min(axis=0)
         if j < S - 1:
@@ -395,7 +396,7 @@ def _branch_and_bound(rp: RankProblem, allowed: np.ndarray, n: int, seeds: Seque
         pts = rp.points[rp.stage_rank[j]]
         i = pts.stages.index(j)
         local.append((pts.held[:, i] * rp.frag, pts.pending[:, i] * rp.frag))
-    static_f = rp.static * rp.frag
+    static_f = rp.static
     cap = np.array(rp.capacity)
     fixed = np.array(rp.fixed)
     total_cap = float(cap.sum())
