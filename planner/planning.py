@@ -207,6 +207,8 @@ def build_plan(costs: ModelCosts, cluster: Cluster, req: PlanRequest, result: Se
             "peak_flops": dict(dev.peak_flops),
             "memory_bandwidth": dev.memory_bandwidth,
             "matmul_efficiency": dev.matmul_efficiency,
+            "sustained_matmul": dev.sustained_matmul,
+            "matmul_fp8_efficiency": dev.matmul_fp8_efficiency,
             "memory_efficiency": dev.memory_efficiency,
             "intra_bandwidth": dev.intra_bandwidth,
             "inter_bandwidth": dev.inter_bandwidth,

@@ -477,6 +477,8 @@ def _report_context(plan: Plan, command: str) -> dict[str, Any]:
                 "intra": f"{d.get('intra_bandwidth', 0) / 1e9:,.0f}",
                 "inter": f"{d.get('inter_bandwidth', 0) / 1e9:,.1f}",
                 "matmul_eff": f"{d.get('matmul_efficiency', 0):.2f}",
+                "sustained": f"{d.get('sustained_matmul', 1.0):.2f}",
+                "fp8_eff": f"{d['matmul_fp8_efficiency']:.3f}" if d.get("matmul_fp8_efficiency") else None,
                 "memory_eff": f"{d.get('memory_efficiency', 0):.2f}",
                 "sources": [(k, _md(v)) for k, v in sorted(d.get("sources", {}).items())],
             }

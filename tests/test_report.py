@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from planner import hardware
 from planner.fileio import dumps_json
 from planner.planning import PlanRequest, plan_model
 from planner.report import bottleneck_stage, explain, most_loaded_rank, print_summary, report_files, report_markdown
@@ -230,10 +231,28 @@ def test_report_md_names_every_stage_and_the_layout(planned, name):
     assert "**analytical**" in md and "timeline.svg" in md and "memory.svg" in md
     for dev in plan.assumptions["devices"].values():
         assert dev["name"] in md
+        assert f"| sustained GEMM rate | {dev['sustained_matmul']:.2f} of those rates" in md  # A100: 0.94, not the short-loop rate alone
+        assert "FP8 matmul efficiency" not in md  # no FP8 ceiling on an A100
     for alt in plan.alternatives:
         assert alt.layout.short() in md
         if alt.rejected:
             assert alt.rejected.replace("|", "\\|") in md
+
+
+def test_report_md_gives_the_fp8_ceiling_and_sustained_rate_an_fp8_plan_is_priced_with():
+    """An FP8 plan on H100: the device table shows the profile's FP8 ceiling (0.709, MAMF) and sustained rate (0.81)."""
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        plan, _, _ = plan_model(
+            PlanRequest(model_file="examples/gpt2.py", model_args={"preset": "gpt2-tiny"}, gpus="8xH100-SXM", engine="megatron", dtype="fp8")
+        )
+    finally:
+        os.chdir(cwd)
+    prof = hardware.load_profile(ROOT / "hardware_profiles" / "h100-sxm.yaml")
+    md = report_markdown(plan, "planner plan examples/gpt2.py --gpus 8xH100-SXM --dtype fp8")
+    assert f"| FP8 matmul efficiency | {prof.matmul_fp8_efficiency:.3f} of the FP8 peak" in md
+    assert f"| sustained GEMM rate | {prof.sustained_matmul:.2f} of those rates" in md
 
 
 # --------------------------------------------------------------- the terminal
