@@ -156,10 +156,10 @@ class RuntimeOverhead:
     * ``communicator``: 0.5 GiB for NCCL communicators (NCCL keeps
       NCCL_BUFFSIZE = 4 MiB per channel per peer; data-, tensor- and
       pipeline-parallel groups each have one).
-    * ``fragmentation``: 5% of the activation bytes (those saved for backward, the
-      inputs a deferred weight-gradient pass still reads, the working set and the
-      point-to-point buffers) is lost to
-      fragmentation of the caching allocator in long training runs (PyTorch's
+    * ``fragmentation``: 5% of the transient bytes (activations saved for
+      backward, the inputs a deferred weight-gradient pass still reads, the
+      working set and the point-to-point buffers) is lost to fragmentation of
+      the caching allocator in long training runs (PyTorch's
       memory notes describe the effect; `expandable_segments` reduces it). Only
       the tensors allocated and freed every micro-batch split and strand cached
       blocks; the model state (weights, gradient buffers, optimizer state, FP8

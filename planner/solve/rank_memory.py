@@ -9,10 +9,11 @@ where ``static_s`` is the held-count-independent bytes of stage s (model state; 
 their fragmentation reserve), ``act_s`` the activation bytes of one micro-batch of it, ``wgrad_s`` what a deferred
 weight-gradient pass still reads, ``frag`` 1 + the allocator fragmentation reserve (charged on what is allocated and
 freed every micro-batch, never on the model state: :class:`planner.solve.memory.RuntimeOverhead`), and ``fixed_r``
-the runtime reserve (CUDA context, communicators, feature buffers). ``held[t][s]`` and ``pending[t][s]`` count the micro-batches of stage s alive (F begun, B/I not ended) and waiting for their W pass
-after the t-th action of the rank, exactly as :mod:`planner.solve.simulate` holds them. Those counts depend on the
-order of the rank's actions only, never on their times, so one table per (schedule, p, m, v) serves every split; only
-its Pareto-maximal points can be the peak (all bytes are >= 0), and those are kept.
+the runtime reserve (CUDA context, communicators, feature buffers). ``held[t][s]`` and ``pending[t][s]`` count the
+micro-batches of stage s alive (F begun, B/I not ended) and waiting for their W pass after the t-th action of the rank,
+exactly as :mod:`planner.solve.simulate` holds them. Those counts depend on the order of the rank's actions only, never
+on their times, so one table per (schedule, p, m, v) serves every split; only its Pareto-maximal points can be the peak
+(all bytes are >= 0), and those are kept.
 
 :func:`rank_need` is the single function the search's fit check, the rejection's quoted need and plan.json's
 ``rank_memory`` all read; :func:`solve_split` finds a split that fits by it (see its docstring for what is guaranteed).
@@ -104,7 +105,8 @@ class RankProblem:
     """The memory side of a split: per-range bytes, where each stage sits, and each rank's count points and capacity.
 
     Attributes:
-        static, act, wgrad: (n+1) x (n+1) byte matrices, entry [a, b] for pieces [a, b) (no fragmentation reserve).
+        static, act, wgrad: (n+1) x (n+1) byte matrices, entry [a, b] for pieces [a, b) (``static`` with its working
+            set's and buffers' fragmentation reserve already in, ``act`` and ``wgrad`` without it).
         stage_rank: rank of each global stage.
         points: per rank, its :class:`RankPoints`.
         frag: 1 + fragmentation reserve (multiplies the activations and pending weight-gradient inputs, not the static bytes).
