@@ -105,3 +105,12 @@ def test_attention_core_flops_are_the_traced_attention_kernel(model, args):
     assert any(x == pytest.approx(fwd, rel=1e-9) for x in att.op_flops_fwd)
     assert any(x == pytest.approx(bwd, rel=1e-9) for x in att.op_flops_bwd)
     assert attention_core_flops(costs.architecture, "mlp", costs.seq_len, costs.seq_len, 1) == (0.0, 0.0)
+
+
+def test_the_gh100_parts_share_the_h100s_gemm_size_curve_and_sustained_fraction():
+    """H200 and H800 are the H100 SXM's die (SMs, clocks): the measured size curve and the sustained fraction fitted on
+    top of it are the H100's, so the fit's premise holds for them."""
+    h100 = load_profile(ROOT / "hardware_profiles" / "h100-sxm.yaml")
+    for name in ("h200.yaml", "h800.yaml"):
+        p = load_profile(ROOT / "hardware_profiles" / name)
+        assert p.matmul_size_scale == h100.matmul_size_scale and p.sustained_matmul == h100.sustained_matmul, name
