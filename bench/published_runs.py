@@ -556,6 +556,11 @@ def markdown(preds: list[Prediction]) -> str:
     for split in ("tune", "test"):
         groups[f"**all {split}**"] = [p for p in preds if p.run.split == split]
     groups["**all**"] = list(preds)
+    # issue 14's set is the dense runs; the mixture-of-experts runs (bench/data/published_moe_runs.yaml) are issue 17's
+    dense = [p for p in preds if p.run.model.arch != "moe"]
+    groups["**dense test**"] = [p for p in dense if p.run.split == "test"]
+    groups["**dense (tune + test)**"] = dense
+    groups["**mixture-of-experts test**"] = [p for p in preds if p.run.model.arch == "moe" and p.run.split == "test"]
     for name, ps in groups.items():
         priced = [p for p in ps if p.error is not None]
         errs = [p.error for p in priced]

@@ -323,3 +323,23 @@ def test_bundled_sustained_fraction_is_what_the_fit_decides():
     assert not shipped_agrees(SustainedFit("H100-SXM", round(shipped - 0.05, 2), ("M24-1.7b",), (-0.3,), (-0.1,)))
     assert shipped_agrees(SustainedFit("H100-SXM", 0.5, ("M24-1.7b",), (-0.3,), (-0.1,))) == (shipped == 1.0)
     assert f"| H100-SXM | 1 | {shipped:.2f} | yes |" in markdown([SustainedFit("H100-SXM", shipped, ("M24-1.7b",), (-0.3,), (-0.1,))])
+
+
+def test_results_table_reports_the_dense_and_the_moe_sets_apart():
+    """markdown() groups the priced rows by source, by split, and into the dense set (issue 14's) and the MoE test set
+    (issue 17's); each group's mean absolute error is over its own priced rows."""
+    from bench.published_runs import RUNS_ALL, Prediction, markdown
+
+    dense_tune = next(r for r in RUNS_ALL if r.split == "tune")
+    dense_test = next(r for r in RUNS_ALL if r.split == "test" and r.model.arch != "moe")
+    moe = next(r for r in RUNS_ALL if r.model.arch == "moe")
+    preds = [
+        Prediction(dense_tune, 1.1, 1.0, 1.0, 2.0, 0.0),  # +10%
+        Prediction(dense_test, 0.8, 1.0, 1.0, 2.0, 0.0),  # -20%
+        Prediction(moe, 1.5, 1.0, 1.0, 2.0, 0.0),  # +50%
+    ]
+    rows = {ln.split(" | ")[0].lstrip("| "): ln for ln in markdown(preds).splitlines() if ln.startswith("| **")}
+    assert "| 1 | 1 | 0 | 0 | 20.0% |" in rows["**dense test**"]
+    assert "| 2 | 2 | 0 | 0 | 15.0% |" in rows["**dense (tune + test)**"]
+    assert "| 1 | 1 | 0 | 0 | 50.0% |" in rows["**mixture-of-experts test**"]
+    assert "| 3 | 3 | 0 | 0 | 26.7% |" in rows["**all**"]
