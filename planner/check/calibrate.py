@@ -694,7 +694,7 @@ def calibrate(
         notes.append(
             f"measured allocator reserve {frag:.1%} of allocated bytes (reserved / allocated - 1, median over ranks); "
             + (f"{of_act:.1%} of the predicted activation bytes, " if of_act is not None else "")
-            + f"against the planner's {RuntimeOverhead().fragmentation:.0%} of the activation bytes "
+            + f"against the planner's {RuntimeOverhead().fragmentation:.0%} of the transient bytes (activations, working set, buffers) "
             "(RuntimeOverhead.fragmentation, not a profile field: reported, not applied)"
         )
     doc["notes"] = _notes_text(fit, rows, kept, notes)

@@ -743,21 +743,22 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     we, ge, oe = recipe.per_param(edp)  # expert gradients and optimizer state: over the expert-data-parallel group
     params_m, other_m, act, wgrad = ctx.memory(b, tp, lay.recompute, sp, cp, lay.fp8, ep, etp)
     experts_m = expert_range_params(sharded, ep, etp) if ep * etp > 1 or ctx.has_expert_params(b, tp, sp, cp) else None
-    frag = 1.0 + opts.overhead.fragmentation
-    # the fragmentation reserve is charged on what is allocated and freed every micro-batch: the working set and the
-    # point-to-point buffers here (other_m), the activations in the rank problem; never on the model state
-    static = params_m * per_param + other_m * frag
+    static = params_m * per_param + other_m
     if recipe.fp8_gemm_bytes:  # TE's FP8 copies of the transformer blocks' GEMM weights
         static = static + ctx.gemm_params(tp, ep, etp) * recipe.fp8_gemm_bytes
     if experts_m is not None:
         static = static + experts_m * (we + ge + oe - per_param)
     if ctx.engine.sends_output_copies(lay.schedule):
         act = act + ctx.cut_bytes(b, tp, sp, cp)[0][None, :]
+    frag = 1.0 + opts.overhead.fragmentation
+    # the fragmentation reserve is charged on what is allocated and freed every micro-batch (the working set and the
+    # point-to-point buffers, other_m, here; the activations by the rank problem), never on the model state
+    held_static = static + opts.overhead.fragmentation * other_m
     fixed = opts.overhead.context + opts.overhead.communicator + feature_buffers(costs, lay) + dispatch_buffer_bytes(sharded, lay)
     points = rmem.order_points(sched.name, p, _points_m(sched.name, p, m), v) if p > 1 else rmem.order_points(sched.name, 1, 1, 1)
     if lay.ep_comm_overlap:
         points = one_more_in_flight(points)
-    rp = rmem.RankProblem(static, act, wgrad, stage_rank, points, frag, (fixed,) * p, tuple(d.memory_bytes * opts.mem_target for d in devices))
+    rp = rmem.RankProblem(held_static, act, wgrad, stage_rank, points, frag, (fixed,) * p, tuple(d.memory_bytes * opts.mem_target for d in devices))
     held = rmem.stage_held(points, S)
     # necessary condition, cheap: the ranks' needs summed (a lower bound for any split) must fit in their capacities summed
     total = rmem.lower_bound_total(rp, n)
@@ -796,7 +797,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         stage_device=stage_device,
         comm_in=comm_in,
         comm_out=comm_out,
-        static_mem=static,
+        static_mem=held_static,
         act_mem=act * frag,
         held=held,
         capacity=[math.inf] * S,
@@ -836,15 +837,13 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     params = []
     gemm: list[float] = []
     expert_prm = []
-    buffers = []  # per stage: the working set and point-to-point buffers (bytes; the fragmentation reserve's share)
     for j, (a, c) in enumerate(rng):
         prm = stage_params(sharded, a, c, tp, ep, etp)
         ex = expert_params_per_gpu(sharded, a, c, ep, etp)
         params.append(prm)
         expert_prm.append(ex)
         gemm.append(gemm_params(sharded, a, c, tp, ep, etp))
-        buffers.append(float(other_m[a, c]))
-        st = float(static[a, c]) - opts.overhead.fragmentation * buffers[j]
+        st = float(static[a, c])
         dense = prm - ex
         copies = gemm[j] * recipe.fp8_gemm_bytes
         state = dense * per_param + ex * (we + ge + oe) + copies
@@ -869,9 +868,9 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         comp["overhead"] = need.total[r] - sum(comp.values())
         comp["total"] = need.total[r]
         rank_mem.append(comp)
-    for j in range(S):
+    for j, (a, c) in enumerate(rng):
         tensors = sum(stage_mem[j].values())
-        stage_mem[j]["overhead"] = fixed / v + opts.overhead.fragmentation * (stage_mem[j]["activations"] + buffers[j])
+        stage_mem[j]["overhead"] = fixed / v + opts.overhead.fragmentation * (stage_mem[j]["activations"] + float(other_m[a, c]))
         stage_mem[j]["total"] = tensors + stage_mem[j]["overhead"]
     # data-parallel gradient exchange (over dp x cp: context-parallel ranks hold the same weights) and optimizer step
     dp_exposed, opt_time = 0.0, 0.0
