@@ -183,12 +183,15 @@ class SplitResult:
         closest: the split with the smallest worst need / capacity found (``bounds`` when it fits), None if no split exists.
         proven: whether ``closest`` is proven to overflow least (always true when a fitting split is found, since
             then it overflows by nothing; false when the exact search stopped at its node limit).
+        none_fits_proven: with ``bounds`` None, whether no split fits is proven (by the exact DP, a cheap proof or a
+            completed search); false when the search stopped at its node limit, so a fitting split may exist.
     """
 
     bounds: tuple[int, ...] | None
     closest: tuple[int, ...] | None
     proven: bool
     cuttable: bool = True
+    none_fits_proven: bool = True
 
 
 #: answers that depend on a count-points table only, by (what, the table's identity); each entry keeps its table
@@ -336,7 +339,7 @@ def solve_split(
     best, proven = _branch_and_bound(rp, pb.allowed, n, seeds, quote_node_limit if none else node_limit)
     if fits(rp, best):
         return SplitResult(best, best, True)
-    return SplitResult(None, best, proven)
+    return SplitResult(None, best, proven, none_fits_proven=none or proven)
 
 
 def _min_sum(rp: RankProblem, allowed: np.ndarray, n: int, point: Sequence[int]) -> float:

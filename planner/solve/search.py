@@ -810,7 +810,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
                 return Rejection(lay, f"{n} pieces cannot be cut into {S} stages at the cut points this engine can use", RejectKind.SPLIT)
             if res.closest is None:  # explain=False: the least-overflowing split was not looked for
                 return Rejection(lay, "no split of the pieces fits every rank's memory", RejectKind.MEMORY)
-            reason, need_b, cap_b = _memory_reason(rp, res.closest, devices, opts, v, res.proven)
+            reason, need_b, cap_b = _memory_reason(rp, res.closest, devices, opts, v, res.proven, res.none_fits_proven)
             return Rejection(lay, reason, RejectKind.MEMORY, need_bytes=need_b, capacity_bytes=cap_b, bounds=res.closest)
         bounds = res.bounds
     else:
@@ -1031,7 +1031,13 @@ def _simulate_extrapolated(name: str, p: int, m: int, v: int, times: StageTimes,
 
 
 def _memory_reason(
-    rp: rmem.RankProblem, closest: Sequence[int], devices: Sequence[DeviceProfile], opts: SearchOptions, v: int, proven: bool
+    rp: rmem.RankProblem,
+    closest: Sequence[int],
+    devices: Sequence[DeviceProfile],
+    opts: SearchOptions,
+    v: int,
+    proven: bool,
+    none_fits_proven: bool = True,
 ) -> tuple[str, float, float]:
     """Why no split fits: the rank that overflows most in the split that overflows least (reason, need, capacity at the target).
 
@@ -1045,8 +1051,10 @@ def _memory_reason(
         split = ""
     elif proven:
         split = " with the split that overflows least (no split fits)"
-    else:
+    elif none_fits_proven:
         split = " with the least-overflowing split found (no split fits; this one is not proven to overflow least)"
+    else:
+        split = " with the least-overflowing split found (the split search stopped at its node limit, so a split that fits may exist)"
     reason = f"{what} needs {total / GiB:.1f} GiB of {cap / GiB:.1f} GiB ({opts.mem_target:.0%} target: {rp.capacity[worst] / GiB:.1f} GiB){split}"
     return reason, total, rp.capacity[worst]
 
