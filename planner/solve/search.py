@@ -810,7 +810,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
                 return Rejection(lay, f"{n} pieces cannot be cut into {S} stages at the cut points this engine can use", RejectKind.SPLIT)
             if res.closest is None:  # explain=False: the least-overflowing split was not looked for
                 return Rejection(lay, "no split of the pieces fits every rank's memory", RejectKind.MEMORY)
-            reason, need_b, cap_b = _memory_reason(rp, res.closest, devices, opts, v, res.proven, res.none_fits_proven)
+            reason, need_b, cap_b = _memory_reason(rp, res, devices, opts, v)
             return Rejection(lay, reason, RejectKind.MEMORY, need_bytes=need_b, capacity_bytes=cap_b, bounds=res.closest)
         bounds = res.bounds
     else:
@@ -1030,28 +1030,21 @@ def _simulate_extrapolated(name: str, p: int, m: int, v: int, times: StageTimes,
     return replace(r2, step_time=step, busy=busy, bubble_fraction=bubble)
 
 
-def _memory_reason(
-    rp: rmem.RankProblem,
-    closest: Sequence[int],
-    devices: Sequence[DeviceProfile],
-    opts: SearchOptions,
-    v: int,
-    proven: bool,
-    none_fits_proven: bool = True,
-) -> tuple[str, float, float]:
+def _memory_reason(rp: rmem.RankProblem, res: rmem.SplitResult, devices: Sequence[DeviceProfile], opts: SearchOptions, v: int) -> tuple[str, float, float]:
     """Why no split fits: the rank that overflows most in the split that overflows least (reason, need, capacity at the target).
 
-    The need is :func:`rank_memory.rank_need` of that split, the number plan.json would report for it."""
-    need = rmem.rank_need(rp, closest)
+    The need is :func:`rank_memory.rank_need` of ``res.closest``, the number plan.json would report for it."""
+    assert res.closest is not None
+    need = rmem.rank_need(rp, res.closest)
     _, worst = need.overflow(rp.capacity)
     total, cap = need.total[worst], devices[worst].memory_bytes
     stages = [j for j, r in enumerate(rp.stage_rank) if r == worst]
     what = f"stage {worst}" if v == 1 else f"pipeline rank {worst} (stages {', '.join(str(j) for j in stages)})"
     if len(rp.stage_rank) == 1:
         split = ""
-    elif proven:
+    elif res.proven:
         split = " with the split that overflows least (no split fits)"
-    elif none_fits_proven:
+    elif res.none_fits_proven:
         split = " with the least-overflowing split found (no split fits; this one is not proven to overflow least)"
     else:
         split = " with the least-overflowing split found (the split search stopped at its node limit, so a split that fits may exist)"
