@@ -100,6 +100,7 @@ class PublishedRun:
     main_grads_dtype: str = "fp32"  # dtype of the gradient buffer (bf16: NeMo's grad_sync_dtype, Bridge's grad_reduce_in_fp32 off)
     fp8_param_gather: bool = False  # FP8 primary weights (Megatron --fp8-param-gather, Bridge's fp8_param_gather)
     pipeline_split: tuple[str, ...] = ()  # embedding / loss: each takes a layer's place in the stage split (Megatron's account-for flags)
+    recompute_modules: tuple[str, ...] = ()  # Megatron --recompute-modules of a selective row (() : core_attn, the default)
 
     @property
     def num_microbatches(self) -> float:
@@ -181,6 +182,7 @@ def load_runs(path: Path = DATA) -> list[PublishedRun]:
                 main_grads_dtype=r.get("main_grads_dtype", "fp32"),
                 fp8_param_gather=bool(r.get("fp8_param_gather", False)),
                 pipeline_split=tuple(r.get("pipeline_split", ())),
+                recompute_modules=tuple(r.get("recompute_modules", ())),
             )
         )
     return out
@@ -366,6 +368,7 @@ def layout_for(run: PublishedRun, recompute: str | None = None, fp8: bool | None
     grad_reduce = "grad_reduce" in run.overlap and (run.dp * run.cp > 1 or zero >= 1)
     moe = {k: v for k, v in (("ep", run.ep), ("etp", run.etp)) if _has_field(Layout, k)}  # once the Layout has them
     fp8_on = run.precision in ("fp8", "mxfp8") if fp8 is None else fp8
+    rc = recompute or run.recompute
     lay = Layout(
         "megatron",
         run.pp,
@@ -376,7 +379,7 @@ def layout_for(run: PublishedRun, recompute: str | None = None, fp8: bool | None
         run.global_batch // (run.dp * run.micro_batch),
         run.global_batch,
         "interleaved" if run.vp > 1 else "1f1b",
-        recompute or run.recompute,
+        rc,
         zero,
         run.sequence_parallel,
         cp=run.cp,
@@ -386,6 +389,7 @@ def layout_for(run: PublishedRun, recompute: str | None = None, fp8: bool | None
         fp8=fp8_on,
         main_grads_dtype=run.main_grads_dtype,
         fp8_param_gather=run.fp8_param_gather and fp8_on,
+        recompute_modules=run.recompute_modules if rc == "selective" else (),
         **moe,
     )
     if "ep_comm" in run.overlap and _has_field(Layout, "ep_comm_overlap"):

@@ -276,6 +276,11 @@ def plan(
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Pin the micro-batch size."),
     schedule: Optional[str] = typer.Option(None, "--schedule", help="Pin the schedule: gpipe | 1f1b | interleaved | zb-h1 | zbv."),
     recompute: Optional[str] = typer.Option(None, "--recompute", help="Pin recomputation: none | selective | full."),
+    recompute_modules: Optional[List[str]] = typer.Option(
+        None,
+        "--recompute-modules",
+        help="What selective recomputation recomputes (Megatron --recompute-modules), comma-separated: core_attn (default), mla_up_proj, mlp; pins --recompute selective.",
+    ),
     zero: Optional[int] = typer.Option(None, "--zero", help="Pin the ZeRO stage (0 or 1 with a pipeline)."),
     mem_target: float = typer.Option(0.85, "--mem-target", help="Fraction of usable GPU memory a plan may use."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="Measured per-layer times from `planner profile`."),
@@ -310,6 +315,7 @@ def plan(
         _check_pins(engine, pp, tp, dp, vp, micro_batch, global_batch, schedule, recompute, zero, mem_target)
         cv.choice("--dtype", dtype, cv.PLAN_DTYPES)
         cv.choice("--tracer", tracer, cv.TRACERS)
+        modules = cv.recompute_modules(recompute_modules, recompute, engine)
         limit = _timeout(timeout)
         req = PlanRequest(
             model_file=str(model),
@@ -329,7 +335,8 @@ def plan(
             vp=vp,
             micro_batch=micro_batch,
             schedule=schedule,
-            recompute=recompute,
+            recompute="selective" if modules else recompute,
+            recompute_modules=modules,
             zero=zero,
             mem_target=mem_target,
             profile=str(profile) if profile else None,

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import TypeVar
 
 from planner.errors import UsageError, did_you_mean
+from planner.megatron_args import MODELLED_RECOMPUTE_MODULES, RECOMPUTE_MODULES
 
 T = TypeVar("T")
 
@@ -74,6 +75,38 @@ def finite_number(flag: str, value: float | None, low: float, high: float, low_o
         bracket = "(" if low_open else "["
         raise UsageError(f"{flag} must be a finite number in {bracket}{low:g}, {high:g}], got {value!r}.")
     return float(value)
+
+
+def recompute_modules(values: Iterable[str] | None, recompute: str | None, engine: str) -> tuple[str, ...]:
+    """``--recompute-modules`` (comma-separated or repeated) as a tuple in the order given: Megatron's module names the
+    planner models, for ``--engine megatron`` and selective recomputation (``--recompute`` unpinned or selective).
+    () when not given. Exit 2 otherwise."""
+    names = tuple(n.strip() for v in values or () for n in v.split(",") if n.strip())
+    if not names:
+        return ()
+    for n in names:
+        if n not in RECOMPUTE_MODULES:
+            raise UsageError(
+                f"--recompute-modules {n!r} is not one of Megatron's.{did_you_mean(n, list(RECOMPUTE_MODULES))}",
+                f"Accepted: {', '.join(MODELLED_RECOMPUTE_MODULES)}.",
+            )
+        if n not in MODELLED_RECOMPUTE_MODULES:
+            raise UsageError(
+                f"--recompute-modules {n}: the planner does not model what recomputing {n} keeps and costs.",
+                f"Use {', '.join(MODELLED_RECOMPUTE_MODULES)}, or plan without {n} (its memory is then overstated).",
+            )
+    if len(set(names)) != len(names):
+        raise UsageError(f"--recompute-modules names a module twice: {', '.join(names)}.", "Name each module once.")
+    if engine != "megatron":
+        raise UsageError(
+            f"--recompute-modules is a Megatron-LM option; engine {engine} recomputes the attention core only.", "Use --engine megatron, or drop it."
+        )
+    if recompute not in (None, "selective"):
+        raise UsageError(
+            f"--recompute-modules chooses what selective recomputation recomputes; got --recompute {recompute}.",
+            "Use --recompute selective, or drop --recompute-modules.",
+        )
+    return names
 
 
 def fp8_param_gather(on: bool, dtype: str, engine: str, zero: int | None) -> None:

@@ -17,7 +17,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-from planner.megatron_flags import MEGATRON_VERSION, EnvVar, Flag, FlagSpec, MegatronArgs, as_int, flag_parser, flag_table, group_argv, parse_args_file
+from planner.megatron_flags import (
+    MEGATRON_VERSION,
+    MODELLED_RECOMPUTE_MODULES,
+    RECOMPUTE_MODULES,
+    EnvVar,
+    Flag,
+    FlagSpec,
+    MegatronArgs,
+    as_int,
+    flag_parser,
+    flag_table,
+    group_argv,
+    parse_args_file,
+)
 from planner.megatron_layout import LayoutError, layout_string, parse_layout, split_flags, stage_layers, virtual_size
 from planner.megatron_moe import MOE_DEFAULTS, mla_problems, moe_problems
 from planner.megatron_rules import REQUIRED_FLAGS, RULES, Finding, check_megatron_args, errors
@@ -28,7 +41,9 @@ __all__ = [
     "ARCHITECTURE_KEYS",
     "MEGATRON_VERSION",
     "NORMALIZATIONS",
+    "MODELLED_RECOMPUTE_MODULES",
     "POSITION_EMBEDDINGS",
+    "RECOMPUTE_MODULES",
     "REQUIRED_FLAGS",
     "RULES",
     "ArchKey",
@@ -50,6 +65,7 @@ __all__ = [
     "megatron_ffn_hidden_size",
     "parse_args_file",
     "parse_layout",
+    "recompute_module_problems",
     "rope_problems",
     "split_flags",
     "stage_layers",
@@ -58,6 +74,7 @@ __all__ = [
 ]
 
 ACTIVATIONS = ("gelu", "swiglu")
+
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 #: --position-embedding-type choices of Megatron-LM core_v0.16.1 (arguments.py, _add_network_size_args)
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "mrope", "relative", "none")
@@ -160,6 +177,23 @@ ARCHITECTURE_KEYS = tuple(k.name for k in ARCHITECTURE if k.default is REQUIRED)
 def megatron_ffn_hidden_size(hidden: int, swiglu: bool) -> int:
     """The FFN width validate_args picks when --ffn-hidden-size is not given."""
     return int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden
+
+
+def recompute_module_problems(modules: tuple[str, ...], arch: dict[str, Any] | None) -> list[str]:
+    """Why ``--recompute-modules`` ``modules`` cannot be planned for ``arch``: names Megatron does not know, modules the
+    planner does not model, repeats, and TransformerConfig's own rule (mla_up_proj needs multi-latent attention)."""
+    out = []
+    unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+    if unknown:
+        out.append(f"Megatron has no recompute module {', '.join(unknown)} (choices: {', '.join(RECOMPUTE_MODULES)})")
+    unmodelled = [m for m in modules if m in RECOMPUTE_MODULES and m not in MODELLED_RECOMPUTE_MODULES]
+    if unmodelled:
+        out.append(f"the planner does not model recomputing {', '.join(unmodelled)} (modelled: {', '.join(MODELLED_RECOMPUTE_MODULES)})")
+    if len(set(modules)) != len(modules):
+        out.append("a recompute module is named twice")
+    if "mla_up_proj" in modules and not (arch or {}).get("multi_latent_attention"):
+        out.append("mla_up_proj recomputation needs multi-latent attention (TransformerConfig: mla_up_proj needs multi_latent_attention)")
+    return out
 
 
 def architecture_defaults(arch: dict[str, Any]) -> dict[str, Any]:

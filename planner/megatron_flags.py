@@ -28,6 +28,14 @@ from planner.resources import templates_dir
 MEGATRON_VERSION = "core_v0.16.1"
 
 
+#: ``--recompute-modules`` choices (TransformerConfig.recompute_modules, core_v0.16.1), in Megatron's order; the
+#: default, with ``--recompute-granularity selective``, is core_attn alone
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+#: the modules whose saved bytes and recomputation the planner derives (planner.engines.megatron_activations and
+#: megatron_moe_activations); the others are refused rather than priced as if they kept everything
+MODELLED_RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "mlp")
+
+
 @dataclass(frozen=True)
 class Flag:
     """One flag as pretrain_gpt.py receives it: ``--name`` and its values (none for a switch), with its source line."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from planner.errors import close_matches
-from planner.megatron_flags import MEGATRON_VERSION, Flag, FlagSpec, MegatronArgs, as_float, as_int, flag_table
+from planner.megatron_flags import MEGATRON_VERSION, RECOMPUTE_MODULES, Flag, FlagSpec, MegatronArgs, as_float, as_int, flag_table
 from planner.megatron_layout import LayoutError, parse_layout, virtual_size
 from planner.megatron_moe import parse_layer_freq
 
@@ -753,6 +753,35 @@ class _Checker:
                 self.line("--recompute-method", "--recompute-num-layers"),
                 "--recompute-method/--recompute-num-layers without --recompute-granularity full have no effect.",
                 "add --recompute-granularity full, or drop them",
+            )
+        modules = a.get("--recompute-modules")
+        if modules is not None and gran == "selective":
+            ml = self.line("--recompute-modules")
+            unknown = [m for m in modules.values if m not in RECOMPUTE_MODULES]
+            if unknown:
+                self.add(
+                    "MEG020",
+                    ml,
+                    f"--recompute-modules {' '.join(unknown)}: not a module Megatron recomputes (TransformerConfig asserts).",
+                    f"use {', '.join(RECOMPUTE_MODULES)}",
+                )
+            if "mla_up_proj" in modules.values and not a.has("--multi-latent-attention"):
+                self.add(
+                    "MEG020", ml, "--recompute-modules mla_up_proj needs --multi-latent-attention (TransformerConfig raises ValueError).", "drop mla_up_proj"
+                )
+            if "moe_act" in modules.values and not a.has("--moe-grouped-gemm"):
+                self.add(
+                    "MEG020",
+                    ml,
+                    "--recompute-modules moe_act needs --moe-grouped-gemm (TransformerConfig raises ValueError).",
+                    "add --moe-grouped-gemm, or drop moe_act",
+                )
+        elif modules is not None:
+            self.add(
+                "MEG020",
+                self.line("--recompute-modules"),
+                "--recompute-modules has no effect without --recompute-granularity selective.",
+                "add --recompute-granularity selective, or drop --recompute-modules",
             )
 
 

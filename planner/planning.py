@@ -48,6 +48,7 @@ RECORDED_SEARCH_FIELDS = (
     "ep",
     "etp",
     "ep_comm_overlap",
+    "recompute_modules",
 )
 _KNOBS = frozenset(f.name for f in fields(SearchOptions)) - frozenset(RECORDED_SEARCH_FIELDS)
 
@@ -75,6 +76,7 @@ class PlanRequest(SearchOptions):
         d = {k: v for k, v in asdict(self).items() if k in own or k in RECORDED_SEARCH_FIELDS}
         d["leaf"] = list(self.leaf)
         d["hardware_profiles"] = list(self.hardware_profiles)
+        d["recompute_modules"] = list(self.recompute_modules)
         if self.bounds is None:
             d.pop("bounds")
         else:
@@ -97,7 +99,7 @@ class PlanRequest(SearchOptions):
         """The request recorded in a plan.json's ``inputs`` (unknown keys ignored), with ``overrides`` applied."""
         known = {f.name for f in fields(cls)}
         values = {k: inputs[k] for k in known - _KNOBS if k in inputs}
-        for key in ("leaf", "hardware_profiles", "bounds"):
+        for key in ("leaf", "hardware_profiles", "bounds", "recompute_modules"):
             if values.get(key) is not None:
                 values[key] = tuple(values[key])
         values.update(overrides)
@@ -128,6 +130,9 @@ def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | Non
     problem = engine.architecture_problem(analysis.costs.architecture, Path(req.model_file).name)
     if problem:
         raise UsageError(*problem)
+    modules = engine.recompute_module_problems(req.recompute_modules, analysis.costs)
+    if modules:
+        raise UsageError(f"--recompute-modules {','.join(req.recompute_modules)}: {'; '.join(modules)}.", "Drop the modules named, or plan another model.")
     measured: dict[str, dict[int, tuple[float, float]]] = {}
     profile_notes: list[str] = []
     if req.profile:

@@ -303,3 +303,16 @@ def _scale_tensor(t: TensorInfo, f: float) -> TensorInfo:
     shape = list(t.shape)
     shape[t.batch_dim] = int(round(shape[t.batch_dim] * f))
     return replace(t, shape=tuple(shape), bytes=int(round(t.bytes * f)))
+
+
+@dataclass(frozen=True)
+class RecomputeWork:
+    """The forward a recomputed module runs again on one GPU per micro-batch: each GEMM's FLOPs, each memory-bound
+    kernel's bytes, and its tensor-parallel collectives in units of the piece's residual-stream collective."""
+
+    gemm_flops: tuple[float, ...] = ()
+    kernel_bytes: tuple[float, ...] = ()
+    collectives: float = 0.0
+
+    def __add__(self, other: RecomputeWork) -> RecomputeWork:
+        return RecomputeWork(self.gemm_flops + other.gemm_flops, self.kernel_bytes + other.kernel_bytes, self.collectives + other.collectives)

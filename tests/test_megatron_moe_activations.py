@@ -540,12 +540,14 @@ def test_deepseek_tiny_memory_matrix_keeps_the_kinds(deepseek_tiny, fp8, recompu
     )
 
 
-def _megatron_mla_forward(x, w, cfg):
+def _megatron_mla_forward(x, w, cfg, checkpoint=None):
     """One MLA attention sub-layer as MLASelfAttention runs it at tp = cp = 1 with ``--rope-type rope
     --no-rope-fusion`` (multi_latent_attention.py ``get_query_key_value_tensors``, rope_utils.py
     ``_apply_rotary_pos_emb_bshd``, core_v0.16.1), written with the same torch calls; the TE modules as autograd
     Functions saving what TE saves: TENorm its input and fp32 1/sigma, TELinear its (contiguous) input, the fused
-    attention kernel q, k, v, its output and fp32 softmax statistics."""
+    attention kernel q, k, v, its output and fp32 softmax statistics. ``checkpoint`` (a megatron-core
+    ``CheckpointWithoutOutput``): ``--recompute-modules mla_up_proj``, the up projections and RoPE run through it and
+    their outputs discarded once the attention has run, as MLASelfAttention does."""
     import torch
 
     class _Linear(torch.autograd.Function):
@@ -593,28 +595,42 @@ def _megatron_mla_forward(x, w, cfg):
     q_compressed = _Linear.apply(hidden, w["q_down"])
     kv_combined = _Linear.apply(hidden, w["kv_down"])
     kv_compressed, k_pos_emb = torch.split(kv_combined, [r_kv, rd], dim=-1)
-    q = _Linear.apply(q_compressed, w["q_up"])
-    q = q.view(*q.size()[:-1], heads, qk + rd)
-    kv = _Linear.apply(kv_compressed, w["kv_up"])
-    kv = kv.view(*kv.size()[:-1], heads, qk + vd)
-    k_pos_emb = torch.unsqueeze(k_pos_emb, -2)
-    q_no_pe, q_pos_emb = torch.split(q, [qk, rd], dim=-1)
-    k_no_pe, value = torch.split(kv, [qk, vd], dim=-1)
-    q_pos_emb = rope(q_pos_emb, freqs)
-    k_pos_emb = rope(k_pos_emb, freqs)
-    query = torch.cat([q_no_pe, q_pos_emb], dim=-1)
-    k_pos_emb = k_pos_emb.expand(-1, -1, heads, -1)
-    key = torch.cat([k_no_pe, k_pos_emb], dim=-1)
-    query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+
+    def up_proj_and_rope(q_compressed, kv_compressed, k_pos_emb):  # qkv_up_proj_and_rope_apply
+        q = _Linear.apply(q_compressed, w["q_up"])
+        q = q.view(*q.size()[:-1], heads, qk + rd)
+        kv = _Linear.apply(kv_compressed, w["kv_up"])
+        kv = kv.view(*kv.size()[:-1], heads, qk + vd)
+        k_pos_emb = torch.unsqueeze(k_pos_emb, -2)
+        q_no_pe, q_pos_emb = torch.split(q, [qk, rd], dim=-1)
+        k_no_pe, value = torch.split(kv, [qk, vd], dim=-1)
+        q_pos_emb = rope(q_pos_emb, freqs)
+        k_pos_emb = rope(k_pos_emb, freqs)
+        query = torch.cat([q_no_pe, q_pos_emb], dim=-1)
+        k_pos_emb = k_pos_emb.expand(-1, -1, heads, -1)
+        key = torch.cat([k_no_pe, k_pos_emb], dim=-1)
+        return query.contiguous(), key.contiguous(), value.contiguous()
+
+    if checkpoint is None:
+        query, key, value = up_proj_and_rope(q_compressed, kv_compressed, k_pos_emb)
+    else:
+        query, key, value = checkpoint.checkpoint(up_proj_and_rope, q_compressed, kv_compressed, k_pos_emb)
     out = _FlashAttention.apply(query, key, value)
+    if checkpoint is not None:
+        checkpoint.discard_output_and_register_recompute(out)
     return _Linear.apply(out.view(*out.shape[:2], -1), w["proj"])
 
 
-def test_mla_attention_matches_what_torch_saves():
+@pytest.mark.parametrize("up_proj", [False, True])
+def test_mla_attention_matches_what_torch_saves(up_proj, monkeypatch):
     """A tiny MLA sub-layer (s 16, b 2, h 32, 4 heads, q rank 24, kv rank 16, q/k heads 8 + 4 rope, v 8, bf16) run
     through MLASelfAttention's code path on CPU: the bytes autograd holds equal mla_attention_saved's (the unfused
-    RoPE's cos/sin tables included; the splits, cats, expand and the kv up-projection's contiguous copy as counted)."""
+    RoPE's cos/sin tables included; the splits, cats, expand and the kv up-projection's contiguous copy as counted).
+    ``up_proj``: ``--recompute-granularity selective --recompute-modules mla_up_proj``, run through megatron-core's own
+    CheckpointWithoutOutput (its CUDA RNG-state capture replaced by the CPU one: this machine has no CUDA); the
+    recomputed forward is what the planner prices (megatron_recompute.mla_up_proj_work), checked by hand below."""
     import torch
+    from megatron.core.tensor_parallel import random as mc_random
 
     torch.manual_seed(0)
     s, b, h, heads, r_q, r_kv, qk, rd, vd = 16, 2, 32, 4, 24, 16, 8, 4, 8
@@ -645,6 +661,16 @@ def test_mla_attention_matches_what_torch_saves():
         "v_head_dim": vd,
     }
     x = p(s, b, h)
-    measured, _ = _saved_bytes(lambda: _megatron_mla_forward(x, w, {"heads": heads, "qk": qk, "rope": rd, "v": vd, "kv_rank": r_kv}), list(w.values()))
-    terms = mla_attention_saved(LayerShape.from_architecture(arch), MLAShape.from_architecture(arch), s, b)
-    assert measured == kept_bytes(terms)
+    checkpoint = None
+    if up_proj:
+        monkeypatch.setattr(mc_random, "_get_all_rng_states", lambda: (torch.get_rng_state(), None, None))
+        checkpoint = mc_random.CheckpointWithoutOutput(fp8=None)  # MLASelfAttention passes config.fp8, None in bf16
+    cfg = {"heads": heads, "qk": qk, "rope": rd, "v": vd, "kv_rank": r_kv}
+    measured, _ = _saved_bytes(lambda: _megatron_mla_forward(x, w, cfg, checkpoint), list(w.values()))
+    rc, modules = ("selective", frozenset({"mla_up_proj"})) if up_proj else ("none", frozenset({"core_attn"}))
+    terms = mla_attention_saved(LayerShape.from_architecture(arch), MLAShape.from_architecture(arch), s, b, recompute=rc, modules=modules)
+    assert measured == kept_bytes(terms, rc)
+    if up_proj:  # q, k, v and the cos/sin tables go; the kv latent's storage (with its rope part) replaces its copy
+        full = mla_attention_saved(LayerShape.from_architecture(arch), MLAShape.from_architecture(arch), s, b)
+        T = s * b
+        assert kept_bytes(full) - measured == 2 * T * heads * (2 * (qk + rd) + vd) + 4 * 2 * s * rd - 2 * T * rd

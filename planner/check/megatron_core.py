@@ -54,6 +54,7 @@ def core_config(args: MegatronArgs):
         recompute_granularity=gran,
         recompute_method=args.value("--recompute-method"),
         recompute_num_layers=i("--recompute-num-layers"),
+        recompute_modules=list(args.get("--recompute-modules").values) if args.has("--recompute-modules") else None,
         normalization=args.value("--normalization") or "LayerNorm",
         gated_linear_unit=swiglu,
         activation_func=torch.nn.functional.silu if swiglu else torch.nn.functional.gelu,

@@ -557,6 +557,12 @@ def _megatron_recompute(args) -> str:
     return "full" if gran == "full" else "none"
 
 
+def _megatron_recompute_modules(args) -> tuple[str, ...]:
+    """``--recompute-modules`` as given (() when absent: Megatron's default, core_attn), for selective recomputation."""
+    f = args.get("--recompute-modules")
+    return tuple(f.values) if f is not None and _megatron_recompute(args) == "selective" else ()
+
+
 def _compare_megatron_plan(run: _Run, rel: str, args, plan) -> None:
     from planner.megatron_args import stage_layers
 
@@ -588,6 +594,12 @@ def _compare_megatron_plan(run: _Run, rel: str, args, plan) -> None:
         differ(
             "--recompute-granularity" if args.has("--recompute-granularity") else None,
             f"the flags recompute {rc!r} but plan.json has layout.recompute = {lay.recompute!r}.",
+        )
+    elif rc == "selective" and frozenset(_megatron_recompute_modules(args) or ("core_attn",)) != lay.modules_recomputed:
+        differ(
+            "--recompute-modules" if args.has("--recompute-modules") else "--recompute-granularity",
+            f"the flags recompute {' '.join(_megatron_recompute_modules(args)) or 'core_attn (the default)'} but plan.json has"
+            f" layout.recompute_modules = {list(lay.recompute_modules)}.",
         )
     dist = args.has("--use-distributed-optimizer")
     if dist != (lay.zero >= 1):
@@ -680,6 +692,7 @@ def _memory_megatron(run: _Run, ctx: _Ctx, rel: str, args, world: int | None) ->
         ep=args.int("--expert-model-parallel-size", 1) or 1,
         etp=args.int("--expert-tensor-parallel-size", tp) or tp,
         ep_comm_overlap=args.has("--overlap-moe-expert-parallel-comm"),
+        recompute_modules=_megatron_recompute_modules(args),
     )
     costs = _costs(run, ctx, rel, line, dtype)
     if costs is None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from planner.records import ModelCosts
+from planner.records import ModelCosts, RecomputeWork
 from planner.solve.memory import StateRecipe
 from planner.solve.plan import Layout
 from planner.solve.schedules import SCHEDULE_INFO, schedule_constraints
@@ -54,6 +54,8 @@ class Engine(ABC):
     #: whether stages may be cut inside a repeated block (False: only between whole blocks)
     sub_block_cuts: bool = True
     recompute_modes: tuple[str, ...] = ("none", "full")
+    #: modules selective recomputation can be told to recompute (Megatron --recompute-modules); () : the core attention only
+    recompute_modules: tuple[str, ...] = ()
     #: context parallelism (the sequence split over cp GPUs with ring attention)
     context_parallel: bool = False
     #: the communication overlaps the engine can run (Layout fields: tp_comm_overlap, overlap_grad_reduce, overlap_param_gather)
@@ -83,11 +85,20 @@ class Engine(ABC):
         all-gather ``gather_s`` (0 without a sharded optimizer) both exposed unless the engine overlaps them."""
         return reduce_s + gather_s
 
-    def layer_activations(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str, etp: int = 1) -> ModelCosts:
+    def layer_activations(
+        self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str, etp: int = 1, modules: frozenset[str] = frozenset()
+    ) -> ModelCosts:
         """``costs`` (already scaled to the micro-batch and sharded over tp and cp; ``etp`` the expert tensor-parallel
         size) with the saved activations of the layers this engine runs: as traced, since the engine runs the user's
-        module as it is. An engine that returns other costs has priced its expert layers' rows itself (etp included)."""
+        module as it is. An engine that returns other costs has priced its expert layers' rows itself (etp included).
+        ``modules``: what selective recomputation recomputes (Layout.modules_recomputed; only engines with
+        :attr:`recompute_modules` take others than core_attn)."""
         return costs
+
+    def recompute_work(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, modules: frozenset[str]) -> tuple[RecomputeWork, ...] | None:
+        """Per piece of the sharded ``costs``: the forward selective recomputation of ``modules`` runs again besides the
+        traced attention core (``op_flops_core``, recomputed when core_attn is among them); None: the core alone."""
+        return None
 
     def layer_traffic(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int) -> ModelCosts:
         """``costs`` (already scaled and sharded over tp and cp) with the memory-bound bytes of the layers this engine
@@ -163,9 +174,19 @@ class Engine(ABC):
         out = self.schedule_problems(layout.schedule, layout.pp, layout.num_microbatches, layout.vp) if layout.pp > 1 else []
         out += self.zero_problems(layout.zero, layout.pp)
         out += self.recompute_problems(layout.recompute)
+        if layout.recompute_modules and layout.recompute != "selective":
+            out.append("recompute modules (--recompute-modules) apply to selective recomputation only")
+        elif layout.recompute_modules:
+            out += self.recompute_module_problems(layout.recompute_modules, costs)
         out += self.tensor_parallel_problems(costs, layout.tp)
         out += self.feature_problems(layout, costs)
         return out
+
+    def recompute_module_problems(self, modules: tuple[str, ...], costs: ModelCosts) -> list[str]:
+        """Why selective recomputation cannot recompute ``modules`` of this model on this engine (empty when it can)."""
+        if modules and not self.recompute_modules:
+            return [f"{self.name} recomputes the attention core only under selective recomputation (no --recompute-modules; use --engine megatron)"]
+        return []
 
     def architecture_problem(self, arch: dict[str, Any] | None, model: str) -> tuple[str, str] | None:
         """(message, hint) when the engine cannot build this model from its architecture(); None when it can."""

@@ -39,12 +39,20 @@ from typing import Any
 import numpy as np
 
 from planner.engines.base import Engine, whole_block_cuts
-from planner.engines.megatron_activations import LayerShape, PartBytes, part_bytes
-from planner.engines.megatron_moe_activations import AUX_LOSSES, megatron_layer_saved
+from planner.engines.megatron_activations import CORE_ATTN, LayerShape, PartBytes, part_bytes
+from planner.engines.megatron_moe_activations import AUX_LOSSES, MLAShape, megatron_layer_saved
+from planner.engines.megatron_recompute import NO_RECOMPUTE, dense_mlp_work, mla_up_proj_work
 from planner.engines.megatron_traffic import ROTARY, layer_traffic, part_traffic
-from planner.megatron_args import ARCHITECTURE, architecture_defaults, architecture_problem, tensor_parallel_problems
+from planner.megatron_args import (
+    ARCHITECTURE,
+    MODELLED_RECOMPUTE_MODULES,
+    architecture_defaults,
+    architecture_problem,
+    recompute_module_problems,
+    tensor_parallel_problems,
+)
 from planner.megatron_moe import layer_pattern
-from planner.records import Layer, ModelCosts
+from planner.records import Layer, ModelCosts, RecomputeWork
 from planner.solve.memory import DTYPE_BYTES, StateRecipe, state_recipe
 from planner.solve.plan import Layout, ep_overlap_allowed
 
@@ -98,7 +106,26 @@ def part_pieces(layers: Sequence[Layer], ks: Sequence[int]) -> tuple[tuple[int, 
     return ((attn, "attention"), (mlp, "mlp"))
 
 
-def megatron_layer_activations(costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str, etp: int = 1) -> ModelCosts:
+def megatron_blocks(costs: ModelCosts) -> tuple[dict[str, list[int]], list[bool]] | None:
+    """The transformer blocks' pieces (:func:`block_pieces`) and which blocks are MoE layers, when Megatron's own layers
+    have a closed form for ``costs`` (:func:`megatron_layer`, the block count its ``num_layers``, the MoE blocks those
+    of its ``moe_layer_freq``); None otherwise."""
+    arch = costs.architecture
+    blocks = block_pieces(costs)
+    if not arch or not costs.seq_len or not megatron_layer(arch) or len(blocks) != int(arch.get("num_layers", -1)):
+        return None
+    is_moe = [any(costs.layers[k].num_experts for k in ks) for ks in blocks.values()]
+    if arch.get("num_experts"):
+        if is_moe != [bool(x) for x in layer_pattern(architecture_defaults(arch)["moe_layer_freq"], len(blocks))]:
+            return None
+    elif any(is_moe):
+        return None
+    return blocks, is_moe
+
+
+def megatron_layer_activations(
+    costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str, etp: int = 1, modules: frozenset[str] = CORE_ATTN
+) -> ModelCosts:
     """``costs`` (scaled and sharded) with each transformer block's saved bytes those of Megatron's own TE layer
     (planner.engines.megatron_activations; MoE layers, MLA and q/k norms: planner.engines.megatron_moe_activations, with
     ``etp`` the expert tensor-parallel size), for an ``architecture()`` of :func:`megatron_layer` whose block count is
@@ -106,23 +133,19 @@ def megatron_layer_activations(costs: ModelCosts, tp: int, sequence_parallel: bo
     unchanged. Megatron cuts whole layers only, so a block's total is what counts: the attention sub-layer's bytes go
     to the block's first piece of kind ``attention`` (else its first piece), the MLP's to its first piece of kind
     ``mlp`` (else its last), its other pieces keep none. The embedding, final norm, output layer and loss stay as
-    traced; full recompute keeps each layer's input (the traced cut), and the rebuilt layer is this one."""
+    traced; full recompute keeps each layer's input (the traced cut), and the rebuilt layer is this one. Under
+    selective recomputation, what ``modules`` drop is the blocks' ``core_saved_bytes``."""
     arch = costs.architecture
-    blocks = block_pieces(costs)
-    if not arch or not costs.seq_len or not megatron_layer(arch) or len(blocks) != int(arch.get("num_layers", -1)):
+    found = megatron_blocks(costs)
+    if found is None or arch is None or not costs.seq_len:
         return costs
+    blocks, is_moe = found
     layers = list(costs.layers)
-    is_moe = [any(layers[k].num_experts for k in ks) for ks in blocks.values()]
-    if arch.get("num_experts"):
-        if is_moe != [bool(x) for x in layer_pattern(architecture_defaults(arch)["moe_layer_freq"], len(blocks))]:
-            return costs
-    elif any(is_moe):
-        return costs
     mode = "selective" if recompute == "selective" else "none"
     dtype = DTYPE_BYTES.get(costs.dtype, 2.0)
     parts: dict[bool, dict[str, PartBytes]] = {}
     for moe in set(is_moe):
-        terms = megatron_layer_saved(arch, moe, costs.seq_len // cp, costs.micro_batch, tp, sequence_parallel, etp, dtype, mode)
+        terms = megatron_layer_saved(arch, moe, costs.seq_len // cp, costs.micro_batch, tp, sequence_parallel, etp, dtype, mode, modules or CORE_ATTN)
         parts[moe] = {p: part_bytes(terms, p) for p in ("attention", "mlp")}
     for ks, moe in zip(blocks.values(), is_moe):
         sums: dict[int, list[float]] = {k: [0.0, 0.0, 0.0, 0.0] for k in ks}
@@ -133,6 +156,34 @@ def megatron_layer_activations(costs: ModelCosts, tp: int, sequence_parallel: bo
         for k, (total, gemm, shared, core) in sums.items():
             layers[k] = replace(layers[k], saved_bytes=int(total), gemm_saved_bytes=int(gemm), gemm_shared_bytes=int(shared), core_saved_bytes=int(core))
     return replace(costs, layers=tuple(layers))
+
+
+def megatron_recompute_work(costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, modules: frozenset[str]) -> tuple[RecomputeWork, ...] | None:
+    """Per piece of the sharded ``costs``: what ``mla_up_proj`` and ``mlp`` (dense layers) recompute
+    (planner.engines.megatron_recompute), placed on the pieces :func:`megatron_layer_activations` gives the
+    sub-layers' bytes; None when neither is among ``modules`` (the traced attention core is then all) or when
+    Megatron's layers have no closed form here (the search refuses such modules then: :meth:`MegatronEngine.feature_problems`)."""
+    arch = costs.architecture
+    if not modules & {"mla_up_proj", "mlp"}:
+        return None
+    found = megatron_blocks(costs)
+    if found is None or arch is None or not costs.seq_len:
+        return None
+    blocks, is_moe = found
+    shape = LayerShape.from_architecture(arch)
+    dtype = DTYPE_BYTES.get(costs.dtype, 2.0)
+    tokens = costs.seq_len // cp
+    work = [NO_RECOMPUTE] * costs.n
+    attn = (
+        mla_up_proj_work(shape, MLAShape.from_architecture(arch), tokens, costs.micro_batch, tp, sequence_parallel, dtype)
+        if "mla_up_proj" in modules
+        else NO_RECOMPUTE
+    )
+    mlp = dense_mlp_work(shape, tokens, costs.micro_batch, tp, sequence_parallel, dtype) if "mlp" in modules else NO_RECOMPUTE
+    for ks, moe in zip(blocks.values(), is_moe):
+        for k, part in part_pieces(costs.layers, ks):
+            work[k] = work[k] + (attn if part == "attention" else NO_RECOMPUTE if moe else mlp)
+    return tuple(work)
 
 
 def megatron_layer_traffic(costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int) -> ModelCosts:
@@ -241,6 +292,7 @@ class MegatronEngine(Engine):
     tensor_parallel = True
     sub_block_cuts = False
     recompute_modes = ("none", "selective", "full")
+    recompute_modules = MODELLED_RECOMPUTE_MODULES
     context_parallel = True
     expert_parallel = True
     #: train_step calls zero_grad_buffer() on every model chunk before the forward-backward, which zeroes the whole
@@ -272,9 +324,15 @@ class MegatronEngine(Engine):
         gather = param_gather_exposed(gather_s, sum(forward_s), buckets) if layout.overlap_param_gather else gather_s
         return reduce + gather
 
-    def layer_activations(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str, etp: int = 1) -> ModelCosts:
+    def layer_activations(
+        self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str, etp: int = 1, modules: frozenset[str] = frozenset()
+    ) -> ModelCosts:
         """pretrain_gpt.py runs its own TE layer, not the user's module: :func:`megatron_layer_activations`."""
-        return megatron_layer_activations(costs, tp, sequence_parallel, cp, recompute, etp)
+        return megatron_layer_activations(costs, tp, sequence_parallel, cp, recompute, etp, modules or CORE_ATTN)
+
+    def recompute_work(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, modules: frozenset[str]) -> tuple[RecomputeWork, ...] | None:
+        """:func:`megatron_recompute_work`."""
+        return megatron_recompute_work(costs, tp, sequence_parallel, cp, modules)
 
     def layer_traffic(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int) -> ModelCosts:
         """pretrain_gpt.py runs its own TE layer, not the user's module: :func:`megatron_layer_traffic`."""
@@ -285,6 +343,14 @@ class MegatronEngine(Engine):
             "overlap_grad_reduce": data_parallel > 1 or zero >= 1,
             "overlap_param_gather": data_parallel > 1 and zero >= 1,
         }
+
+    def recompute_module_problems(self, modules: tuple[str, ...], costs: ModelCosts) -> list[str]:
+        """Megatron's own rules for ``modules`` (planner.megatron_args.recompute_module_problems), and modules beyond
+        core_attn only where Megatron's layers have a closed form here (:func:`megatron_blocks`)."""
+        out = recompute_module_problems(modules, costs.architecture)
+        if set(modules) - {"core_attn"} and megatron_blocks(costs) is None:
+            out.append("recompute modules other than core_attn need Megatron's own layers in closed form (an architecture() with one block per layer)")
+        return out
 
     def feature_problems(self, layout: Layout, costs: ModelCosts) -> list[str]:
         out = super().feature_problems(layout, costs)

@@ -43,6 +43,8 @@ from planner.megatron_args import architecture_defaults, megatron_ffn_hidden_siz
 #: bytes of a dropout mask element (torch keeps a bool mask), of a norm statistic and a softmax statistic (fp32)
 MASK_BYTES = 1.0
 STAT_BYTES = 4.0
+#: Megatron's default --recompute-modules with --recompute-granularity selective
+CORE_ATTN = frozenset({"core_attn"})
 
 
 @dataclass(frozen=True)
@@ -95,10 +97,26 @@ def layer_saved(
     dtype_bytes: float = 2.0,
     attention: str = "flash",
     recompute: str = "none",
+    modules: frozenset[str] = CORE_ATTN,
 ) -> tuple[Saved, ...]:
     """Every tensor one layer keeps for backward on one GPU (bytes per micro-batch of ``micro_batch`` samples of
     ``tokens`` tokens each: ``seq / cp`` under context parallelism). ``attention``: ``flash`` (Megatron's TE layer) or
-    ``explicit`` (Korthikanti's); ``recompute`` ``selective`` makes the attention output the projection's alone."""
+    ``explicit`` (Korthikanti's). ``recompute`` ``selective`` recomputes ``modules`` (``--recompute-modules``), and
+    what they drop is of kind ``core``:
+
+    * ``core_attn`` (``_checkpointed_attention_forward``: an ordinary checkpoint of the core attention): the kernel's
+      own saves (the softmax statistics; explicit: the s x s tensors) go, q, k and v stay as the checkpoint's inputs,
+      and the attention output becomes the projection's alone;
+    * ``mlp`` (transformer_layer.py ``_forward_mlp``: ``tensor_parallel.checkpoint(self.mlp, False,
+      pre_mlp_layernorm_output)``, dense layers only): the MLP keeps only its input, which with TE's fused
+      LayerNormLinear (``pre_mlp_layernorm`` is IdentityOp) is the residual stream the norm already kept; its norm
+      statistics, norm output, FC1 output and activation output go (the bias-dropout-add after it is outside the
+      checkpoint and keeps its mask).
+
+    Under ``none`` the softmax statistics (the explicit s x s tensors) stay of kind ``core``: what the default
+    selective recomputation would drop."""
+    core_attn = recompute != "selective" or "core_attn" in modules
+    recompute_mlp = recompute == "selective" and "mlp" in modules
     sb = float(tokens * micro_batch)
     resid = sb * shape.hidden / (tp if sequence_parallel else 1)  # residual-stream elements on this GPU
     q = sb * shape.heads * shape.kv_channels / tp
@@ -107,27 +125,29 @@ def layer_saved(
     norm_stats = (1 if shape.rmsnorm else 2) * STAT_BYTES * resid / shape.hidden
     d = dtype_bytes
     out: list[Saved] = []
+    core = "core" if core_attn else "other"
     for part in ("attention", "mlp"):
-        out += [Saved(f"{part} norm input", d * resid, "other", part), Saved(f"{part} norm statistics", norm_stats, "other", part)]
-        out.append(Saved(f"{part} norm output (GEMM input)", d * resid, "gemm", part))
+        inside = part == "mlp" and recompute_mlp  # dropped by the MLP's checkpoint
+        out += [Saved(f"{part} norm input", d * resid, "other", part), Saved(f"{part} norm statistics", norm_stats, "core" if inside else "other", part)]
+        out.append(Saved(f"{part} norm output (GEMM input)", d * resid, "core" if inside else "gemm", part))
         if part == "attention":
             if attention == "flash":
                 out += [Saved("q", d * q, "other", part), Saved("k", d * kv, "other", part), Saved("v", d * kv, "other", part)]
-                out.append(Saved("softmax statistics", STAT_BYTES * sb * heads, "core", part))
-                shared = "gemm" if recompute == "selective" else "shared"
+                out.append(Saved("softmax statistics", STAT_BYTES * sb * heads, core, part))
+                shared = "gemm" if recompute == "selective" and core_attn else "shared"
                 out.append(Saved("attention output (projection input)", d * q, shared, part))
             elif attention == "explicit":
                 ss = sb * tokens * heads  # s x s scores per head, b samples
                 out += [Saved("q", d * q, "other", part), Saved("k", d * kv, "other", part)]
-                out += [Saved("softmax output", d * ss, "core", part), Saved("softmax dropout mask", MASK_BYTES * ss, "core", part)]
-                out += [Saved("softmax dropout output", d * ss, "core", part), Saved("v", d * kv, "other", part)]
+                out += [Saved("softmax output", d * ss, core, part), Saved("softmax dropout mask", MASK_BYTES * ss, core, part)]
+                out += [Saved("softmax dropout output", d * ss, core, part), Saved("v", d * kv, "other", part)]
                 out.append(Saved("attention output (projection input)", d * q, "gemm", part))
             else:
                 raise ValueError(f"unknown attention {attention!r}")
         else:
             ffn = sb * shape.ffn / tp
-            out.append(Saved("FC1 output (activation input)", d * ffn * (2 if shape.swiglu else 1), "other", part))
-            out.append(Saved("activation output (FC2 input)", d * ffn, "gemm", part))
+            out.append(Saved("FC1 output (activation input)", d * ffn * (2 if shape.swiglu else 1), "core" if inside else "other", part))
+            out.append(Saved("activation output (FC2 input)", d * ffn, "core" if inside else "gemm", part))
         if shape.dropout > 0:
             out.append(Saved(f"{part} dropout mask", MASK_BYTES * resid, "other", part))
     return tuple(out)

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from planner.engines.megatron_activations import MASK_BYTES, STAT_BYTES, LayerShape, Saved, layer_saved
+from planner.engines.megatron_activations import CORE_ATTN, MASK_BYTES, STAT_BYTES, LayerShape, Saved, layer_saved
 from planner.megatron_args import architecture_defaults
 
 #: bytes of an int64 index (torch.topk's indices, masked_select's token indices) and of a bool routing map element
@@ -237,6 +237,7 @@ def mla_attention_saved(
     sequence_parallel: bool = False,
     dtype_bytes: float = 2.0,
     recompute: str = "none",
+    modules: frozenset[str] = CORE_ATTN,
 ) -> tuple[Saved, ...]:
     """Every tensor one MLA attention sub-layer keeps for backward on one GPU (bytes), multi_latent_attention.py
     core_v0.16.1 ``MLASelfAttention.get_query_key_value_tensors`` and ``MultiLatentAttention.forward``:
@@ -254,12 +255,25 @@ def mla_attention_saved(
       [s / cp, rope_dim] in the input dtype for q and again for k; the splits, the cat and the expand keep nothing;
     * core attention (TE DotProductAttention) q and k [S, heads / tp, qk_head_dim + rope_dim], v [S, heads / tp,
       v_head_dim], its output [S, heads / tp, v_head_dim] (the projection's input, ``shared``) and the fp32 softmax
-      statistics (``core``); then the dropout mask when the hidden dropout is > 0."""
+      statistics (``core``); then the dropout mask when the hidden dropout is > 0.
+
+    ``recompute`` ``selective`` recomputes ``modules``; what they drop is of kind ``core``. ``core_attn`` as
+    megatron_activations.layer_saved. ``mla_up_proj`` runs ``qkv_up_proj_and_rope_apply`` (the up projections, their
+    fused latent norms and RoPE) in a ``CheckpointWithoutOutput`` (tensor_parallel/random.py): under no_grad, keeping
+    only its inputs, detached views of their storages: q_compressed [T, q_lora_rank] and kv_compressed, a split view of
+    the kv down projection's output, so its whole storage [T, kv_lora_rank + rope_dim]; with sequence parallelism
+    k_pos_emb is gathered to [S, rope_dim], a storage of its own. Its outputs q, k and v are freed once the core attention
+    has run (``discard_output_and_register_recompute``) and rebuilt before its backward: the latent norms' statistics,
+    the up projections' inputs (the normed latents), RoPE's cos and sin and q, k, v go. The rotary table is one tensor
+    for all layers, not counted."""
     S = float(tokens * micro_batch)
     T = S / (tp if sequence_parallel else 1)
     d, h = dtype_bytes, shape.hidden
     heads = mla.heads / tp
     stat = (1 if shape.rmsnorm else 2) * STAT_BYTES
+    core_attn = recompute != "selective" or "core_attn" in modules
+    up = recompute == "selective" and "mla_up_proj" in modules
+    inside = "core" if up else "other"  # what the up-projection checkpoint no longer keeps
     out = [
         Saved("attention norm input", d * T * h, "other", "attention"),
         Saved("attention norm statistics", stat * T, "other", "attention"),
@@ -268,16 +282,26 @@ def mla_attention_saved(
     for name, width in (("q", mla.q_lora_rank), ("kv", mla.kv_lora_rank)):
         if not width:
             continue
+        if up:
+            stored = width + (mla.rope_dim if name == "kv" else 0)  # kv_compressed's storage is the down projection's output
+            out.append(Saved(f"{name} latent (up-projection checkpoint input)", d * T * stored, "other", "attention"))
+            if mla.latent_norms:
+                out.append(Saved(f"{name} latent norm statistics", stat * T, "core", "attention"))
+                out.append(Saved(f"{name} up-projection input", d * T * width, "core", "attention"))
+            continue
         if mla.latent_norms:
             out.append(Saved(f"{name} latent norm input", d * T * width, "other", "attention"))
             out.append(Saved(f"{name} latent norm statistics", stat * T, "other", "attention"))
         out.append(Saved(f"{name} up-projection input", d * T * width, "gemm", "attention"))
-    out.append(Saved("RoPE cos and sin (unfused, q and k)", 2 * 2 * d * tokens * mla.rope_dim, "other", "attention"))
+    if up and sequence_parallel and tp > 1:
+        out.append(Saved("k_pos_emb, gathered (up-projection checkpoint input)", d * S * mla.rope_dim, "other", "attention"))
+    out.append(Saved("RoPE cos and sin (unfused, q and k)", 2 * 2 * d * tokens * mla.rope_dim, inside, "attention"))
     qk = S * heads * (mla.qk_head_dim + mla.rope_dim)
     v = S * heads * mla.v_head_dim
-    out += [Saved("q", d * qk, "other", "attention"), Saved("k", d * qk, "other", "attention"), Saved("v", d * v, "other", "attention")]
-    out.append(Saved("softmax statistics", STAT_BYTES * S * heads, "core", "attention"))
-    out.append(Saved("attention output (projection input)", d * v, "gemm" if recompute == "selective" else "shared", "attention"))
+    out += [Saved("q", d * qk, inside, "attention"), Saved("k", d * qk, inside, "attention"), Saved("v", d * v, inside, "attention")]
+    out.append(Saved("softmax statistics", STAT_BYTES * S * heads, "core" if core_attn else "other", "attention"))
+    shared = "gemm" if recompute == "selective" and core_attn else "shared"
+    out.append(Saved("attention output (projection input)", d * v, shared, "attention"))
     if shape.dropout > 0:
         out.append(Saved("attention dropout mask", MASK_BYTES * T * h, "other", "attention"))
     return tuple(out)
@@ -293,16 +317,18 @@ def megatron_layer_saved(
     etp: int = 1,
     dtype_bytes: float = 2.0,
     recompute: str = "none",
+    modules: frozenset[str] = CORE_ATTN,
 ) -> tuple[Saved, ...]:
     """Every tensor one of Megatron's layers for ``arch`` keeps (bytes per micro-batch): the attention sub-layer (GQA
     as megatron_activations.layer_saved, plus :func:`qk_norm_saved` with ``qk_layernorm``; or
     :func:`mla_attention_saved`), then the MLP (the dense TE MLP of ``ffn_hidden_size``; an MoE layer's
-    :func:`moe_mlp_saved`)."""
+    :func:`moe_mlp_saved`). Under ``selective`` recomputation ``modules`` (``--recompute-modules``) decide what goes
+    (kind ``core``); ``mlp`` recomputes dense MLPs only (TransformerLayer sets ``recompute_mlp`` only without MoE)."""
     shape = LayerShape.from_architecture(arch)
     mode = "selective" if recompute == "selective" else "none"
-    dense = layer_saved(shape, tokens, micro_batch, tp, sequence_parallel, dtype_bytes, recompute=mode)
+    dense = layer_saved(shape, tokens, micro_batch, tp, sequence_parallel, dtype_bytes, recompute=mode, modules=modules)
     if arch.get("multi_latent_attention"):
-        attention = mla_attention_saved(shape, MLAShape.from_architecture(arch), tokens, micro_batch, tp, sequence_parallel, dtype_bytes, mode)
+        attention = mla_attention_saved(shape, MLAShape.from_architecture(arch), tokens, micro_batch, tp, sequence_parallel, dtype_bytes, mode, modules)
     else:
         attention = tuple(t for t in dense if t.part == "attention")
         if arch.get("qk_layernorm"):

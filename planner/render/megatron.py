@@ -292,6 +292,8 @@ def flag_groups(plan: Plan) -> dict[str, Flags]:
         training.append((f"--{dtype}", None))
     if lay.recompute == "selective":
         training.append(("--recompute-granularity", "selective"))
+        if lay.recompute_modules:
+            training.append(("--recompute-modules", tuple(lay.recompute_modules)))
     elif lay.recompute == "full":
         training += [("--recompute-granularity", "full"), ("--recompute-method", "uniform"), ("--recompute-num-layers", "1")]
     elif lay.recompute != "none":

@@ -73,6 +73,16 @@ class Layout:
     #: the expert-parallel all-to-alls of one micro-batch overlapped with the computation of another (Megatron
     #: --overlap-moe-expert-parallel-comm: the combined 1F1B schedule; needs ep > 1, vp with pp > 1, no full recompute)
     ep_comm_overlap: bool = False
+    #: what selective recomputation recomputes (Megatron --recompute-modules, in the order given); () is the engine's
+    #: default, the core attention (Megatron: core_attn)
+    recompute_modules: tuple[str, ...] = ()
+
+    @property
+    def modules_recomputed(self) -> frozenset[str]:
+        """The modules selective recomputation recomputes (core_attn when none are named); empty without it."""
+        if self.recompute != "selective":
+            return frozenset()
+        return frozenset(self.recompute_modules or ("core_attn",))
 
     @property
     def world(self) -> int:
@@ -96,6 +106,8 @@ class Layout:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Layout:
         values = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        if "recompute_modules" in values:
+            values["recompute_modules"] = tuple(values["recompute_modules"])
         if d.get("engine") == "megatron" and "overlap_grad_reduce" not in d:
             # plans written before the overlaps were fields: Megatron's gradient reduce overlapped (and was rendered)
             # whenever there was a data-parallel group or a distributed optimizer
@@ -108,9 +120,10 @@ class Layout:
         cp = f" cp{self.cp}" if self.cp > 1 else ""
         fp8 = (" fp8" + (" fp8-params" if self.fp8_param_gather else "")) if self.fp8 else ""
         ep = f" ep{self.ep}" + (f" etp{self.etp}" if self.etp > 1 else "") if self.ep > 1 else ""
+        rc = f"({'+'.join(self.recompute_modules)})" if self.recompute_modules and self.recompute == "selective" else ""
         return (
             f"pp{self.pp} tp{self.tp}{cp} dp{self.dp}{ep}{v} {self.schedule} mb{self.micro_batch}x{self.num_microbatches} "
-            f"recompute={self.recompute} zero={self.zero}{sp}{fp8}"
+            f"recompute={self.recompute}{rc} zero={self.zero}{sp}{fp8}"
         )
 
 

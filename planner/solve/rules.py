@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:  # only for annotations: no import at run time
     import numpy as np
 
-    from planner.records import ModelCosts
+    from planner.records import ModelCosts, RecomputeWork
     from planner.solve.memory import StateRecipe
     from planner.solve.plan import Layout
 
@@ -39,6 +39,7 @@ class EngineRules(Protocol):
     name: str
     tensor_parallel: bool
     recompute_modes: tuple[str, ...]
+    recompute_modules: tuple[str, ...]
     zero_levels: tuple[int, ...]
     searched_schedules: tuple[str, ...]
     context_parallel: bool
@@ -63,9 +64,16 @@ class EngineRules(Protocol):
         """Model-state bytes per parameter as this engine allocates them for ``layout``'s precision options."""
         ...
 
-    def layer_activations(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str, etp: int = 1) -> ModelCosts:
+    def layer_activations(
+        self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str, etp: int = 1, modules: frozenset[str] = frozenset()
+    ) -> ModelCosts:
         """The sharded ``costs`` with the saved activations of the layers the engine runs (the traced ones unless it
-        builds its own; then its expert layers' rows include the expert tensor-parallel all-gather over ``etp``)."""
+        builds its own; then its expert layers' rows include the expert tensor-parallel all-gather over ``etp``);
+        ``modules``: what selective recomputation recomputes."""
+        ...
+
+    def recompute_work(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, modules: frozenset[str]) -> tuple[RecomputeWork, ...] | None:
+        """Per piece: the forward selective recomputation of ``modules`` runs again besides the attention core; None: the core alone."""
         ...
 
     def layer_traffic(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int) -> ModelCosts:

@@ -123,6 +123,8 @@ class SearchOptions:
     etp: int | None = None  # expert tensor-parallel size (searched in {1, tp} for MoE models when None)
     #: Megatron --overlap-moe-expert-parallel-comm; None: searched (on and off) where its preconditions hold
     ep_comm_overlap: bool | None = None
+    #: what selective recomputation recomputes (Megatron --recompute-modules); () : the engine's default (core attention)
+    recompute_modules: tuple[str, ...] = ()
 
 
 @dataclass
@@ -230,7 +232,7 @@ class Context:
         self._sharded: dict[tuple[int, int, bool, int], ModelCosts] = {}
         self._timed: dict[tuple[int, int, bool, int], ModelCosts] = {}
         self._times: dict[tuple[object, ...], PieceTimes] = {}
-        self._memory: dict[tuple[int, int, str, bool, int, bool, int, int], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._memory: dict[tuple[int, int, str, bool, int, bool, int, int, frozenset[str]], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
         self._cuts: dict[tuple[int, int, bool, int], tuple[np.ndarray, np.ndarray]] = {}
         self._prefix: dict[int, tuple[PieceTimes, np.ndarray]] = {}
         self._p2p: dict[tuple[int, int, int, int, bool, bool, int], np.ndarray] = {}
@@ -266,16 +268,17 @@ class Context:
         return self._experts[key]
 
     def memory(
-        self, b: int, tp: int, recompute: str, sp: bool = True, cp: int = 1, fp8: bool = False, ep: int = 1, etp: int = 1
+        self, b: int, tp: int, recompute: str, sp: bool = True, cp: int = 1, fp8: bool = False, ep: int = 1, etp: int = 1, modules: frozenset[str] = frozenset()
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(parameters, other static bytes, activation bytes per micro-batch, pending-W bytes) per piece range
         (``fp8``: the saved GEMM inputs as Transformer Engine's FP8 linear layers keep them; ``ep``/``etp``: experts
         split over the expert groups), with the saved activations of the layers the engine runs (``layer_activations``);
-        for traced layers, the input rows the grouped GEMMs keep all-gathered over etp (:func:`expert_saved_extra`)."""
-        key = (b, tp, recompute, sp, cp, fp8, ep, etp)
+        for traced layers, the input rows the grouped GEMMs keep all-gathered over etp (:func:`expert_saved_extra`).
+        ``modules``: what selective recomputation recomputes (Layout.modules_recomputed)."""
+        key = (b, tp, recompute, sp, cp, fp8, ep, etp, modules)
         if key not in self._memory:
             sharded = self.sharded(b, tp, sp, cp)
-            costs = self.engine.layer_activations(sharded, tp, sp and tp > 1, cp, recompute, etp)
+            costs = self.engine.layer_activations(sharded, tp, sp and tp > 1, cp, recompute, etp, modules)
             params, other, act, wgrad = range_matrices(costs, tp, recompute, fp8, ep=ep, etp=etp)
             if costs is sharded:
                 act = act + expert_saved_extra(sharded, tp if sp and tp > 1 else 1, etp, recompute)
@@ -434,9 +437,10 @@ class Context:
         ep: int = 1,
         etp: int = 1,
         ep_overlap: float = 0.0,
+        modules: frozenset[str] = frozenset(),
     ) -> PieceTimes:
         dev = self.cluster.device_of(first_rank)
-        key = (b, tp, recompute, dev.key, sp, cp, tp_overlap, fp8, ep, etp, ep_overlap)
+        key = (b, tp, recompute, dev.key, sp, cp, tp_overlap, fp8, ep, etp, ep_overlap, modules)
         if key not in self._times:
             sharded = self.sharded(b, tp, sp, cp)
             timed = self.timed(b, tp, sp, cp)
@@ -448,8 +452,26 @@ class Context:
             casts, kept = fp8_casts(self.costs, b, tp, cp, split, etp) if fp8 else (None, None)
             coll_t = list(coll) if coll else 0.0
             terms = [self._dispatcher_terms(l, split, first_rank, ep, etp) for l in sharded.layers] if any(l.num_experts for l in sharded.layers) else None
+            work = self.engine.recompute_work(sharded, tp, sp and tp > 1, cp, modules) if recompute == "selective" and modules else None
             t = analytical_times(
-                timed, dev, dtype, recompute, tp, coll_t, tp_overlap, "fp8" if fp8 else None, kernel, cp, step, experts, casts, kept, terms, ep_overlap
+                timed,
+                dev,
+                dtype,
+                recompute,
+                tp,
+                coll_t,
+                tp_overlap,
+                "fp8" if fp8 else None,
+                kernel,
+                cp,
+                step,
+                experts,
+                casts,
+                kept,
+                terms,
+                ep_overlap,
+                work,
+                not modules or "core_attn" in modules,
             )
             measured = self.opts.measured.get(dev.key)
             if measured and tp == 1 and cp == 1 and not fp8 and ep * etp == 1:
@@ -622,6 +644,7 @@ def with_options(base: Layout, opts: SearchOptions, engine: EngineRules) -> list
             optimizer_state_dtype=opts.optimizer_state_dtype,
             fp8=opts.fp8,
             fp8_param_gather=opts.fp8_param_gather,
+            recompute_modules=opts.recompute_modules if base.recompute == "selective" else (),
         )
         for t in tpo
         for e in epo
@@ -674,6 +697,7 @@ def lower_bound(ctx: Context, lay: Layout, dtype: str) -> float:
             lay.ep,
             lay.etp,
             ep_paired(lay),
+            lay.modules_recomputed,
         )
         total, largest = ctx.sum_and_max(t)
         best = min(best, lay.num_microbatches * max(total / lay.pp, largest))
@@ -741,7 +765,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     # Megatron's expert-data-parallel group; engines without expert parallelism treat experts as dense weights
     edp = expert_data_parallel(tp, cp, dp, ep, etp) if ctx.engine.expert_parallel else dp * cp
     we, ge, oe = recipe.per_param(edp)  # expert gradients and optimizer state: over the expert-data-parallel group
-    params_m, other_m, act, wgrad = ctx.memory(b, tp, lay.recompute, sp, cp, lay.fp8, ep, etp)
+    params_m, other_m, act, wgrad = ctx.memory(b, tp, lay.recompute, sp, cp, lay.fp8, ep, etp, lay.modules_recomputed)
     experts_m = expert_range_params(sharded, ep, etp) if ep * etp > 1 or ctx.has_expert_params(b, tp, sp, cp) else None
     static = params_m * per_param + other_m
     if recipe.fp8_gemm_bytes:  # TE's FP8 copies of the transformer blocks' GEMM weights
@@ -782,7 +806,9 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         key = devices[r].key
         if key not in classes:
             classes[key] = len(classes)
-            times_by_class.append(ctx.times(b, tp, lay.recompute, r * block, dtype, sp, cp, lay.tp_comm_overlap, lay.fp8, lay.ep, lay.etp, ep_paired(lay)))
+            times_by_class.append(
+                ctx.times(b, tp, lay.recompute, r * block, dtype, sp, cp, lay.tp_comm_overlap, lay.fp8, lay.ep, lay.etp, ep_paired(lay), lay.modules_recomputed)
+            )
     compute = [ctx.prefix(t) for t in times_by_class]
     stage_device = [classes[devices[stage_rank[j]].key] for j in range(S)]
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 from planner import hardware
 from planner.hardware import Cluster, DeviceProfile
-from planner.records import ModelCosts, scale_layer
+from planner.records import ModelCosts, RecomputeWork, scale_layer
 from planner.solve.expert_groups import expert_parallel_ranks, expert_tensor_ranks
 
 TP_COLLECTIVES = {"attention": (1, 1), "mlp": (1, 1), "block": (2, 2), "embedding": (1, 0), "head": (0, 1)}
@@ -371,6 +371,8 @@ def analytical_times(
     kept_flops: Sequence[tuple[float, float]] | None = None,
     dispatcher_terms: Sequence[tuple[float, float]] | None = None,
     ep_overlap: float = 0.0,
+    recompute_work: Sequence[RecomputeWork] | None = None,
+    recompute_core: bool = True,
 ) -> PieceTimes:
     """Roofline times of every piece (``costs`` already sharded with :func:`shard_costs`).
 
@@ -394,6 +396,9 @@ def analytical_times(
     ``ep_overlap`` (Megatron's --overlap-moe-expert-parallel-comm) is the share of the forward and backward passes
     that run paired with another micro-batch's (:func:`paired_share`): in those the dispatch and combine hide behind
     its computation of the same layer (:func:`overlapped_dispatch_time`), the others expose them.
+    Selective recomputation recomputes the attention core (``recompute_core``; off when the engine was told other
+    modules only) and, per piece, ``recompute_work`` (the engine's recomputed modules: GEMMs at the piece's GEMM
+    rate, memory-bound kernels, and their residual-stream collectives).
     """
     mm_dtype = matmul_dtype or dtype
     n = len(costs.layers)
@@ -459,9 +464,16 @@ def analytical_times(
         if recompute == "full":
             r = f
         elif recompute == "selective":
-            r = ops_time(l.op_flops_core, l.core_flops_fwd, device, dtype, kernel_floor_s) + bytes_time(
-                l.op_bytes_core, l.core_bytes_fwd, device, kernel_floor_s
-            )
+            r = 0.0
+            if recompute_core:
+                r = ops_time(l.op_flops_core, l.core_flops_fwd, device, dtype, kernel_floor_s) + bytes_time(
+                    l.op_bytes_core, l.core_bytes_fwd, device, kernel_floor_s
+                )
+            if recompute_work is not None and (recompute_work[k].gemm_flops or recompute_work[k].kernel_bytes):
+                rw = recompute_work[k]
+                mm_r = ops_time(rw.gemm_flops, sum(rw.gemm_flops), device, gemm_dtype, kernel_floor_s)
+                r += mm_r + bytes_time(rw.kernel_bytes, sum(rw.kernel_bytes), device, kernel_floor_s)
+                r += overlapped_collective_time(rw.collectives * coll[k], mm_r, tp) if tp_overlap else rw.collectives * coll[k]
         else:
             r = 0.0
         fwd.append(f)
