@@ -74,7 +74,6 @@ __all__ = [
 ]
 
 ACTIVATIONS = ("gelu", "swiglu")
-
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 #: --position-embedding-type choices of Megatron-LM core_v0.16.1 (arguments.py, _add_network_size_args)
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "mrope", "relative", "none")

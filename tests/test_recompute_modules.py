@@ -174,6 +174,10 @@ def test_mla_up_proj_without_mla_is_refused_by_megatron_core_and_by_meg020():
     with pytest.raises(ValueError, match="mla_up_proj"):
         core_config(args)
     assert [f.rule for f in check_megatron_args(args)] == ["MEG020"]
+    # a module list without selective granularity does nothing in Megatron: MEG020 says so
+    plain = rendered(load("moe_tiny_tp2"))
+    plain = dataclasses.replace(plain, flags=plain.flags + (Flag("--recompute-modules", ("mlp",), None),))
+    assert [f.rule for f in check_megatron_args(plain)] == ["MEG020"]
 
 
 def test_plan_json_round_trips_the_modules():

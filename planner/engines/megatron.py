@@ -162,7 +162,8 @@ def megatron_recompute_work(costs: ModelCosts, tp: int, sequence_parallel: bool,
     """Per piece of the sharded ``costs``: what ``mla_up_proj`` and ``mlp`` (dense layers) recompute
     (planner.engines.megatron_recompute), placed on the pieces :func:`megatron_layer_activations` gives the
     sub-layers' bytes; None when neither is among ``modules`` (the traced attention core is then all) or when
-    Megatron's layers have no closed form here (the search refuses such modules then: :meth:`MegatronEngine.feature_problems`)."""
+    Megatron's layers have no closed form here (layouts with such modules are refused then:
+    :meth:`MegatronEngine.recompute_module_problems`)."""
     arch = costs.architecture
     if not modules & {"mla_up_proj", "mlp"}:
         return None
