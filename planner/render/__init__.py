@@ -182,6 +182,8 @@ def canonical_command(plan: Plan) -> str:
         v = inp.get(key)
         if v is not None and v != default:
             words += [flag, f"{v:g}" if isinstance(v, float) else str(v)]
+    if inp.get("recompute_modules"):
+        words += ["--recompute-modules", ",".join(inp["recompute_modules"])]
     for on, off, key in _SWITCHES:
         v = inp.get(key)
         if v is True:
