@@ -134,10 +134,27 @@ def test_recompute_time_is_the_modules_work(deepseek_tiny):
 
 
 def test_modules_lower_the_peak_by_what_they_drop(deepseek_tiny):
-    """The same layout with mla_up_proj + mlp holds less than with core_attn alone, and more than with full recomputation."""
+    """With the split fixed, each stage's activation bytes per micro-batch fall by exactly what the closed form says the
+    modules drop, block by block (4 MLA layers: q, k, v, RoPE's tables; the dense first layer's MLP too); the peak
+    falls, and stays above full recomputation's."""
+    from planner.engines.megatron import megatron_blocks
+    from planner.engines.megatron_activations import CORE_ATTN
+    from planner.engines.megatron_moe_activations import megatron_layer_saved
+
     core, _ = _priced(deepseek_tiny, ())
-    up, _ = _priced(deepseek_tiny, ("mla_up_proj", "mlp"))
-    full, _ = _priced(deepseek_tiny, (), "full")
+    modules = frozenset({"mla_up_proj", "mlp"})
+    up, _ = _priced(deepseek_tiny, tuple(sorted(modules)), bounds=core.bounds)
+    full, _ = _priced(deepseek_tiny, (), "full", bounds=core.bounds)
+    arch, seq = deepseek_tiny.architecture, deepseek_tiny.seq_len
+    blocks, is_moe = megatron_blocks(deepseek_tiny)
+
+    def dropped(moe):
+        kept = [kept_bytes(megatron_layer_saved(arch, moe, seq, 1, recompute="selective", modules=m), "selective") for m in (CORE_ATTN, modules)]
+        return kept[0] - kept[1]
+
+    for j, (a, c) in enumerate(zip(core.bounds, core.bounds[1:])):
+        expected = sum(dropped(moe) for ks, moe in zip(blocks.values(), is_moe) if a <= ks[0] < c)
+        assert expected > 0 and core.act_per_mb[j] - up.act_per_mb[j] == pytest.approx(expected, rel=1e-12)
     peak = [max(r["activations"] for r in ev.rank_memory) for ev in (core, up, full)]
     assert peak[0] > peak[1] > peak[2]
 
