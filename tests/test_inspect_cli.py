@@ -60,6 +60,26 @@ def test_build_model_raising_names_the_line():
     assert "raises.py line 5" in out
 
 
+def test_forward_failing_on_its_own_arguments_is_not_called_a_tracing_or_meta_problem():
+    """fx traces the model; running the graph fails in the model's own call (view(None)): the error says so, names the
+    call, and gives neither the meta-device advice nor the torch.where one."""
+    out = _error(run("inspect", MODELS / "badarg.py"))
+    assert "The model's forward() raised TypeError at its call view()" in out
+    assert "not in tracing or the meta device" in out and "--model-arg" in out
+    assert "device=x.device" not in out and "torch.where" not in out
+    assert run("inspect", MODELS / "badarg.py", "--model-arg", "k=(-1,)").exit_code == 0
+
+
+def test_forward_failing_under_both_tracers_and_a_plain_run_names_the_line():
+    """fx fails on a root-level shape branch, torch.export on topk(k=None); a plain run fails at the same line, so the
+    error is the model's (file and line), not the tracers', and suggests no tracer option."""
+    out = _error(run("inspect", MODELS / "badarg_root.py"))
+    assert "raises TypeError when run as is, before any tracing" in out
+    assert "topk(): argument 'k' must be int, not NoneType" in out and "badarg_root.py line 19" in out
+    assert "neither tracer nor --leaf can help" in out and "torch.where" not in out
+    assert run("inspect", MODELS / "badarg_root.py", "--model-arg", "k=2").exit_code == 0
+
+
 def test_unknown_model_arg_lists_the_accepted_ones():
     out = _error(run("inspect", ROOT / "examples/gpt2.py", "--model-arg", "presett=gpt2"))
     assert "does not accept --model-arg presett" in out

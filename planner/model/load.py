@@ -87,6 +87,13 @@ class ModelFile:
         except UsageError:
             raise
         except Exception as e:  # user code: report where it failed
+            library = LIBRARY_PACKAGES.get((self.spec or "").partition(":")[0])
+            if library is not None:
+                raise UsageError(
+                    f"{self.name}: {library} could not {_STEP.get(name, f'run {name}() for')} this model: it raised "
+                    f"{type(e).__name__}: {e} ({_library_frame(e, library)}).",
+                    f"The error comes from the library's own code with these settings, not from the planner: {_LIBRARY_HINT[library]}",
+                ) from e
             raise UsageError(
                 f"{self.name}: {name}() raised {type(e).__name__}: {e} ({_user_frame(e, self.path)}).",
                 "Fix the model file or the --model-arg values; the model-file contract is in the README.",
@@ -158,6 +165,33 @@ def training_switches(model: torch.nn.Module) -> list[str]:
             where = f"{path}.config" if path else "config"
             notes.append(f"{where}.use_cache set to False: the KV cache is for inference, training does not use it")
     return notes
+
+
+#: the package whose code a library model spec runs, by spec prefix
+LIBRARY_PACKAGES = {"hf": "transformers", "timm": "timm", "torchvision": "torchvision"}
+_STEP = {"build_model": "build", "example_inputs": "make example inputs for", "example_target": "make example targets for"}
+_LIBRARY_HINT = {
+    "transformers": "set the config fields the failing line reads with --model-arg KEY=VALUE, or start from the config.json of a released checkpoint.",
+    "timm": "check the --model-arg values against the model's constructor arguments (timm.create_model keywords).",
+    "torchvision": "check the --model-arg values against the model builder's keyword arguments.",
+}
+
+
+def _library_frame(exc: BaseException, package: str) -> str:
+    """'file.py line N: code' of the deepest traceback frame in ``package``'s model code (``<package>/models/``), else
+    anywhere in ``package``, else outside the planner: the library line that raised."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    here = str(Path(__file__).resolve().parent.parent)
+    paths = [f.filename.replace("\\", "/") for f in frames]
+    inside = (
+        [f for f, q in zip(frames, paths) if f"{package}/models/" in q]  # the model's own code (transformers, timm, torchvision)
+        or [f for f, q in zip(frames, paths) if f"{package}/" in q]
+        or [f for f in frames if not f.filename.startswith(here)]
+    )
+    if not inside:
+        return "at an unknown line"
+    f = inside[-1]
+    return f"{Path(f.filename).name} line {f.lineno}: {(f.line or '').strip()}"
 
 
 def _user_frame(exc: BaseException, path: Path) -> str:

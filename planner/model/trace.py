@@ -520,6 +520,9 @@ def build_layer_graph(
             if fx_error is not None:
                 notes.append(f"torch.fx could not trace the model ({_failure_text(fx_error)}); traced with torch.export instead")
         except TraceFailure as e:
+            eager = _eager_failure(model, inputs)
+            if eager is not None and type(eager) is type(e.cause) and _where(eager) == e.where:
+                raise _run_error(eager, model) from eager  # it fails the same way when simply run: no tracer option helps
             raise _trace_error(fx_error, e, model) from e.cause
 
     consts: dict[fx.Node, Any] = {}
@@ -593,6 +596,13 @@ def _bake_constants(gm: fx.GraphModule, consts: dict[fx.Node, Any], consts2: dic
     ]
 
 
+def _reads_values(e: BaseException) -> bool:
+    """Whether ``e`` is the meta device refusing to give a tensor's values (.item(), a data-dependent branch)."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = f"{first} {e.__cause__ or ''}".lower()
+    return any(k in text for k in ("meta tensor", "data-dependent", "item()", "cannot copy out", "not implemented for 'meta'"))
+
+
 def _meta_error(e: BaseException, model: nn.Module) -> UsageError:
     """A clear error for a model that cannot run on the meta device, naming the module and the source line."""
     node = getattr(e, "_planner_node", None)
@@ -606,14 +616,22 @@ def _meta_error(e: BaseException, model: nn.Module) -> UsageError:
                 mod = f" in module {path} ({type(model.get_submodule(path)).__name__})"
             except AttributeError:
                 mod = f" in module {path}"
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    text = f"{first} {e.__cause__ or ''}".lower()
-    if any(k in text for k in ("meta tensor", "data-dependent", "item()", "cannot copy out", "not implemented for 'meta'")):
+        if where == "an unknown line":  # the traced graph ran, not the source: name the call that failed
+            target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+            where = f"its call {target}() (traced graph node {node.name})"
+    first = str(e).strip().splitlines()[0].rstrip(":") if str(e).strip() else ""
+    if _reads_values(e):
         return UsageError(
             f"The model reads tensor values{mod} at {where}; the planner runs models on the meta device, "
             f"where values are not known ({type(e).__name__}: {first}).",
             "Make the branch independent of tensor values (torch.where, masking, or a decision from shapes or "
             "constructor arguments); --leaf and --tracer export cannot help with a value-dependent branch.",
+        )
+    if isinstance(e, MODEL_CODE_ERRORS) and "meta" not in f"{first} {e.__cause__ or ''}".lower():
+        return UsageError(
+            f"The model's forward() raised {type(e).__name__}{mod} at {where}: {first}.",
+            "The failure is in the model's code with these arguments, not in tracing or the meta device: fix the code there "
+            "or the arguments it reads (a library model's config fields: --model-arg KEY=VALUE).",
         )
     return UsageError(
         f"Running the model on the meta device failed{mod} at {where}: {type(e).__name__}: {first}.",
@@ -634,6 +652,34 @@ def _failure_text(f: TraceFailure) -> str:
         first = first[:297] + "..."
     at = f" (at {f.where})" if f.where != "an unknown line" else ""
     return f"{type(exc).__name__}" + (f": {first}" if first else "") + at
+
+
+#: Python errors that, raised in a model's own code while torch.export runs its forward, are the model failing on its
+#: arguments rather than a tracing limitation
+MODEL_CODE_ERRORS = (TypeError, ValueError, AttributeError, KeyError, IndexError, ZeroDivisionError)
+
+
+def _eager_failure(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> BaseException | None:
+    """The exception the model raises when its forward simply runs on ``inputs`` (meta tensors, no tracer), or None."""
+    try:
+        with torch.no_grad(), _quiet_torch_logs():
+            model(*inputs)
+    except Exception as e:
+        return e
+    return None
+
+
+def _run_error(e: BaseException, model: nn.Module) -> UsageError:
+    """The error for a model whose forward raises when run as is: a value read on the meta device (:func:`_meta_error`),
+    or its own code failing on its arguments, which no tracer option changes."""
+    if _reads_values(e):
+        return _meta_error(e, model)
+    first = next((x.strip() for x in str(e).splitlines() if x.strip()), "")
+    return UsageError(
+        f"The model's forward() raises {type(e).__name__} when run as is, before any tracing" + (f" ({first})" if first else "") + f", at {_where(e)}.",
+        "The failure is in the model's code with these arguments, so neither tracer nor --leaf can help: fix the line "
+        "above or the arguments it reads (a library model's config fields: --model-arg KEY=VALUE).",
+    )
 
 
 def _trace_error(fx_err: TraceFailure | None, export_err: TraceFailure | None, model: nn.Module) -> UsageError:
@@ -668,7 +714,15 @@ def _trace_error(fx_err: TraceFailure | None, export_err: TraceFailure | None, m
         hints.append("move the branch into a submodule and name its class with --leaf")
     if export_err is None:
         hints.append("try --tracer export")
-    hints.append("rewrite branches on tensor values with torch.where so they do not depend on the values")
+    if export_err is not None and isinstance(export_err.cause, MODEL_CODE_ERRORS) and export_err.where != "an unknown line":
+        # torch.export runs forward() as Python: a plain Python error there is the model's code failing on its arguments
+        hints.append(
+            f"the model's own code raised {type(export_err.cause).__name__} at {export_err.where.partition(':')[0]} while "
+            "torch.export ran its forward(), so no tracer option helps: check the arguments that line reads (a library "
+            "model's config fields: --model-arg KEY=VALUE)"
+        )
+    else:
+        hints.append("rewrite branches on tensor values with torch.where so they do not depend on the values")
     hint = "; ".join(hints)
     return UsageError(msg, hint[0].upper() + hint[1:] + ".")
 
