@@ -18,6 +18,7 @@ from planner.hardware import Cluster
 from planner.hardware.gpus import MAX_WORLD_SIZE
 from planner.model.analyze import Analysis, analyze
 from planner.model.profile_match import match_profile
+from planner.model.sources import spec_architecture_gap
 from planner.records import ModelCosts
 from planner.solve.memory import GiB
 from planner.solve.plan import Alternative, Layout, Plan, RankMemory, StagePlan
@@ -128,6 +129,13 @@ def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | Non
         progress=progress,
     )
     problem = engine.architecture_problem(analysis.costs.architecture, Path(req.model_file).name)
+    if problem and analysis.costs.architecture is None:
+        gap = spec_architecture_gap(str(req.model_file), dict(req.model_args))
+        if gap is not None:  # a library model: say why no shape was derived, not that a file lacks a function
+            problem = (
+                f"{req.model_file}: {engine.name} builds its own model from flags, and no shape for it is derived from this config: {gap}.",
+                "Plan it with --engine torch or --engine deepspeed, which run the model as transformers builds it.",
+            )
     if problem:
         raise UsageError(*problem)
     modules = engine.recompute_module_problems(req.recompute_modules, analysis.costs)

@@ -197,4 +197,74 @@ def test_plan_succeeds(name, engine, tmp_path):
 
 def test_megatron_refuses_an_encoder_with_a_clear_error(tmp_path):
     r = runner.invoke(app, ["plan", f"hf:{HF / 'bert'}.json", "--gpus", "4xA100", "--engine", "megatron", "--out", str(tmp_path / "p")])
-    assert r.exit_code == 2 and "architecture" in r.output and "Traceback" not in r.output
+    assert r.exit_code == 2 and "model type 'bert'" in " ".join(r.output.split()) and "Traceback" not in r.output
+
+
+def test_a_config_transformers_cannot_build_names_the_library_line(tmp_path):
+    """transformers itself fails to build this config (an unknown activation): the error says the library's code
+    raised, names the modeling file's line, and points at --model-arg, not at a model file."""
+    doc = _config("llama") | {"hidden_act": "no_such_act"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(doc))
+    r = runner.invoke(app, ["inspect", f"hf:{path}"])
+    assert r.exit_code == 2
+    out = " ".join(r.output.split())
+    assert "transformers could not build this model: it raised KeyError" in out
+    assert "modeling_llama.py line" in out and "ACT2FN[config.hidden_act]" in out
+    assert "--model-arg KEY=VALUE" in out and "model file" not in out
+
+
+@pytest.mark.parametrize(
+    "model_type, fields",
+    [
+        ("gemma2", {"head_dim": 16}),  # gated GeLU, sandwich norms, soft-capping: not Megatron's GPT layer
+        ("olmo", {}),  # LayerNorm without weights
+        ("gpt_neox", {}),  # parallel attention and MLP residual
+    ],
+)
+def test_decoders_megatron_does_not_run_as_transformers_does_get_no_architecture(model_type, fields):
+    """No Megatron shape is derived for a decoder whose layer Megatron's GPT layer does not run as transformers does
+    (each would otherwise render flags for another model); the reason names the type."""
+    from planner.model.sources import hf_architecture, hf_architecture_gap
+
+    config = transformers.AutoConfig.for_model(
+        model_type, num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=1000, **fields
+    )
+    assert hf_architecture(config, 64) is None
+    assert f"model type {model_type!r}" in hf_architecture_gap(config, 64)
+
+
+def test_sliding_window_shorter_than_the_sequence_gets_no_architecture():
+    """Mistral's sliding window is full attention up to its width: a shape is derived below it, refused above it."""
+    from planner.model.sources import hf_architecture, hf_architecture_gap
+
+    config = transformers.AutoConfig.for_model(
+        "mistral", **{k: v for k, v in _config("llama").items() if k not in ("model_type", "architectures")}, sliding_window=32
+    )
+    assert hf_architecture(config, 32) is not None
+    assert hf_architecture(config, 64) is None and "sliding-window attention over 32 tokens" in hf_architecture_gap(config, 64)
+
+
+def test_megatron_refuses_an_hf_decoder_it_cannot_build_with_the_reason(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "gemma2",
+                "num_hidden_layers": 2,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "vocab_size": 1000,
+                "max_position_embeddings": 64,
+            }
+        )
+    )
+    r = runner.invoke(app, ["plan", f"hf:{path}", "--gpus", "8xH100", "--engine", "megatron", "--out", str(tmp_path / "out")])
+    assert r.exit_code == 2, r.output
+    out = " ".join(r.output.split())
+    assert "model type 'gemma2': Megatron-LM's GPT layer runs the decoder layers of gpt2, llama" in out
+    assert "--engine torch" in out and "defines no architecture()" not in out
+    assert not (tmp_path / "out").exists()

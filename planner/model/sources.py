@@ -255,20 +255,56 @@ def _hf_contract(spec: str, rest: str, model_args: dict[str, Any]) -> LibraryCon
 _HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_fast": "gelu", "silu": "swiglu", "swish": "swiglu"}
 
 
+#: transformers model types whose decoder layer Megatron-LM's GPT layer runs as transformers does (the layer's norms,
+#: attention, MLP and residuals; the MoE types' routing is checked by :func:`hf_moe_architecture`). Other decoders differ
+#: in ways Megatron's flags cannot express: Gemma's gated GeLU, sandwich norms, logit soft-capping and embedding scale,
+#: OLMo's weightless LayerNorm, OLMo 2's and GLM-4's post-norms, GPT-NeoX's and Falcon's parallel residual, Granite's
+#: multipliers, SmolLM3's layers without rope.
+MEGATRON_HF_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "stablelm", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+
+
+def hf_architecture_gap(config: Any, seq_len: int) -> str | None:
+    """Why no Megatron GPT shape is derived from a transformers ``config`` at ``seq_len`` tokens (None: one is)."""
+    if getattr(config, "is_encoder_decoder", False):
+        return f"an encoder-decoder ({config.model_type})"
+    c = _text_config(config)
+    if c.model_type not in MEGATRON_HF_TYPES:
+        return (
+            f"model type {c.model_type!r}: Megatron-LM's GPT layer runs the decoder layers of {', '.join(MEGATRON_HF_TYPES)} as transformers does, and no other"
+        )
+    if getattr(c, "use_parallel_residual", False):  # StableLM's option: attention and MLP from one norm, summed
+        return "a parallel attention + MLP residual (use_parallel_residual), which Megatron's GPT layer does not run"
+    window = getattr(c, "sliding_window", None)
+    if isinstance(window, int) and window < seq_len and getattr(c, "use_sliding_window", True):
+        return f"sliding-window attention over {window} tokens at a sequence of {seq_len}, which the rendered flags would run as full attention"
+    if hf_moe_architecture(c) is None:
+        return f"a mixture of experts ({c.model_type}) whose routing Megatron's MoE layer does not run as transformers does"
+    return None
+
+
+def spec_architecture_gap(spec: str, model_args: dict[str, Any]) -> str | None:
+    """:func:`hf_architecture_gap` for an ``hf:`` model spec with its --model-arg values; None for other specs."""
+    prefix, _, rest = spec.partition(":")
+    if prefix != "hf" or not rest:
+        return None
+    config = hf_config(_hf_config_path(rest), {k: v for k, v in model_args.items() if k not in HF_RESERVED_ARGS})
+    return hf_architecture_gap(config, hf_seq_len(config, model_args.get("seq_len")))
+
+
 def hf_architecture(config: Any, seq_len: int) -> dict[str, Any] | None:
-    """architecture() of a decoder-only transformers config (Megatron-LM's GPT model shape), else None.
+    """architecture() of a decoder-only transformers config (Megatron-LM's GPT model shape), else None
+    (:func:`hf_architecture_gap` says why).
 
     Gated MLPs (Llama family: ``intermediate_size`` with a SiLU gate) map to
     swiglu, GPT-2's ``gelu_new`` to gelu; RMSNorm for configs with
     ``rms_norm_eps``, LayerNorm otherwise; rope for ``rope_theta`` /
     ``rope_parameters`` configs, learned absolute positions otherwise.
     """
-    if getattr(config, "is_encoder_decoder", False):
+    if hf_architecture_gap(config, seq_len) is not None:
         return None
     c = _text_config(config)
     moe = hf_moe_architecture(c)
-    if moe is None:
-        return None  # a mixture of experts whose routing Megatron's MoE layer does not run
+    assert moe is not None  # hf_architecture_gap checked it
     mla = bool(moe.get("multi_latent_attention"))
     get = lambda *names, default=None: next((getattr(c, n) for n in names if getattr(c, n, None) is not None), default)
     layers = get("num_hidden_layers", "n_layer")
@@ -279,9 +315,7 @@ def hf_architecture(config: Any, seq_len: int) -> dict[str, Any] | None:
     act_name = str(get("hidden_act", "activation_function", default="gelu"))
     rms = get("rms_norm_eps") is not None
     rope = (
-        get("rope_theta") is not None
-        or get("rope_parameters", "rope_scaling") is not None
-        or c.model_type in ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma")
+        get("rope_theta") is not None or get("rope_parameters", "rope_scaling") is not None or c.model_type in ("llama", "mistral", "mixtral", "qwen2", "qwen3")
     )
     ffn = get("intermediate_size", "n_inner", default=4 * hidden)
     arch = {
