@@ -457,6 +457,13 @@ def test_usage_errors(tmp_path):
         validate_paths([FIX / "good" / "ds_pipeline.json"], gpus="3xNoSuchGPU")
     with pytest.raises(UsageError, match="--pp"):
         validate_paths([FIX / "good" / "ds_pipeline.json"], gpus="8xA100", pp=3)
+    # a directory with nothing the validator reads (a typo'd CI path, the wrong checkout) fails instead of passing
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    (tmp_path / "empty" / "sub" / "notes.txt").write_text("launch notes, no config\n")
+    with pytest.raises(UsageError, match="holds nothing to check"):
+        validate_paths([tmp_path / "empty"])
+    with pytest.raises(UsageError, match="holds nothing to check"):
+        validate_paths([FIX / "good" / "ds_pipeline.json", tmp_path / "empty"], gpus="8xA100", pp=2)
 
 
 def test_recognition_by_content_not_name(tmp_path):

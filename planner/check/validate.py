@@ -176,7 +176,16 @@ def collect(paths: Sequence[str | os.PathLike[str]]) -> list[Unit]:
                 u.files.append((p, kind))
         else:
             raise UsageError(f"No such file or directory: {str(p)!r}.", "Pass plan directories or config files.")
-    return [u for _, u in sorted(units.items(), key=lambda kv: str(kv[0])) if u.files or u.whole]
+    found = [u for _, u in sorted(units.items(), key=lambda kv: str(kv[0])) if u.files or u.whole]
+    for raw in paths:
+        d = Path(raw).resolve()
+        if d.is_dir() and not any(u.directory.resolve() == d or d in u.directory.resolve().parents for u in found):
+            raise UsageError(
+                f"{str(raw)!r} holds nothing to check: no plan.json, DeepSpeed config or Megatron-LM launch script or args "
+                f"file in it or in its folders (up to {MAX_WALK_DEPTH} levels down; hidden folders, virtual environments and caches skipped).",
+                "Pass the directory `planner plan --out` wrote, or the config files themselves.",
+            )
+    return found
 
 
 def display(path: Path) -> str:
