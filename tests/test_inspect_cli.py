@@ -87,6 +87,12 @@ def test_unknown_model_arg_lists_the_accepted_ones():
     assert "Accepted: attention, dropout, n_embd" in out
 
 
+def test_empty_example_inputs_are_refused():
+    out = _error(run("inspect", ROOT / "examples/gpt2.py", "--model-arg", "seq_len=0"))
+    assert "returns an empty tensor (input 0, shape (1, 0))" in out
+    assert "--model-arg" in out
+
+
 def test_shape_dependent_branch_in_a_block_is_kept_whole():
     """A block whose forward branches on a shape cannot be traced inside: it becomes one piece, with a note."""
     r = run("inspect", MODELS / "shapebranch.py", "--json")

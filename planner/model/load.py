@@ -138,6 +138,14 @@ class ModelFile:
                 "Return e.g. (torch.randint(0, vocab, (batch_size, seq_len)),).",
             )
         inputs = tuple(t if t.device.type == "meta" else t.to("meta") for t in inputs)
+        empty = [(i, tuple(t.shape)) for i, t in enumerate(inputs) if t.numel() == 0]
+        if empty:
+            i, shape = empty[0]
+            raise UsageError(
+                f"{self.name}: example_inputs({batch_size}) returns an empty tensor (input {i}, shape {shape}): a training "
+                "step over no elements has nothing to plan.",
+                "Check the --model-arg values that size the inputs (a sequence length or image size of 0).",
+            )
         if dtype is not None:
             inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
         return inputs
