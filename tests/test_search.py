@@ -77,6 +77,10 @@ def test_pins_fix_the_layout(llama7b):
 def test_impossible_pins_are_a_usage_error(llama7b):
     with pytest.raises(UsageError, match="not divisible by pp x tp = 3"):
         search(llama7b, hardware.parse_gpus("8xA100"), SearchOptions(engine="megatron", pp=3, tp=1), get_engine("megatron"))
+    with pytest.raises(UsageError, match=r"global batch 64, cp=3: 8 is not divisible by cp = 3\."):
+        search(llama7b, hardware.parse_gpus("8xA100"), SearchOptions(engine="megatron", cp=3), get_engine("megatron"))
+    with pytest.raises(UsageError, match=r"pp=2, tp=2, dp=3: 8 is not divisible by pp x tp x dp = 12\."):
+        search(llama7b, hardware.parse_gpus("8xA100"), SearchOptions(engine="megatron", pp=2, tp=2, dp=3), get_engine("megatron"))
 
 
 def test_pruned_search_finds_the_exhaustive_best(gpt2xl):

@@ -662,11 +662,12 @@ def fp8_problems(cluster: Cluster) -> None:
 
 
 def _no_layout_message(world: int, opts: SearchOptions, gb: int, costs: ModelCosts) -> str:
-    pins = {k: getattr(opts, k) for k in ("pp", "tp", "dp", "vp", "micro_batch", "schedule") if getattr(opts, k)}
+    pins = {k: getattr(opts, k) for k in ("pp", "tp", "cp", "dp", "vp", "ep", "etp", "micro_batch", "schedule") if getattr(opts, k)}
     bits = [f"{world} GPUs", f"global batch {gb}"] + [f"{k}={v}" for k, v in pins.items()]
     why = []
-    if opts.pp and opts.tp and world % (opts.pp * opts.tp):
-        why.append(f"{world} is not divisible by pp x tp = {opts.pp * opts.tp}")
+    degrees = {k: v for k, v in pins.items() if k in ("pp", "tp", "cp", "dp")}
+    if degrees and world % math.prod(degrees.values()):
+        why.append(f"{world} is not divisible by {' x '.join(degrees)} = {math.prod(degrees.values())}")
     if opts.pp and opts.pp > costs.n:
         why.append(f"the model has only {costs.n} pieces to place on {opts.pp} stages")
     if opts.micro_batch and opts.dp and gb % (opts.dp * opts.micro_batch):
