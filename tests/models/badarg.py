@@ -1,4 +1,4 @@
-"""forward() passes a constructor argument left at None to torch.topk: fx records the call, running it fails."""
+"""forward() passes a constructor argument left at None to Tensor.view: fx records the call, running it fails."""
 
 import torch
 import torch.nn as nn
