@@ -87,6 +87,21 @@ def test_unknown_model_arg_lists_the_accepted_ones():
     assert "Accepted: attention, dropout, n_embd" in out
 
 
+def test_shapes_that_do_not_agree_are_the_model_code_not_the_meta_device():
+    out = _error(run("inspect", ROOT / "examples/gpt2.py", "--model-arg", "n_head=5"))  # 768 is not divisible by 5
+    assert "forward() raised RuntimeError in module h.0.attn (CausalSelfAttention) at gpt2.py line" in out
+    assert "is invalid for input of size 786432" in out
+    assert "meta device" not in out.replace("not in tracing or the meta device", "")
+    assert "torch.device('meta')" not in out
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_tensor_made_on_the_cpu_gets_the_device_advice(tracer):
+    out = _error(run("inspect", MODELS / "cpu_tensor.py", "--tracer", tracer))
+    assert "device=x.device" in out
+    assert "torch.where" not in out and "not in tracing or the meta device" not in out
+
+
 def test_empty_example_inputs_are_refused():
     out = _error(run("inspect", ROOT / "examples/gpt2.py", "--model-arg", "seq_len=0"))
     assert "returns an empty tensor (input 0, shape (1, 0))" in out

@@ -627,7 +627,7 @@ def _meta_error(e: BaseException, model: nn.Module) -> UsageError:
             "Make the branch independent of tensor values (torch.where, masking, or a decision from shapes or "
             "constructor arguments); --leaf and --tracer export cannot help with a value-dependent branch.",
         )
-    if isinstance(e, MODEL_CODE_ERRORS) and "meta" not in f"{first} {e.__cause__ or ''}".lower():
+    if _model_code_error(e):
         return UsageError(
             f"The model's forward() raised {type(e).__name__}{mod} at {where}: {first}.",
             "The failure is in the model's code with these arguments, not in tracing or the meta device: fix the code there "
@@ -657,6 +657,29 @@ def _failure_text(f: TraceFailure) -> str:
 #: Python errors that, raised in a model's own code while torch.export runs its forward, are the model failing on its
 #: arguments rather than a tracing limitation
 MODEL_CODE_ERRORS = (TypeError, ValueError, AttributeError, KeyError, IndexError, ZeroDivisionError)
+#: torch's RuntimeError texts for shapes that do not agree (view/reshape, matmul, broadcasting, cat, conv channels,
+#: a dimension index): the model's own arithmetic, the same on any device
+SHAPE_ERROR_TEXTS = (
+    "is invalid for input of size",
+    "shapes cannot be multiplied",
+    "must match the size of tensor",
+    "sizes of tensors must match",
+    "size mismatch",
+    "dimension out of range",
+    "given groups=",
+)
+
+
+def _model_code_error(e: BaseException) -> bool:
+    """Whether ``e`` is the model's own code failing on its arguments (a plain Python error, or torch refusing shapes
+    that do not agree) rather than the meta device or a tracer: then neither the meta-device nor the tracing advice fits."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = f"{first} {e.__cause__ or ''}".lower()
+    if "meta" in text:
+        return False
+    if isinstance(e, MODEL_CODE_ERRORS):
+        return True
+    return type(e) is RuntimeError and any(k in first.lower() for k in SHAPE_ERROR_TEXTS)
 
 
 def _eager_failure(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> BaseException | None:
@@ -714,12 +737,17 @@ def _trace_error(fx_err: TraceFailure | None, export_err: TraceFailure | None, m
         hints.append("move the branch into a submodule and name its class with --leaf")
     if export_err is None:
         hints.append("try --tracer export")
-    if export_err is not None and isinstance(export_err.cause, MODEL_CODE_ERRORS) and export_err.where != "an unknown line":
+    if export_err is not None and _model_code_error(export_err.cause) and export_err.where != "an unknown line":
         # torch.export runs forward() as Python: a plain Python error there is the model's code failing on its arguments
         hints.append(
             f"the model's own code raised {type(export_err.cause).__name__} at {export_err.where.partition(':')[0]} while "
             "torch.export ran its forward(), so no tracer option helps: check the arguments that line reads (a library "
             "model's config fields: --model-arg KEY=VALUE)"
+        )
+    elif "same device" in causes or "expected device" in causes:
+        hints.append(
+            "the model makes a tensor on an explicit device ('cpu'/'cuda') where the planner runs it on the meta device: "
+            "create tensors with device=x.device (or register them as buffers)"
         )
     else:
         hints.append("rewrite branches on tensor values with torch.where so they do not depend on the values")
