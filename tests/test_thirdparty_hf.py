@@ -215,6 +215,28 @@ def test_a_config_transformers_cannot_build_names_the_library_line(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "fields, says",
+    [
+        ({"num_attention_heads": 3}, "transformers refuses this llama config: ValueError: The hidden size"),
+        ({"hidden_size": "64"}, "transformers refuses this llama config: TypeError: Field 'hidden_size' expected int"),
+        ({"model_type": "lama"}, "does not know model_type 'lama'; close names: llama"),
+        # not validated by transformers: its attention broadcasts 3 key/value heads to 4 query heads and fails
+        ({"num_key_value_heads": 3}, "The model's own code raised RuntimeError at sdpa_attention.py line"),
+    ],
+)
+def test_a_config_transformers_refuses_says_so_and_names_no_planner_bug(tmp_path, fields, says):
+    """A config transformers' own validation rejects is the config's problem: the message is transformers' own check,
+    not an import failure that might be a planner bug."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_config("llama") | fields))
+    r = runner.invoke(app, ["inspect", f"hf:{path}"])
+    assert r.exit_code == 2, r.output
+    out = " ".join(r.output.split())
+    assert says in out
+    assert "planner bug" not in out and "torch.where" not in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize(
     "model_type, fields",
     [
         ("gemma2", {"head_dim": 16}),  # gated GeLU, sandwich norms, soft-capping: not Megatron's GPT layer

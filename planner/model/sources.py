@@ -22,6 +22,7 @@ The libraries are optional extras, imported only when a spec names them.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import inspect
@@ -122,10 +123,25 @@ def hf_config(path: Path, overrides: dict[str, Any]) -> Any:
     transformers = require("transformers")
     doc = _hf_config_dict(path)
     model_type = doc.pop("model_type")
+    known = importlib.import_module("transformers.models.auto.configuration_auto").CONFIG_MAPPING
+    if model_type not in known:
+        close = difflib.get_close_matches(model_type, list(known.keys()), n=3)
+        raise UsageError(
+            f"hf:{path}: transformers {transformers.__version__} does not know model_type {model_type!r}"
+            + (f"; close names: {', '.join(close)}." if close else "."),
+            "Use a model_type of the installed transformers (or a transformers release that has this one).",
+        )
     try:
         config = transformers.AutoConfig.for_model(model_type, **doc)
-    except (ValueError, KeyError) as e:
-        raise UsageError(f"hf:{path}: transformers does not know model_type {model_type!r} ({e}).", "Use a model_type of the installed transformers.") from e
+    except Exception as e:  # noqa: BLE001 - transformers validating the config's own fields
+        cause: BaseException = e
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        first = next((x.strip() for x in str(cause).splitlines() if x.strip()), "")
+        raise UsageError(
+            f"hf:{path}: transformers refuses this {model_type} config: {type(cause).__name__}: {first}",
+            "The check is transformers' own: fix the field it names in config.json.",
+        ) from e
     unknown = sorted(k for k in overrides if not hasattr(config, k))
     if unknown:
         raise UsageError(

@@ -667,6 +667,8 @@ SHAPE_ERROR_TEXTS = (
     "size mismatch",
     "dimension out of range",
     "given groups=",
+    "attempting to broadcast a dimension",
+    "should be broadcastable",
 )
 
 
@@ -679,7 +681,7 @@ def _model_code_error(e: BaseException) -> bool:
         return False
     if isinstance(e, MODEL_CODE_ERRORS):
         return True
-    return type(e) is RuntimeError and any(k in first.lower() for k in SHAPE_ERROR_TEXTS)
+    return isinstance(e, RuntimeError) and not isinstance(e, NotImplementedError) and any(k in first.lower() for k in SHAPE_ERROR_TEXTS)
 
 
 def _eager_failure(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> BaseException | None:
