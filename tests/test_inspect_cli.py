@@ -102,6 +102,12 @@ def test_a_tensor_made_on_the_cpu_gets_the_device_advice(tracer):
     assert "torch.where" not in out and "not in tracing or the meta device" not in out
 
 
+def test_a_model_with_no_trainable_parameters_is_refused():
+    out = _error(run("inspect", ROOT / "examples/gpt2.py", "--model-arg", "n_embd=0", "--model-arg", "n_head=1"))
+    assert "the model built has no trainable parameters (0 parameters in all)" in out
+    assert "--model-arg" in out
+
+
 def test_empty_example_inputs_are_refused():
     out = _error(run("inspect", ROOT / "examples/gpt2.py", "--model-arg", "seq_len=0"))
     assert "returns an empty tensor (input 0, shape (1, 0))" in out

@@ -122,6 +122,12 @@ class ModelFile:
                 f"{self.name}: build_model() created tensors outside the meta device (e.g. {real[0]!r}).",
                 "Create parameters and buffers without an explicit device=... so that the planner's meta device applies.",
             )
+        if not any(p.numel() for p in model.parameters() if p.requires_grad):
+            raise UsageError(
+                f"{self.name}: the model built has no trainable parameters "
+                f"({sum(p.numel() for p in model.parameters()):,} parameters in all): a training step has nothing to update.",
+                "Check the --model-arg values that size it (a width or layer count of 0), or unfreeze the parameters to train.",
+            )
         model = model.to(dtype=dtype) if dtype is not None else model
         model.train()
         return model
