@@ -596,10 +596,19 @@ def _bake_constants(gm: fx.GraphModule, consts: dict[fx.Node, Any], consts2: dic
     ]
 
 
+def _first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message ('' when it has none)."""
+    return str(e).strip().splitlines()[0] if str(e).strip() else ""
+
+
+def _error_text(e: BaseException) -> str:
+    """``e``'s first line and its cause, lower-cased: what the error classifiers below read."""
+    return f"{_first_line(e)} {e.__cause__ or ''}".lower()
+
+
 def _reads_values(e: BaseException) -> bool:
     """Whether ``e`` is the meta device refusing to give a tensor's values (.item(), a data-dependent branch)."""
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    text = f"{first} {e.__cause__ or ''}".lower()
+    text = _error_text(e)
     return any(k in text for k in ("meta tensor", "data-dependent", "item()", "cannot copy out", "not implemented for 'meta'"))
 
 
@@ -619,7 +628,7 @@ def _meta_error(e: BaseException, model: nn.Module) -> UsageError:
         if where == "an unknown line":  # the traced graph ran, not the source: name the call that failed
             target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
             where = f"its call {target}() (traced graph node {node.name})"
-    first = str(e).strip().splitlines()[0].rstrip(":") if str(e).strip() else ""
+    first = _first_line(e).rstrip(":")
     if _reads_values(e):
         return UsageError(
             f"The model reads tensor values{mod} at {where}; the planner runs models on the meta device, "
@@ -675,13 +684,12 @@ SHAPE_ERROR_TEXTS = (
 def _model_code_error(e: BaseException) -> bool:
     """Whether ``e`` is the model's own code failing on its arguments (a plain Python error, or torch refusing shapes
     that do not agree) rather than the meta device or a tracer: then neither the meta-device nor the tracing advice fits."""
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    text = f"{first} {e.__cause__ or ''}".lower()
-    if "meta" in text:
+    if "meta" in _error_text(e):
         return False
     if isinstance(e, MODEL_CODE_ERRORS):
         return True
-    return isinstance(e, RuntimeError) and not isinstance(e, NotImplementedError) and any(k in first.lower() for k in SHAPE_ERROR_TEXTS)
+    first = _first_line(e).lower()
+    return isinstance(e, RuntimeError) and not isinstance(e, NotImplementedError) and any(k in first for k in SHAPE_ERROR_TEXTS)
 
 
 def _eager_failure(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> BaseException | None:

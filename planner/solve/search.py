@@ -1057,11 +1057,8 @@ def _simulate_extrapolated(name: str, p: int, m: int, v: int, times: StageTimes,
     m > 8p that a Llama 70B search on 1024 H100 and a 7B search on 64 price, extrapolating from 2p and 4p erred by up
     to 3.5% (interleaved, p 2, v 3) and from 4p and 8p by up to 0.054%; on random stage times, 2.4% and 0.8%
     (tests/test_search.py; bench/NOTES.md)."""
-    if p == 1 or m * p * v <= EXTRAPOLATE_ACTIONS or name == "gpipe" and m <= 4096:
-        sched = build_schedule(name, p, m, v)
-        return simulate(sched, times, mem, timeline=False)
     m1, m2 = (_valid_m(name, p, k * p) for k in EXTRAPOLATE_AT)
-    if m2 >= m:  # nothing to extrapolate
+    if p == 1 or m * p * v <= EXTRAPOLATE_ACTIONS or name == "gpipe" and m <= 4096 or m2 >= m:
         return simulate(build_schedule(name, p, m, v), times, mem, timeline=False)
     r1 = simulate(build_schedule(name, p, m1, v), times, mem, timeline=False)
     r2 = simulate(build_schedule(name, p, m2, v), times, mem, timeline=False)
