@@ -27,8 +27,9 @@ def _matrix(prefix: np.ndarray) -> np.ndarray:
     return prefix[None, :] - prefix[:, None]
 
 
-def _reference_need(name, p, m, v, static, act, wgrad, frag, fixed, bounds, times=None):
-    """Per rank: its stages' static bytes + the simulator's activation peak x frag + fixed."""
+def _reference_need(name, p, m, v, static, act, wgrad, frag, fixed, bounds, times=None, transient=None):
+    """Per rank: its stages' static bytes + the largest of their transient bytes + the simulator's activation peak x
+    frag + fixed."""
     sched = build_schedule(name, p, m, v)
     rng = list(zip(bounds, bounds[1:]))
     S = p * v
@@ -36,8 +37,12 @@ def _reference_need(name, p, m, v, static, act, wgrad, frag, fixed, bounds, time
     times = times or StageTimes.uniform(S, 1.0, 1.0, 1.0)
     peaks = simulate(sched, times, mem, timeline=False).peak_bytes
     st = [0.0] * p
+    top = [0.0] * p
     for j, r in enumerate(rng):
         st[sched.stage_to_rank[j]] += float(static[r])
+        if transient is not None:
+            top[sched.stage_to_rank[j]] = max(top[sched.stage_to_rank[j]], float(transient[r]))
+    st = [a + b for a, b in zip(st, top)]
     return [st[r] + peaks[r] * frag + fixed[r] for r in range(p)]
 
 
@@ -92,13 +97,21 @@ def _instance(rng, name, p, v, n, tight):
     act = _matrix(np.concatenate([[0.0], np.cumsum(rng.uniform(0, 4, n))]))
     wgrad = _matrix(np.concatenate([[0.0], np.cumsum(rng.uniform(0, 2, n))])) if SCHEDULE_INFO[name].split_backward else np.zeros((n + 1, n + 1))
     allowed = np.concatenate([[True], rng.random(n - 1) < 0.8, [True]])
+    # transient bytes as memory.transient_matrix builds them: the range's largest piece working set + its boundaries'
+    trans = 2.0 * np.add.outer(rng.uniform(0, 1, n + 1), np.zeros(n + 1))
+    trans = trans + trans.T
+    ws = rng.uniform(0, 8, n)
+    for a in range(n):
+        trans[a, a + 1 :] += np.maximum.accumulate(ws[a:])
     frag, fixed = 1.0 + rng.uniform(0, 0.2), tuple(rng.uniform(0, 5, p))
     sched = build_schedule(name, p, m, v)
     points = rmem.order_points(name, p, m, v)
-    rp = rmem.RankProblem(static, act, wgrad, tuple(sched.stage_to_rank), points, frag, fixed, (math.inf,) * p)
+    rp = rmem.RankProblem(static, act, wgrad, tuple(sched.stage_to_rank), points, frag, fixed, (math.inf,) * p, trans)
     even = tuple(int(round(x)) for x in np.linspace(0, n, S + 1))
     typical = max(rmem.rank_need(rp, even).total)  # the most loaded rank of an even split
-    rp = rmem.RankProblem(static, act, wgrad, tuple(sched.stage_to_rank), points, frag, fixed, tuple(typical * tight * rng.uniform(0.9, 1.1) for _ in fixed))
+    rp = rmem.RankProblem(
+        static, act, wgrad, tuple(sched.stage_to_rank), points, frag, fixed, tuple(typical * tight * rng.uniform(0.9, 1.1) for _ in fixed), trans
+    )
     t = np.concatenate([[0.0], np.cumsum(rng.uniform(0.1, 1, n))])
     zero = np.zeros(n + 1)
     cut = rng.uniform(0, 0.3, n + 1)
@@ -139,7 +152,7 @@ def test_search_finds_a_fit_iff_brute_force_does_and_quotes_the_least_overflow(n
         if not splits:
             assert res.bounds is None and res.closest is None
             continue
-        ref = {bd: _reference_need(name, p, m, v, rp.static, rp.act, rp.wgrad, rp.frag, rp.fixed, bd) for bd in splits}
+        ref = {bd: _reference_need(name, p, m, v, rp.static, rp.act, rp.wgrad, rp.frag, rp.fixed, bd, transient=rp.transient) for bd in splits}
         ratio = {bd: max(t / c for t, c in zip(need, rp.capacity)) for bd, need in ref.items()}
         fitting = [bd for bd in splits if ratio[bd] <= 1.0]
         seen[bool(fitting)] += 1
@@ -190,7 +203,7 @@ def test_the_necessary_condition_is_a_lower_bound(name, v):
         pb, rp, m = _instance(rng, name, p, v, n, tight=1.0)
         lb = rmem.lower_bound_total(rp, n)
         for bd in _all_splits(np.ones(n + 1, bool), n, S):
-            assert lb <= sum(_reference_need(name, p, m, v, rp.static, rp.act, rp.wgrad, rp.frag, rp.fixed, bd)) * (1 + 1e-12)
+            assert lb <= sum(_reference_need(name, p, m, v, rp.static, rp.act, rp.wgrad, rp.frag, rp.fixed, bd, transient=rp.transient)) * (1 + 1e-12)
 
 
 def _simulated_totals(ev, ctx):
@@ -199,14 +212,19 @@ def _simulated_totals(ev, ctx):
     from planner.solve.search import feature_buffers
 
     o = ctx.opts.overhead
-    fixed = o.context + o.communicator + feature_buffers(ctx.costs, ev.layout)
-    assert ev.layout.num_microbatches * ev.layout.pp * ev.layout.vp <= 20000  # simulated in full, not extrapolated
+    lay = ev.layout
+    fixed = o.context + o.communicator + feature_buffers(ctx.costs, lay)
+    assert lay.num_microbatches * lay.pp * lay.vp <= 20000  # simulated in full, not extrapolated
+    trans = ctx.transient(lay.micro_batch, lay.tp, lay.recompute, lay.sequence_parallel, lay.cp, lay.fp8, lay.ep, lay.etp, lay.modules_recomputed)
+    rng = list(zip(ev.bounds, ev.bounds[1:]))
     out = []
-    for r in range(ev.layout.pp):
+    for r in range(lay.pp):
         js = [j for j in range(len(ev.stage_rank)) if ev.stage_rank[j] == r]
         state = sum(ev.stage_memory[j][k] for j in js for k in ("weights", "grads", "optimizer"))
-        buffers = sum(ev.stage_memory[j]["buffers"] for j in js)
-        out.append(state + (buffers + ev.sim.peak_bytes[r]) * (1 + o.fragmentation) + fixed)
+        # the pieces' buffers are held all step; one stage's working set and p2p buffers at a time, with the reserve
+        t = [float(trans[rng[j]]) for j in js]
+        held_buffers = sum(ev.stage_memory[j]["buffers"] for j in js) - sum(t)
+        out.append(state + held_buffers + (max(t) + ev.sim.peak_bytes[r]) * (1 + o.fragmentation) + fixed)
     return out
 
 
@@ -272,6 +290,32 @@ def test_an_accepted_interleaved_plan_reports_the_simulated_rank_need(gpt2xl):
     assert all(m["total"] <= 0.85 * c for m, c in zip(ev.rank_memory, ev.capacity))
 
 
+def test_a_rank_of_several_stages_holds_one_stage_working_set_at_a_time(gpt2xl):
+    """Interleaved, two stages per rank: each rank's buffers are its stages' module buffers summed plus the largest of
+    their transient bytes, 2 x (bytes of its two boundary cuts) + the range's largest operator output, recomputed here
+    from the layer records; so less than the stages' buffers summed (the working set is not held twice)."""
+    from planner import hardware
+    from planner.engines import get_engine
+    from planner.solve.plan import Layout
+    from planner.solve.search import Context, Evaluation, SearchOptions, evaluate_layout
+
+    cluster = hardware.parse_gpus("8xA100")
+    ctx = Context(gpt2xl, cluster, SearchOptions(engine="megatron", mem_target=100.0), get_engine("megatron"))
+    lay = Layout("megatron", 4, 1, 2, 2, 1, 12, 24, "interleaved", "none", 1)
+    ev = evaluate_layout(ctx, lay, "bf16")
+    assert isinstance(ev, Evaluation)
+    layers = ctx.engine.layer_activations(ctx.sharded(1, 1, True, 1), 1, False, 1, "none").layers
+    cuts = ctx.sharded(1, 1, True, 1).cuts
+    rng = list(zip(ev.bounds, ev.bounds[1:]))
+    for r, mem in enumerate(ev.rank_memory):
+        js = [j for j in range(len(rng)) if ev.stage_rank[j] == r]
+        held = sum(sum(l.buffer_bytes for l in layers[a:c]) for a, c in (rng[j] for j in js))
+        trans = [2.0 * (cuts[a].bytes + cuts[c].bytes) + max(l.max_op_bytes for l in layers[a:c]) for a, c in (rng[j] for j in js)]
+        assert len(js) == 2 and min(trans) > 0
+        assert mem["buffers"] == pytest.approx(held + max(trans), rel=1e-9)
+        assert mem["buffers"] < sum(ev.stage_memory[j]["buffers"] for j in js)
+
+
 def test_the_fragmentation_reserve_is_charged_on_transient_bytes_never_on_the_model_state(gpt2xl):
     """fp32 main gradients in place of bf16 grow the model state (the gradients, and the optimizer's shard) and nothing
     transient: every rank's total grows by exactly that growth (no reserve on it), and each rank's overhead is the fixed
@@ -314,7 +358,7 @@ def _reference_min_sum(rp, allowed, n, point):
         pts = rp.points[r]
         i = pts.stages.index(j)
         h, w = pts.held[point[r], i], pts.pending[point[r], i]
-        cost = (rp.static + (h * rp.act + w * rp.wgrad) * rp.frag) / (rp.capacity[r] - rp.fixed[r])
+        cost = (rp.static + rp.transient / len(pts.stages) + (h * rp.act + w * rp.wgrad) * rp.frag) / (rp.capacity[r] - rp.fixed[r])
         f = np.where(upper & ok[:, None], f[:, None] + cost, math.inf).min(axis=0)
         if j < S - 1:
             f = np.where(ok, f, math.inf)

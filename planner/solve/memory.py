@@ -271,13 +271,37 @@ def gemm_param_matrix(costs: ModelCosts, tp: int, ep: int = 1, etp: int = 1) -> 
     return out
 
 
+def transient_matrix(costs: ModelCosts, recompute: str, fp8: bool = False) -> np.ndarray:
+    """Bytes allocated and freed while a stage of pieces [a, b) runs, as an (n+1)^2 matrix: the point-to-point buffers
+    of its two boundaries (a send and a receive buffer each, 2 x (cut a + cut b)) and its working set (the largest
+    operator output in the range, + one rebuilt unit under full recompute).
+
+    A GPU runs one stage's operator at a time, so a rank holding several stages (interleaved, ZB-V) needs the largest
+    of its stages' transient bytes, not their sum (:func:`planner.solve.rank_memory.rank_need`).
+    """
+    n = costs.n
+    L = costs.layers
+    cut = np.array([c.bytes for c in costs.cuts], dtype=float)
+    ws_piece = np.array([l.max_op_bytes for l in L], dtype=float)
+    if recompute == "full":
+        unit = np.zeros(n)
+        starts = checkpoint_starts(costs, 0, n) + [n]
+        for a, c in zip(starts, starts[1:]):
+            unit[a:c] = sum(saved_bytes(l, fp8) for l in L[a:c])
+        ws_piece = ws_piece + unit
+    out: np.ndarray = 2.0 * (cut[:, None] + cut[None, :])
+    for a in range(n):
+        out[a, a + 1 :] += np.maximum.accumulate(ws_piece[a:])
+    return out
+
+
 def range_matrices(
     costs: ModelCosts, tp: int, recompute: str, fp8: bool = False, *, ep: int = 1, etp: int = 1
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(parameters, other static bytes, activation bytes, pending-W bytes) of every piece range [a, b) as (n+1)^2 matrices.
 
-    Other static bytes: point-to-point buffers, buffers the pieces read, and the working set. Only the upper triangle is
-    meaningful. ``fp8``: saved bytes as Transformer Engine's FP8 linear layers keep them (:func:`saved_bytes`).
+    Other static bytes: buffers the pieces read, and the transient bytes of :func:`transient_matrix` (point-to-point
+    buffers and the working set). Only the upper triangle is meaningful. ``fp8``: saved bytes as Transformer Engine's FP8 linear layers keep them (:func:`saved_bytes`).
     """
     n = costs.n
     L = costs.layers
@@ -291,22 +315,9 @@ def range_matrices(
             mask[: x + 1, y + 1 :] = True
             params -= mask * (grp.params / tp)
     cut = np.array([c.bytes for c in costs.cuts], dtype=float)
-    buffers = 2.0 * (cut[:, None] + cut[None, :])
     buf = np.array([l.buffer_bytes for l in L], dtype=float)
     B = np.concatenate([[0.0], np.cumsum(buf)])
-    buffers += B[None, :] - B[:, None]
-    # working set: largest operator output in the range (+ one rebuilt unit under full recompute)
-    ws_piece = np.array([l.max_op_bytes for l in L], dtype=float)
-    if recompute == "full":
-        unit = np.zeros(n)
-        starts = checkpoint_starts(costs, 0, n) + [n]
-        for a, c in zip(starts, starts[1:]):
-            unit[a:c] = sum(saved_bytes(l, fp8) for l in L[a:c])
-        ws_piece = ws_piece + unit
-    ws = np.zeros((n + 1, n + 1))
-    for a in range(n):
-        ws[a, a + 1 :] = np.maximum.accumulate(ws_piece[a:])
-    other = buffers + ws
+    other = B[None, :] - B[:, None] + transient_matrix(costs, recompute, fp8)
     # activations per micro-batch
     if recompute == "full":
         is_start = np.zeros(n + 1)

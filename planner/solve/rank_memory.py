@@ -2,11 +2,12 @@
 
 For a split (stage boundaries ``bounds``), rank r holding stages s (one for 1F1B, v for interleaved, two for ZB-V) needs
 
-    need_r = sum_s static_s + peak_r * frag + fixed_r
+    need_r = sum_s static_s + max_s transient_s + peak_r * frag + fixed_r
     peak_r = max over the points t of the rank's action order of sum_s held[t][s] * act_s + pending[t][s] * wgrad_s
 
-where ``static_s`` is the held-count-independent bytes of stage s (model state; the working set and buffers with
-their fragmentation reserve), ``act_s`` the activation bytes of one micro-batch of it, ``wgrad_s`` what a deferred
+where ``static_s`` is the held-count-independent bytes of stage s held for the whole step (model state, the pieces'
+buffers), ``transient_s`` what the stage allocates and frees while it runs (its working set and point-to-point buffers,
+with their fragmentation reserve: a rank runs one stage at a time), ``act_s`` the activation bytes of one micro-batch of it, ``wgrad_s`` what a deferred
 weight-gradient pass still reads, ``frag`` 1 + the allocator fragmentation reserve (charged on what is allocated and
 freed every micro-batch, never on the model state: :class:`planner.solve.memory.RuntimeOverhead`), and ``fixed_r``
 the runtime reserve (CUDA context, communicators, feature buffers). ``held[t][s]`` and ``pending[t][s]`` count the
@@ -105,8 +106,10 @@ class RankProblem:
     """The memory side of a split: per-range bytes, where each stage sits, and each rank's count points and capacity.
 
     Attributes:
-        static, act, wgrad: (n+1) x (n+1) byte matrices, entry [a, b] for pieces [a, b) (``static`` with its working
-            set's and buffers' fragmentation reserve already in, ``act`` and ``wgrad`` without it).
+        static, act, wgrad: (n+1) x (n+1) byte matrices, entry [a, b] for pieces [a, b) (``act`` and ``wgrad``
+            without the fragmentation reserve).
+        transient: the same for the bytes a stage allocates and frees while it runs, with their fragmentation
+            reserve (None: none); a rank needs its stages' largest, not their sum.
         stage_rank: rank of each global stage.
         points: per rank, its :class:`RankPoints`.
         frag: 1 + fragmentation reserve (multiplies the activations and pending weight-gradient inputs, not the static bytes).
@@ -122,6 +125,7 @@ class RankProblem:
     frag: float
     fixed: tuple[float, ...]
     capacity: tuple[float, ...]
+    transient: np.ndarray | None = None
 
     @property
     def ranks(self) -> int:
@@ -149,6 +153,8 @@ def rank_need(rp: RankProblem, bounds: Sequence[int]) -> RankNeed:
     static, peak, total = [], [], []
     for r, pts in enumerate(rp.points):
         st = sum(float(rp.static[rng[s]]) for s in pts.stages)
+        if rp.transient is not None:
+            st += max(float(rp.transient[rng[s]]) for s in pts.stages)
         a = np.array([float(rp.act[rng[s]]) for s in pts.stages])
         w = np.array([float(rp.wgrad[rng[s]]) for s in pts.stages])
         pk = float(max(0.0, float(np.max(pts.held @ a + pts.pending @ w))))
@@ -268,8 +274,13 @@ def _ratio_problem(pb: part.PartitionProblem, rp: RankProblem, stage_pts: list[t
 def _own_matrix(rp: RankProblem, pts: tuple[tuple[float, float], ...]) -> np.ndarray:
     """Bytes (with fragmentation) one stage needs on its own over every range: static + max over its count points."""
     peak = np.max([h * rp.act + w * rp.wgrad for h, w in pts], axis=0)
-    out: np.ndarray = rp.static + peak * rp.frag
+    out: np.ndarray = _alone(rp) + peak * rp.frag
     return out
+
+
+def _alone(rp: RankProblem) -> np.ndarray:
+    """Static bytes of a stage on its own over every range: held + transient."""
+    return rp.static if rp.transient is None else rp.static + rp.transient
 
 
 def solve_split(
@@ -305,7 +316,7 @@ def solve_split(
         return SplitResult(None, None, True, cuttable=False)  # the pieces cannot be cut into S stages at the allowed cuts
     stage_pts = _stage_points(rp)
     budget = [rp.capacity[rp.stage_rank[j]] - rp.fixed[rp.stage_rank[j]] for j in range(S)]
-    mem_pb = replace(pb, static_mem=rp.static, act_mem=rp.act * rp.frag, wgrad_mem=rp.wgrad * rp.frag, stage_points=stage_pts, capacity=budget)
+    mem_pb = replace(pb, static_mem=_alone(rp), act_mem=rp.act * rp.frag, wgrad_mem=rp.wgrad * rp.frag, stage_points=stage_pts, capacity=budget)
     one_each = all(len(pts.stages) == 1 for pts in rp.points)
     seeds: list[tuple[int, ...]] = []
     sol = part.solve(mem_pb)
@@ -355,6 +366,7 @@ def _min_sum(rp: RankProblem, allowed: np.ndarray, n: int, point: Sequence[int])
     N = len(cuts) - 1
     at = np.ix_(cuts, cuts)
     static, act, wgrad = rp.static[at], rp.act[at], rp.wgrad[at]
+    trans = rp.transient[at] if rp.transient is not None else np.zeros_like(static)
     idx = np.arange(N + 1)
     upper = idx[:, None] < idx[None, :]
     f = np.full(N + 1, math.inf)
@@ -364,7 +376,8 @@ def _min_sum(rp: RankProblem, allowed: np.ndarray, n: int, point: Sequence[int])
         pts = rp.points[r]
         i = pts.stages.index(j)
         h, w = pts.held[point[r], i], pts.pending[point[r], i]
-        cost = (static + (h * act + w * wgrad) * rp.frag) / (rp.capacity[r] - rp.fixed[r])
+        # a rank's largest transient bytes are at least the mean of its stages': each stage is charged its share
+        cost = (static + trans / len(pts.stages) + (h * act + w * wgrad) * rp.frag) / (rp.capacity[r] - rp.fixed[r])
         cand = np.where(upper, f[:, None] + cost, math.inf)
         f = cand.min(axis=0)
         if j < S - 1:
@@ -402,6 +415,7 @@ def _branch_and_bound(rp: RankProblem, allowed: np.ndarray, n: int, seeds: Seque
         i = pts.stages.index(j)
         local.append((pts.held[:, i] * rp.frag, pts.pending[:, i] * rp.frag))
     static_f = rp.static
+    trans_f = rp.transient if rp.transient is not None else np.zeros_like(rp.static)
     cap = np.array(rp.capacity)
     fixed = np.array(rp.fixed)
     total_cap = float(cap.sum())
@@ -414,17 +428,18 @@ def _branch_and_bound(rp: RankProblem, allowed: np.ndarray, n: int, seeds: Seque
     bounds = [0] * (S + 1)
     bounds[S] = n
 
-    def worst(acc: list[np.ndarray]) -> float:
-        return max(float((acc[r].max() + fixed[r]) / cap[r]) for r in range(len(acc)))
+    def worst(acc: list[np.ndarray], tmax: list[float]) -> float:
+        return max(float((acc[r].max() + tmax[r] + fixed[r]) / cap[r]) for r in range(len(acc)))
 
     def dominated(key: tuple[int, int], flat: np.ndarray) -> bool:
         old = memo.get(key)
         return old is not None and bool(np.any(np.all(old <= flat, axis=1)))
 
-    def visit(j: int, a: int, acc: list[np.ndarray]) -> bool:
-        """Place stages j.. from cut a; True when a fitting split was found (stop)."""
+    def visit(j: int, a: int, acc: list[np.ndarray], tmax: list[float]) -> bool:
+        """Place stages j.. from cut a (``acc``: each rank's held bytes per count point so far, ``tmax``: its largest
+        transient bytes so far); True when a fitting split was found (stop)."""
         if j == S:
-            w = worst(acc)
+            w = worst(acc, tmax)
             if w < best[0]:
                 best[0], best_b[0] = w, tuple(bounds)
             return w <= 1.0
@@ -433,7 +448,7 @@ def _branch_and_bound(rp: RankProblem, allowed: np.ndarray, n: int, seeds: Seque
             complete[0] = False
             return False
         key = (j, a)
-        flat = np.concatenate(acc)
+        flat = np.concatenate([*acc, np.asarray(tmax)])  # a partial split no better in any rank's sums or transient max is dominated
         if dominated(key, flat):
             return False
         r = rp.stage_rank[j]
@@ -445,19 +460,21 @@ def _branch_and_bound(rp: RankProblem, allowed: np.ndarray, n: int, seeds: Seque
             return False
         bs = np.array(ends)
         new_r = acc[r][:, None] + static_f[a, bs][None, :] + held[:, None] * rp.act[a, bs][None, :] + pend[:, None] * rp.wgrad[a, bs][None, :]
-        top = new_r.max(axis=0)
+        new_t = np.maximum(tmax[r], trans_f[a, bs])
+        top = new_r.max(axis=0) + new_t
         w_r = (top + fixed[r]) / cap[r]
         # the average over ranks: the rest of the pieces' static bytes land on some rank
-        others = sum(float(acc[q].max()) for q in range(len(acc)) if q != r) + float(fixed.sum())
+        others = sum(float(acc[q].max()) + tmax[q] for q in range(len(acc)) if q != r) + float(fixed.sum())
         lb = (others + top + static_f[bs, n]) / total_cap
         keep = np.nonzero(np.maximum(w_r, lb) < best[0])[0]
         for i in keep[::-1]:  # the largest stage first: it leaves the least to the stages after it
             if w_r[i] >= best[0] or lb[i] >= best[0]:
                 continue  # the incumbent improved meanwhile
             bounds[j + 1] = int(bs[i])
-            nxt = list(acc)
+            nxt, nxt_t = list(acc), list(tmax)
             nxt[r] = new_r[:, i]
-            if visit(j + 1, int(bs[i]), nxt):
+            nxt_t[r] = float(new_t[i])
+            if visit(j + 1, int(bs[i]), nxt, nxt_t):
                 return True
         if complete[0] and was_complete:
             old = memo.get(key)
@@ -465,5 +482,5 @@ def _branch_and_bound(rp: RankProblem, allowed: np.ndarray, n: int, seeds: Seque
         return False
 
     start = [np.zeros(len(pts.held)) for pts in rp.points]
-    found = visit(0, 0, start)
+    found = visit(0, 0, start, [0.0] * len(rp.points))
     return best_b[0], found or complete[0]

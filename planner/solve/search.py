@@ -47,6 +47,7 @@ from planner.solve.memory import (
     gemm_params,
     range_matrices,
     stage_params,
+    transient_matrix,
 )
 from planner.solve.plan import Layout, Predicted, ep_overlap_allowed
 from planner.solve.rules import EngineRules, RejectKind
@@ -233,6 +234,7 @@ class Context:
         self._timed: dict[tuple[int, int, bool, int], ModelCosts] = {}
         self._times: dict[tuple[object, ...], PieceTimes] = {}
         self._memory: dict[tuple[int, int, str, bool, int, bool, int, int, frozenset[str]], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._transient: dict[tuple[int, int, str, bool, int, bool, int, int, frozenset[str]], np.ndarray] = {}
         self._cuts: dict[tuple[int, int, bool, int], tuple[np.ndarray, np.ndarray]] = {}
         self._prefix: dict[int, tuple[PieceTimes, np.ndarray]] = {}
         self._p2p: dict[tuple[int, int, int, int, bool, bool, int], np.ndarray] = {}
@@ -283,7 +285,16 @@ class Context:
             if costs is sharded:
                 act = act + expert_saved_extra(sharded, tp if sp and tp > 1 else 1, etp, recompute)
             self._memory[key] = (params, other, act, wgrad)
+            self._transient[key] = transient_matrix(costs, recompute, fp8)
         return self._memory[key]
+
+    def transient(
+        self, b: int, tp: int, recompute: str, sp: bool = True, cp: int = 1, fp8: bool = False, ep: int = 1, etp: int = 1, modules: frozenset[str] = frozenset()
+    ) -> np.ndarray:
+        """The part of :meth:`memory`'s other static bytes a stage allocates and frees while it runs (point-to-point
+        buffers and working set, :func:`planner.solve.memory.transient_matrix`) per piece range."""
+        self.memory(b, tp, recompute, sp, cp, fp8, ep, etp, modules)
+        return self._transient[(b, tp, recompute, sp, cp, fp8, ep, etp, modules)]
 
     def gemm_params(self, tp: int, ep: int = 1, etp: int = 1) -> np.ndarray:
         """Parameters of the FP8 GEMM weights (transformer blocks' linear layers) per piece range, per GPU."""
@@ -767,8 +778,10 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     edp = expert_data_parallel(tp, cp, dp, ep, etp) if ctx.engine.expert_parallel else dp * cp
     we, ge, oe = recipe.per_param(edp)  # expert gradients and optimizer state: over the expert-data-parallel group
     params_m, other_m, act, wgrad = ctx.memory(b, tp, lay.recompute, sp, cp, lay.fp8, ep, etp, lay.modules_recomputed)
+    trans_m = ctx.transient(b, tp, lay.recompute, sp, cp, lay.fp8, ep, etp, lay.modules_recomputed)
     experts_m = expert_range_params(sharded, ep, etp) if ep * etp > 1 or ctx.has_expert_params(b, tp, sp, cp) else None
-    static = params_m * per_param + other_m
+    # held for the whole step: model state and the pieces' buffers; the transient bytes (trans_m) count once per rank
+    static = params_m * per_param + (other_m - trans_m)
     if recipe.fp8_gemm_bytes:  # TE's FP8 copies of the transformer blocks' GEMM weights
         static = static + ctx.gemm_params(tp, ep, etp) * recipe.fp8_gemm_bytes
     if experts_m is not None:
@@ -777,13 +790,13 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         act = act + ctx.cut_bytes(b, tp, sp, cp)[0][None, :]
     frag = 1.0 + opts.overhead.fragmentation
     # the fragmentation reserve is charged on what is allocated and freed every micro-batch (the working set and the
-    # point-to-point buffers, other_m, here; the activations by the rank problem), never on the model state
-    held_static = static + opts.overhead.fragmentation * other_m
+    # point-to-point buffers, trans_m, here; the activations by the rank problem), never on the model state
+    held_trans = trans_m * frag
     fixed = opts.overhead.context + opts.overhead.communicator + feature_buffers(costs, lay) + dispatch_buffer_bytes(sharded, lay)
     points = rmem.order_points(sched.name, p, _points_m(sched.name, p, m), v) if p > 1 else rmem.order_points(sched.name, 1, 1, 1)
     if lay.ep_comm_overlap:
         points = one_more_in_flight(points)
-    rp = rmem.RankProblem(held_static, act, wgrad, stage_rank, points, frag, (fixed,) * p, tuple(d.memory_bytes * opts.mem_target for d in devices))
+    rp = rmem.RankProblem(static, act, wgrad, stage_rank, points, frag, (fixed,) * p, tuple(d.memory_bytes * opts.mem_target for d in devices), held_trans)
     held = rmem.stage_held(points, S)
     # necessary condition, cheap: the ranks' needs summed (a lower bound for any split) must fit in their capacities summed
     total = rmem.lower_bound_total(rp, n)
@@ -824,7 +837,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         stage_device=stage_device,
         comm_in=comm_in,
         comm_out=comm_out,
-        static_mem=held_static,
+        static_mem=static + held_trans,
         act_mem=act * frag,
         held=held,
         capacity=[math.inf] * S,
@@ -879,7 +892,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
                 "weights": dense * w + ex * we + copies,
                 "grads": dense * g + ex * ge,
                 "optimizer": dense * o + ex * oe,
-                "buffers": st - state,
+                "buffers": st - state + float(trans_m[a, c]),
                 "activations": held[j] * act_mb[j],
             }
         )
@@ -889,6 +902,9 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     for r in range(p):
         js = [j for j in range(S) if stage_rank[j] == r]
         comp = {k: sum(stage_mem[j][k] for j in js) for k in ("weights", "grads", "optimizer", "buffers")}
+        # one stage's transient bytes at a time (rank_need): the buffers held for the step, + the largest working set
+        trans = [float(trans_m[rng[j]]) for j in js]
+        comp["buffers"] += max(trans, default=0.0) - sum(trans)
         ex = sum(expert_prm[j] for j in js)
         expert_mem.append({"params": ex, "weights": ex * we, "grads": ex * ge, "optimizer": ex * oe})
         comp["activations"] = need.peak[r]
