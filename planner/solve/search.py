@@ -913,7 +913,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         rank_mem.append(comp)
     for j, (a, c) in enumerate(rng):
         tensors = sum(stage_mem[j].values())
-        stage_mem[j]["overhead"] = fixed / v + opts.overhead.fragmentation * (stage_mem[j]["activations"] + float(other_m[a, c]))
+        stage_mem[j]["overhead"] = fixed / v + opts.overhead.fragmentation * (stage_mem[j]["activations"] + float(trans_m[a, c]))
         stage_mem[j]["total"] = tensors + stage_mem[j]["overhead"]
     # data-parallel gradient exchange (over dp x cp: context-parallel ranks hold the same weights) and optimizer step
     dp_exposed, opt_time = 0.0, 0.0
