@@ -108,6 +108,19 @@ def test_a_model_with_no_trainable_parameters_is_refused():
     assert "--model-arg" in out
 
 
+def test_a_failure_with_a_parameter_of_no_elements_names_the_parameter(tmp_path):
+    """An hf config with vocab_size 0 builds an embedding of shape [0, 64] and fails while costing: the message names the
+    empty parameter and says a size is 0, not that the planner may have a bug."""
+    cfg = json.loads((MODELS / "hf" / "llama.json").read_text())
+    cfg["vocab_size"] = 0
+    cfg["bos_token_id"] = cfg["eos_token_id"] = None
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    out = _error(run("inspect", f"hf:{path}"))
+    assert "parameter(s) with no elements, e.g. 'model.embed_tokens.weight' of shape [0, 64]" in out
+    assert "is 0" in out and "planner bug" not in out
+
+
 def test_empty_example_inputs_are_refused():
     out = _error(run("inspect", ROOT / "examples/gpt2.py", "--model-arg", "seq_len=0"))
     assert "returns an empty tensor (input 0, shape (1, 0))" in out

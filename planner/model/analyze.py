@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,19 +79,32 @@ def analyze(
     arch = mf.architecture()
     inputs = mf.inputs_meta(micro_batch, tdtype)
     inputs2 = mf.inputs_meta(2 * micro_batch, tdtype)
-    if progress:
-        progress("trace", 0, 1)
-    lg = build_layer_graph(model, inputs, inputs2, leaf_classes=leaf or (), tracer=tracer, sub_block_cuts=sub_block_cuts)
-    lg.notes = list(mf.notes) + notes + lg.notes
-    seq = infer_seq_len(arch, inputs)
-    costs = cost_layers(
-        lg,
-        inputs,
-        micro_batch,
-        tdtype,
-        seq_len=seq,
-        model_file=mf,
-        architecture=arch,
-        progress=(lambda i, n: progress("cost", i, n)) if progress else None,
-    )
+    empty = [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.numel() == 0]
+    step = "tracing"
+    try:
+        if progress:
+            progress("trace", 0, 1)
+        lg = build_layer_graph(model, inputs, inputs2, leaf_classes=leaf or (), tracer=tracer, sub_block_cuts=sub_block_cuts)
+        lg.notes = list(mf.notes) + notes + lg.notes
+        seq = infer_seq_len(arch, inputs)
+        step = "costing"
+        costs = cost_layers(
+            lg,
+            inputs,
+            micro_batch,
+            tdtype,
+            seq_len=seq,
+            model_file=mf,
+            architecture=arch,
+            progress=(lambda i, n: progress("cost", i, n)) if progress else None,
+        )
+    except Exception as e:
+        if not empty or isinstance(e, (UsageError, MemoryError)) or os.environ.get("PLANNER_DEBUG"):
+            raise
+        name, shape = empty[0]
+        raise UsageError(
+            f"{mf.name}: {step} failed ({type(e).__name__}: {' '.join(str(e).split())[:300]}), and the model built has "
+            f"{len(empty)} parameter(s) with no elements, e.g. {name!r} of shape {list(shape)}.",
+            "A size the model's config or --model-arg sets is 0 (a vocabulary, width or head count); set it to at least 1.",
+        ) from e
     return Analysis(mf, lg, costs)
