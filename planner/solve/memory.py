@@ -301,7 +301,8 @@ def range_matrices(
     """(parameters, other static bytes, activation bytes, pending-W bytes) of every piece range [a, b) as (n+1)^2 matrices.
 
     Other static bytes: buffers the pieces read, and the transient bytes of :func:`transient_matrix` (point-to-point
-    buffers and the working set). Only the upper triangle is meaningful. ``fp8``: saved bytes as Transformer Engine's FP8 linear layers keep them (:func:`saved_bytes`).
+    buffers and the working set). Only the upper triangle is meaningful. ``fp8``: saved bytes as Transformer Engine's
+    FP8 linear layers keep them (:func:`saved_bytes`).
     """
     n = costs.n
     L = costs.layers

@@ -7,10 +7,11 @@ For a split (stage boundaries ``bounds``), rank r holding stages s (one for 1F1B
 
 where ``static_s`` is the held-count-independent bytes of stage s held for the whole step (model state, the pieces'
 buffers), ``transient_s`` what the stage allocates and frees while it runs (its working set and point-to-point buffers,
-with their fragmentation reserve: a rank runs one stage at a time), ``act_s`` the activation bytes of one micro-batch of it, ``wgrad_s`` what a deferred
-weight-gradient pass still reads, ``frag`` 1 + the allocator fragmentation reserve (charged on what is allocated and
-freed every micro-batch, never on the model state: :class:`planner.solve.memory.RuntimeOverhead`), and ``fixed_r``
-the runtime reserve (CUDA context, communicators, feature buffers). ``held[t][s]`` and ``pending[t][s]`` count the
+with their fragmentation reserve: a rank runs one stage at a time), ``act_s`` the activation bytes of one micro-batch
+of it, ``wgrad_s`` what a deferred weight-gradient pass still reads, ``frag`` 1 + the allocator fragmentation
+reserve (charged on what is allocated and freed every micro-batch, never on the model state:
+:class:`planner.solve.memory.RuntimeOverhead`), and ``fixed_r`` the runtime reserve (CUDA context, communicators,
+feature buffers). ``held[t][s]`` and ``pending[t][s]`` count the
 micro-batches of stage s alive (F begun, B/I not ended) and waiting for their W pass after the t-th action of the rank,
 exactly as :mod:`planner.solve.simulate` holds them. Those counts depend on the order of the rank's actions only, never
 on their times, so one table per (schedule, p, m, v) serves every split; only its Pareto-maximal points can be the peak
