@@ -121,6 +121,21 @@ def test_a_failure_with_a_parameter_of_no_elements_names_the_parameter(tmp_path)
     assert "is 0" in out and "planner bug" not in out
 
 
+def test_an_hf_layer_count_override_rebuilds_the_fields_the_config_derives_from_it():
+    """Qwen2Config derives layer_types from num_hidden_layers when it is built: --model-arg num_hidden_layers=4 on a
+    2-layer config builds 4 layers (set after the build, it left 2 layer types and the model failed at layer 2)."""
+    r = run("inspect", f"hf:{MODELS / 'hf' / 'qwen2.json'}", "--model-arg", "num_hidden_layers=4", "--json")
+    assert r.exit_code == 0, r.output
+    blocks = sorted({l["block"] for l in json.loads(r.stdout)["layers"] if l.get("block")})
+    assert blocks == [f"model.layers.{i}" for i in range(4)]
+
+
+def test_an_hf_override_transformers_refuses_is_reported_as_its_check():
+    out = _error(run("inspect", f"hf:{MODELS / 'hf' / 'llama.json'}", "--model-arg", "num_attention_heads=3"))
+    assert "transformers refuses this llama config with --model-arg num_attention_heads=3: ValueError: The hidden size (64)" in out
+    assert "planner bug" not in out
+
+
 def test_empty_example_inputs_are_refused():
     out = _error(run("inspect", ROOT / "examples/gpt2.py", "--model-arg", "seq_len=0"))
     assert "returns an empty tensor (input 0, shape (1, 0))" in out

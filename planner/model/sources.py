@@ -131,26 +131,38 @@ def hf_config(path: Path, overrides: dict[str, Any]) -> Any:
             + (f"; close names: {', '.join(close)}." if close else "."),
             "Use a model_type of the installed transformers (or a transformers release that has this one).",
         )
-    try:
-        config = transformers.AutoConfig.for_model(model_type, **doc)
-    except Exception as e:  # noqa: BLE001 - transformers validating the config's own fields
-        cause: BaseException = e
-        while cause.__cause__ is not None:
-            cause = cause.__cause__
-        first = next((x.strip() for x in str(cause).splitlines() if x.strip()), "")
-        raise UsageError(
-            f"hf:{path}: transformers refuses this {model_type} config: {type(cause).__name__}: {first}",
-            "The check is transformers' own: fix the field it names in config.json.",
-        ) from e
+    config = _build_config(transformers, path, model_type, doc, "", "The check is transformers' own: fix the field it names in config.json.")
     unknown = sorted(k for k in overrides if not hasattr(config, k))
     if unknown:
         raise UsageError(
             f"hf:{path}: --model-arg {', '.join(unknown)} is neither a field of the {type(config).__name__} nor one of {', '.join(HF_RESERVED_ARGS)}.",
             "Pass config fields (e.g. --model-arg num_hidden_layers=2) or seq_len=N.",
         )
-    for k, v in overrides.items():
-        setattr(config, k, v)
-    return config
+    if not overrides:
+        return config
+    # built again with the overrides as constructor arguments, so that the fields the config derives from them
+    # (e.g. layer_types from num_hidden_layers) follow, and transformers validates the result
+    given = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
+    return _build_config(
+        transformers,
+        path,
+        model_type,
+        {**doc, **overrides},
+        f" with --model-arg {given}",
+        "The check is transformers' own: change the --model-arg values, or the config.json field it names.",
+    )
+
+
+def _build_config(transformers: Any, path: Path, model_type: str, fields: dict[str, Any], what: str, hint: str) -> Any:
+    """``AutoConfig.for_model(model_type, **fields)``; what transformers' own validation refuses becomes a UsageError."""
+    try:
+        return transformers.AutoConfig.for_model(model_type, **fields)
+    except Exception as e:  # noqa: BLE001 - transformers validating the config's own fields
+        cause: BaseException = e
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        first = next((x.strip() for x in str(cause).splitlines() if x.strip()), "")
+        raise UsageError(f"hf:{path}: transformers refuses this {model_type} config{what}: {type(cause).__name__}: {first}", hint) from e
 
 
 def hf_model_class(config: Any, name: str | None = None) -> Any:
