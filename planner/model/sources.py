@@ -275,7 +275,8 @@ def _hf_contract(spec: str, rest: str, model_args: dict[str, Any]) -> LibraryCon
     arch = hf_architecture(config, seq) if causal else None
     if arch is not None:
         funcs["architecture"] = lambda **_: dict(arch)
-    return LibraryContract(funcs, dict(model_args), _digest(spec.encode(), path.read_bytes()))
+    # the config's bytes, not how its path is spelled: the same config planned from another directory has one digest
+    return LibraryContract(funcs, dict(model_args), _digest(b"hf", path.read_bytes()))
 
 
 # --------------------------------------------------------------------------- architecture()
