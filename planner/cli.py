@@ -632,7 +632,11 @@ def _check_inputs(paths: List[Path]) -> None:
 def validate(
     paths: List[Path] = typer.Argument(..., help="Plan directories or single files (ds_config JSON, Megatron launch script or args file, plan.json)."),
     gpus: Optional[str] = typer.Option(None, "--gpus", help="Cluster the configs will run on (default: the one recorded in plan.json)."),
-    model: Optional[Path] = typer.Option(None, "--model", help="Model file: enables the memory re-estimate and the drift check."),
+    model: Optional[Path] = typer.Option(
+        None,
+        "--model",
+        help="Model file, or the library spec the plan was made from (hf:CONFIG.json, timm:NAME, torchvision:NAME): enables the memory re-estimate and the drift check.",
+    ),
     model_arg: Optional[List[str]] = ModelArg,
     pp: Optional[int] = typer.Option(None, "--pp", help="Pipeline stages of a lone DeepSpeed config (set in its training script)."),
     fmt: str = typer.Option("text", "--format", help="text | json | github (workflow annotations)"),

@@ -743,3 +743,29 @@ def test_context_parallel_plan_launches_its_whole_world_and_validate_counts_cp(t
     script.write_text(text.replace("GPUS_PER_NODE=4\n", "GPUS_PER_NODE=2\n"))
     findings = [f for f in validate([d], Options()).findings if f.severity == "error"]
     assert any("starts 2 processes" in f.message and "x cp 2 x dp 1 = 4" in f.message for f in findings), "\n".join(map(str, findings))
+
+
+def test_a_plan_of_an_hf_config_validates_with_its_spec_from_any_directory(tmp_path, monkeypatch):
+    """`--model hf:CONFIG.json` re-plans a plan made from that spec (memory and drift checked, no finding), from the
+    plan's directory or elsewhere, the config named by a relative or an absolute path: the recorded digest is the
+    config's bytes, not its path's spelling. An edited config is DRIFT002."""
+    from planner.planning import PlanRequest, plan_model
+    from planner.render import write_plan_dir
+
+    cfg = tmp_path / "cfg" / "config.json"
+    cfg.parent.mkdir()
+    shutil.copy(ROOT / "tests" / "models" / "hf" / "llama.json", cfg)
+    monkeypatch.chdir(tmp_path)
+    spec = "hf:cfg/config.json"
+    plan = plan_model(PlanRequest(model_file=spec, model_args={"num_hidden_layers": 4}, gpus="4xA100", engine="megatron", pp=2))[0]
+    out = tmp_path / "plans" / "llama"
+    write_plan_dir(out, plan, f"planner plan {spec} --model-arg num_hidden_layers=4 --gpus 4xA100 --engine megatron --pp 2 --out plans/llama")
+    for cwd, ref in ((tmp_path, spec), (out, f"hf:{os.path.relpath(cfg, out)}"), (tmp_path.parent, f"hf:{cfg}")):
+        monkeypatch.chdir(cwd)
+        found = validate([out], Options(model=ref))
+        assert [f for f in found.findings if f.severity != "info"] == [], (cwd, ref, found.findings)
+        assert found.memory and found.memory[0].rank_total_bytes  # memory was checked, with the model built from the spec
+    doc = json.loads(cfg.read_text())
+    doc["vocab_size"] = 1024
+    cfg.write_text(json.dumps(doc))
+    assert "DRIFT002" in _rules(validate([out], Options(model=f"hf:{cfg}")).findings)

@@ -41,7 +41,7 @@ from planner.check.json_doc import JsonError, parse_json
 from planner.check.plan_fields import plan_problems
 from planner.engines import ENGINES
 from planner.errors import PlannerError, UsageError
-from planner.model_ref import resolve_recorded
+from planner.model_ref import ref_exists, resolve_recorded, split_ref
 
 GiB = 1024**3
 
@@ -751,6 +751,9 @@ def _memory_plan(run: _Run, ctx: _Ctx) -> None:
 # --- memory ----------------------------------------------------------------
 
 
+_MODEL_HINT = "Pass the model file the plan was made from, or its library spec (hf:CONFIG.json, timm:NAME, torchvision:NAME)."
+
+
 def _model_path(run: _Run, ctx: _Ctx) -> tuple[Path | None, str]:
     """The model file to analyse: only the one --model names. plan.json's inputs.model_file is never imported
     (validating someone else's plan directory must not run their code)."""
@@ -768,8 +771,8 @@ def _costs(run: _Run, ctx: _Ctx, rel: str, line: int, dtype: str):
         why = f"the model file is unknown ({source})" if source else "the model file is unknown"
         run.add("MEM003", rel, line, f"memory not checked: {why}.", "pass --model path/to/model.py (and --model-arg values) to check memory")
         return None
-    if not model.is_file():
-        raise UsageError(f"--model {str(model)!r} is not a file.")
+    if not ref_exists(str(model)):
+        raise UsageError(f"--model {str(model)!r} is not a file.", _MODEL_HINT)
     inputs = ctx.plan.inputs if ctx.plan is not None else {}
     model_args = run.opts.model_args if run.opts.model_args is not None else dict(inputs.get("model_args") or {})
     try:
@@ -903,10 +906,22 @@ def _check_drift(run: _Run, ctx: _Ctx) -> None:
         run.add("DRIFT004", rel_plan, 1, "drift not checked: pass --model to re-plan and compare the committed files.", "add --model path/to/model.py")
         return
     model = Path(run.opts.model)
-    if not model.is_file():
-        raise UsageError(f"--model {str(model)!r} is not a file.")
+    ref = str(run.opts.model)
+    if not ref_exists(ref):
+        raise UsageError(f"--model {ref!r} is not a file.", _MODEL_HINT)
     inputs = dict(plan.inputs)
-    sha = hashlib.sha256(model.read_bytes()).hexdigest()
+    library = split_ref(ref)[0] is not None
+    if library:  # the digest plan.json records for a library model: its spec and config (planner.model.sources)
+        from planner.model.load import load_model_file
+
+        args = run.opts.model_args if run.opts.model_args is not None else dict(inputs.get("model_args") or {})
+        try:
+            sha = load_model_file(ref, args).sha256
+        except PlannerError as e:
+            run.add("DRIFT003", rel_plan, 1, f"re-planning from plan.json's inputs with {ref} fails: {e.message}", e.hint or "re-plan and commit the result")
+            return
+    else:
+        sha = hashlib.sha256(model.read_bytes()).hexdigest()
     text = (u.directory / "plan.json").read_text()
     recorded_sha = inputs.get("model_file_sha256")
     if recorded_sha and recorded_sha != sha:
@@ -919,14 +934,14 @@ def _check_drift(run: _Run, ctx: _Ctx) -> None:
         )
     recorded = inputs.get("model_file")
     same = False
-    if recorded:
+    if recorded and not library:  # a library spec is re-planned as given: the renderer records it from the plan directory
         try:
             same = Path(recorded).is_file() and os.path.samefile(recorded, model)
         except OSError:
             same = False
     names = {f.name for f in fields(PlanRequest)}
     kw = {k: v for k, v in inputs.items() if k in names}
-    kw["model_file"] = recorded if same else str(model)
+    kw["model_file"] = recorded if same else ref
     if run.opts.model_args is not None:
         kw["model_args"] = dict(run.opts.model_args)
     kw["leaf"] = tuple(kw.get("leaf") or ())
