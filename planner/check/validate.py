@@ -911,7 +911,8 @@ def _check_drift(run: _Run, ctx: _Ctx) -> None:
         raise UsageError(f"--model {ref!r} is not a file.", _MODEL_HINT)
     inputs = dict(plan.inputs)
     library = split_ref(ref)[0] is not None
-    if library:  # the digest plan.json records for a library model: its spec and config (planner.model.sources)
+    if library:  # the digest plan.json records for a library model (planner.model.sources: an hf config's bytes; a
+        # vision model's name, library version and arguments)
         from planner.model.load import load_model_file
 
         args = run.opts.model_args if run.opts.model_args is not None else dict(inputs.get("model_args") or {})
