@@ -218,3 +218,18 @@ def test_export_fallback_traces_kwargs_forward(tmp_path):
 def test_console_script_is_installed():
     out = subprocess.run([sys.executable, "-m", "planner", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "inspect" in out.stdout and "plan" in out.stdout
+
+
+def test_a_library_whose_own_import_fails_is_reported_as_a_broken_install(tmp_path, monkeypatch):
+    """An installed timm that raises while importing (as with compiled ops built for another torch) is named, with
+    the torch version and the reinstall command, not reported as a possible planner bug."""
+    import sys
+
+    pkg = tmp_path / "timm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "timm", raising=False)
+    out = _error(run("inspect", "timm:resnet18"))
+    assert "needs timm, which is installed but fails to import here (RuntimeError: operator torchvision::nms does not exist)" in out
+    assert "pip install timm torchvision" in out and "planner bug" not in out

@@ -80,6 +80,14 @@ def require(module: str) -> Any:
             f"This model spec needs {lib}, which cannot be imported here ({type(e).__name__}: {e}).",
             f"Install it with `{PIP[lib]}` (or pip install 'planner[{lib}]'), in the environment that runs the planner.",
         ) from e
+    except Exception as e:  # noqa: BLE001 - the library is installed but its own import fails (e.g. compiled ops built for another torch)
+        lib = module.split(".")[0]
+        torch = importlib.import_module("torch")
+        raise UsageError(
+            f"This model spec needs {lib}, which is installed but fails to import here ({type(e).__name__}: {' '.join(str(e).split())[:300]}).",
+            f"Its install is broken or was built for another torch than this one ({torch.__version__}): reinstall it with "
+            f"`{PIP[lib]}` at the version that matches torch, in the environment that runs the planner.",
+        ) from e
 
 
 def _digest(*parts: bytes) -> str:
