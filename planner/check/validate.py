@@ -910,6 +910,12 @@ def _check_drift(run: _Run, ctx: _Ctx) -> None:
     if not ref_exists(ref):
         raise UsageError(f"--model {ref!r} is not a file.", _MODEL_HINT)
     inputs = dict(plan.inputs)
+
+    def replan_failed(e: PlannerError) -> None:
+        run.add(
+            "DRIFT003", rel_plan, 1, f"re-planning from plan.json's inputs with {display(model)} fails: {e.message}", e.hint or "re-plan and commit the result"
+        )
+
     library = split_ref(ref)[0] is not None
     if library:  # the digest plan.json records for a library model (planner.model.sources: an hf config's bytes; a
         # vision model's name, library version and arguments)
@@ -919,7 +925,7 @@ def _check_drift(run: _Run, ctx: _Ctx) -> None:
         try:
             sha = load_model_file(ref, args).sha256
         except PlannerError as e:
-            run.add("DRIFT003", rel_plan, 1, f"re-planning from plan.json's inputs with {ref} fails: {e.message}", e.hint or "re-plan and commit the result")
+            replan_failed(e)
             return
     else:
         sha = hashlib.sha256(model.read_bytes()).hexdigest()
@@ -950,9 +956,7 @@ def _check_drift(run: _Run, ctx: _Ctx) -> None:
     try:
         new_plan, _, _ = plan_model(PlanRequest(**kw))
     except PlannerError as e:
-        run.add(
-            "DRIFT003", rel_plan, 1, f"re-planning from plan.json's inputs with {display(model)} fails: {e.message}", e.hint or "re-plan and commit the result"
-        )
+        replan_failed(e)
         return
     version, command = read_command(u.directory)
     masked = command is None

@@ -296,13 +296,13 @@ def transient_matrix(costs: ModelCosts, recompute: str, fp8: bool = False) -> np
 
 
 def range_matrices(
-    costs: ModelCosts, tp: int, recompute: str, fp8: bool = False, *, ep: int = 1, etp: int = 1
+    costs: ModelCosts, tp: int, recompute: str, fp8: bool = False, *, ep: int = 1, etp: int = 1, transient: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(parameters, other static bytes, activation bytes, pending-W bytes) of every piece range [a, b) as (n+1)^2 matrices.
 
     Other static bytes: buffers the pieces read, and the transient bytes of :func:`transient_matrix` (point-to-point
-    buffers and the working set). Only the upper triangle is meaningful. ``fp8``: saved bytes as Transformer Engine's
-    FP8 linear layers keep them (:func:`saved_bytes`).
+    buffers and the working set; ``transient``: that matrix, when the caller has it already). Only the upper triangle
+    is meaningful. ``fp8``: saved bytes as Transformer Engine's FP8 linear layers keep them (:func:`saved_bytes`).
     """
     n = costs.n
     L = costs.layers
@@ -318,7 +318,7 @@ def range_matrices(
     cut = np.array([c.bytes for c in costs.cuts], dtype=float)
     buf = np.array([l.buffer_bytes for l in L], dtype=float)
     B = np.concatenate([[0.0], np.cumsum(buf)])
-    other = B[None, :] - B[:, None] + transient_matrix(costs, recompute, fp8)
+    other = B[None, :] - B[:, None] + (transient_matrix(costs, recompute, fp8) if transient is None else transient)
     # activations per micro-batch
     if recompute == "full":
         is_start = np.zeros(n + 1)
