@@ -21,7 +21,7 @@ from planner.model_ref import relative_ref
 
 HF = Path(__file__).resolve().parent / "models" / "hf"
 runner = CliRunner()
-MODELS = ["gpt2", "llama", "qwen2", "mixtral", "bert", "t5", "vit"]
+MODELS = ["gpt2", "llama", "qwen2", "mixtral", "bert", "t5", "bart", "vit"]
 DECODERS = ["gpt2", "llama", "qwen2"]
 
 
@@ -40,6 +40,7 @@ def _library_model(name: str):
         "mixtral": "MixtralForCausalLM",
         "bert": "BertModel",
         "t5": "T5ForConditionalGeneration",
+        "bart": "BartForConditionalGeneration",
         "vit": "ViTModel",
     }[name]
     with torch.device("meta"):
@@ -141,6 +142,18 @@ def test_t5_encoder_decoder_is_traced_with_its_three_inputs():
         assert sum(1 for t in cut["tensors"] if t["shape"][-1] == h) >= 2  # decoder state + encoder output
 
 
+def test_bart_forward_flops_match_the_closed_form():
+    """Encoder layers (self-attention, MLP), decoder layers (self- and cross-attention, MLP) and the LM head; the two
+    stacks' layers are costed apart although their pieces look alike (a piece's cache key includes its wiring)."""
+    c = _config("bart")
+    s, h = c["max_position_embeddings"], c["d_model"]
+    encoder = 4 * h * h + 2 * h * c["encoder_ffn_dim"]
+    decoder = 8 * h * h + 2 * h * c["decoder_ffn_dim"]
+    matmul = c["encoder_layers"] * encoder + c["decoder_layers"] * decoder + h * c["vocab_size"]
+    attentions = c["encoder_layers"] + 2 * c["decoder_layers"]
+    assert inspect("bart")["totals"]["flops_fwd"] == 2 * matmul * s + attentions * 4 * s * s * h
+
+
 @pytest.mark.parametrize("name", DECODERS)
 def test_architecture_from_the_config_is_accepted_by_megatron_rules(name):
     mf = load_model_file(f"hf:{HF / name}.json")
@@ -162,7 +175,7 @@ def test_architecture_from_the_config_is_accepted_by_megatron_rules(name):
 
 
 def test_no_architecture_for_encoders_and_the_moe_keys_for_mixtral():
-    for name in ("bert", "t5", "vit"):
+    for name in ("bert", "t5", "bart", "vit"):
         assert load_model_file(f"hf:{HF / name}.json").architecture() is None
     arch, c = load_model_file(f"hf:{HF / 'mixtral'}.json").architecture(), _config("mixtral")
     assert (arch["num_experts"], arch["moe_router_topk"], arch["moe_ffn_hidden_size"]) == (

@@ -333,7 +333,7 @@ def cost_piece(
 
 def piece_structure(mod, block: str | None) -> tuple[Any, ...]:
     """Structure of one piece module with its block's path removed: graph ops (values entering the piece by
-    position), module classes and their scalar settings, parameter and buffer shapes and dtypes.
+    position) and the nodes each reads, module classes and their scalar settings, parameter and buffer shapes and dtypes.
 
     Equal for the pieces of repeated blocks, so they are costed (and profiled) once.
     """
@@ -345,13 +345,19 @@ def piece_structure(mod, block: str | None) -> tuple[Any, ...]:
 
     gm = mod.gm
     ops, k = [], 0
+    index: dict[Any, int] = {}
     for node in gm.graph.nodes:
+        index[node] = len(index)
         if node.op == "placeholder":
             ops.append(("placeholder", k))
             k += 1
             continue
         target = node.target if isinstance(node.target, str) else getattr(node.target, "__qualname__", repr(node.target))
-        ops.append((node.op, norm(str(target)), len(node.args), tuple(sorted(node.kwargs))))
+        # the wiring too: which earlier nodes each one reads, in order (the output's values included), so pieces with the
+        # same ops that pass their values on in another order are not taken for one another
+        reads: list[int] = []
+        torch.fx.node.map_arg((node.args, node.kwargs), lambda a: reads.append(index[a]) or a)
+        ops.append((node.op, norm(str(target)), len(node.args), tuple(sorted(node.kwargs)), tuple(reads)))
     mods = []
     for name, m in gm.named_modules():
         settings = tuple(sorted((k, v) for k, v in vars(m).items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))))
