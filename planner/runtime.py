@@ -188,26 +188,35 @@ def impose_pieces(planned: LayerGraph, traced: LayerGraph, model_name: str) -> L
     dtype can offer other cuts; the plan's own must run. Cut k is placed
     before the first node of planned piece k that the run-time graph has (nodes
     are matched by name: the graphs come from one model, a few layout-only
-    nodes such as ``contiguous`` may exist in one of them only); every
-    computing node of the run-time graph belongs to the piece whose cut
-    precedes it, and the values crossing each cut are recomputed from the
-    run-time graph (the same on every rank). Raises :class:`PlanMismatch`
-    when a planned piece has no node in the run-time graph.
+    nodes such as ``contiguous`` may exist in one of them only, and a piece of
+    such nodes alone is empty at run time); every computing node of the
+    run-time graph belongs to the piece whose cut precedes it, and the values
+    crossing each cut are recomputed from the run-time graph (the same on
+    every rank). Raises :class:`PlanMismatch` when a planned piece's nodes
+    come before the previous piece's in the run-time graph.
     """
     graph = traced.gm.graph
     free = _free_nodes(graph)
     by_name = {n.name: n for n in graph.nodes}
     compute = [n for n in graph.nodes if n.op not in ("placeholder", "output") and n not in free]
     pos = {n: i for i, n in enumerate(compute)}
-    starts: list[int] = []
+    firsts: list[int | None] = []
     for piece in planned.pieces:
         first = next((by_name[n.name] for n in piece.nodes if n.name in by_name and by_name[n.name] in pos), None)
-        if first is None or (starts and pos[first] <= starts[-1]):
+        placed = [f for f in firsts if f is not None]
+        if first is not None and placed and pos[first] <= placed[-1]:  # out of order: not the planned model
             raise PlanMismatch(
                 f"{model_name}: planned piece {piece.index} ({piece.name}) has no place in the graph traced at run time; "
                 "the model changed since planning. Re-run `planner plan` for this model."
             )
-        starts.append(pos[first])
+        firsts.append(None if first is None else pos[first])
+    # a piece none of whose nodes the run-time graph has (only layout nodes such as a ``contiguous`` the other trace
+    # lacks) is empty: its cut falls where the next placed piece starts
+    starts, nxt = [0] * len(firsts), len(compute)
+    for k in range(len(firsts) - 1, -1, -1):
+        at = firsts[k]
+        nxt = at if at is not None else nxt
+        starts[k] = nxt
     starts[0] = 0
     bounds = starts + [len(compute)]
     pieces = [Piece(p.index, p.name, p.kind, p.block, compute[a:b], p.modules) for p, a, b in zip(planned.pieces, bounds, bounds[1:])]

@@ -92,6 +92,67 @@ def test_no_dropout_reaches_the_run_time_graph(gpt2_plan):
     assert dropout_ps(run.layer_graph.gm) in ([], [0.0])
 
 
+@pytest.fixture(scope="module")
+def bart_plan(tmp_path_factory) -> Path:
+    """transformers' BART (its config's defaults: dropout 0.1 through F.dropout, on module floats, not nn.Dropout)."""
+    out = tmp_path_factory.mktemp("bart") / "plan"
+    spec = f"hf:{MODELS / 'hf' / 'bart.json'}"
+    r = runner.invoke(app, ["plan", spec, "--gpus", "2xcpu", "--engine", "torch", "--pp", "2", "--out", str(out), "--quiet"])
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def test_no_dropout_reaches_functional_dropout_on_module_floats(bart_plan):
+    """BART calls F.dropout(x, p=self.dropout) with floats its layers copied from the config: --no-dropout zeroes them,
+    so the run-time graph has no dropout left and two training-mode forwards agree exactly."""
+    planned = load_planned_model(bart_plan)
+    model = build_model(planned, seed=0, no_dropout=True)
+    floats = {(type(m).__name__, k): v for m in model.modules() for k, v in vars(m).items() if type(v) is float and "drop" in k}
+    assert floats and set(floats.values()) == {0.0}
+    assert model.config.dropout == 0.0 and model.config.activation_dropout == 0.0
+    run = planned.for_run(model, "cpu")
+    assert not {float(n.args[1]) for n in run.layer_graph.gm.graph.nodes if "dropout" in str(n.target) and len(n.args) > 1} - {0.0}
+    inputs, _ = planned.example_batch(2, seed=1)
+    assert torch.equal(model(*inputs).logits, model(*inputs).logits)
+    kept = build_model(planned, seed=0, no_dropout=False)
+    assert kept.config.dropout == 0.1 and not torch.equal(kept(*inputs).logits, kept(*inputs).logits)
+
+
+@pytest.mark.slow
+def test_bart_smoke_equals_one_process(bart_plan):
+    """An encoder-decoder with functional dropout, two pipeline stages on two CPU ranks: losses equal one process."""
+    r = runner.invoke(app, ["smoke", str(bart_plan), "--steps", "2"])
+    assert r.exit_code == 0, r.output
+    import json
+
+    doc = json.loads((bart_plan / "smoke.json").read_text())
+    assert doc["ok"] and doc["ranks"] == 2 and doc["max_relative_difference"] <= 1e-5
+
+
+def test_a_planned_piece_of_layout_nodes_the_run_time_graph_lacks_is_empty():
+    """A piece made only of nodes the other trace does not have (a ``contiguous`` a bf16 meta trace has and an fp32
+    one not) runs empty: its cut falls where the next piece starts, and the other pieces keep their nodes."""
+    from types import SimpleNamespace
+
+    from planner.model.trace import Piece, build_layer_graph
+    from planner.runtime import PlanMismatch, impose_pieces
+
+    with torch.device("meta"):
+        model = SizeAtEnd()
+    traced = build_layer_graph(model, (torch.empty(2, 8, device="meta"),), tracer="fx")
+    nodes = traced.pieces[0].nodes
+    cut = next(i for i, n in enumerate(nodes) if n.op == "call_module" and n.target == "blocks.1")
+    ghost = SimpleNamespace(name="contiguous_7")
+    template = [Piece(0, "a", "block", None, nodes[:cut], ()), Piece(1, "a'", "block", None, [ghost], ()), Piece(2, "b", "block", None, nodes[cut:], ())]
+    imposed = impose_pieces(dataclasses.replace(traced, pieces=template, cut_kinds=["input", "block", "block", "output"]), traced, "m.py")
+    two = impose_pieces(dataclasses.replace(traced, pieces=[template[0], template[2]], cut_kinds=["input", "block", "output"]), traced, "m.py")
+    assert [p.nodes for p in imposed.pieces] == [two.pieces[0].nodes, [], two.pieces[1].nodes] and all(two.pieces[i].nodes for i in (0, 1))
+    assert [n.name for n in imposed.boundaries[1]] == [n.name for n in imposed.boundaries[2]] == ["size", "blocks_0"]
+    # a piece that is placed out of order is still refused
+    with pytest.raises(PlanMismatch, match=r"planned piece 2 \(c\) has no place"):
+        impose_pieces(dataclasses.replace(traced, pieces=[template[0], template[2], Piece(2, "c", "block", None, nodes[:1], ())]), traced, "m.py")
+
+
 def test_stage_outputs_are_contiguous(tmp_path):
     """A block returning a transposed view crosses the stage boundary as a contiguous tensor (gloo refuses others)."""
     d = plan_dir(tmp_path, "permuted.py")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -107,11 +108,25 @@ def build_model(planned: PlannedModel, seed: int, no_dropout: bool = False) -> n
     return model.train()
 
 
+#: attribute names of the probabilities of functional dropout and stochastic depth kept on modules and configs
+#: (transformers' BartAttention.dropout, activation_dropout, attention_dropout, hidden_dropout_prob, attn_pdrop; timm's
+#: and transformers' DropPath.drop_prob, drop_path_rate; LayerDrop's encoder_layerdrop; torchvision's StochasticDepth.p)
+_DROP_NAME = re.compile(r"(dropout|pdrop|drop_prob|drop_path|drop_rate|drop_block|layerdrop)")
+
+
 def disable_dropout(model: nn.Module) -> None:
-    """Set ``p = 0`` on every dropout module (nn.Dropout, Dropout1d/2d/3d, AlphaDropout, ...)."""
+    """Set every dropout probability of ``model`` to 0: ``p`` of the dropout modules (nn.Dropout, Dropout1d/2d/3d,
+    AlphaDropout, ...) and of torchvision's StochasticDepth, and every float attribute named for dropout or stochastic
+    depth (:data:`_DROP_NAME`) on the modules and on the configs they keep (models that call ``F.dropout(x,
+    p=self.dropout)`` or read ``self.config.attention_dropout`` in forward)."""
     for mod in model.modules():
-        if isinstance(mod, nn.modules.dropout._DropoutNd):
-            mod.p = 0.0
+        if isinstance(mod, nn.modules.dropout._DropoutNd) or (type(mod).__name__ == "StochasticDepth" and isinstance(getattr(mod, "p", None), float)):
+            mod.p = 0.0  # type: ignore[assignment]
+        for owner in (mod, getattr(mod, "config", None)):
+            fields = getattr(owner, "__dict__", {})
+            for name, value in list(fields.items()):
+                if type(value) is float and value > 0 and _DROP_NAME.search(name):
+                    setattr(owner, name, 0.0)
 
 
 def resolve_device(arg: str) -> torch.device:
