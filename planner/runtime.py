@@ -19,8 +19,12 @@ device, and check the pieces against plan.json again.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import random
+import re
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -181,37 +185,65 @@ def retarget(lg: LayerGraph, source: torch.device, device: torch.device) -> None
     gm.recompile()
 
 
+#: names of the nodes a trace has or lacks with its tensors' strides (torch.export records a contiguous() only where
+#: the input was not contiguous: a bf16 meta trace and an fp32 one can differ); they place no cut
+_LAYOUT_NODE = re.compile(r"contiguous(_\d+)?$")
+_NUMBER = re.compile(r"_\d+$")
+
+
+def align_nodes(a: Sequence[str], b: Sequence[str]) -> dict[int, int]:
+    """For node names ``a`` of one graph, the index in ``b`` (another trace of the same model) of each node both have.
+
+    fx numbers the nodes of one op in order (add, add_1, ...), so a node only one trace has (a contiguous() that
+    depends on strides, the random ops of a stochastic depth that --no-dropout switches off) shifts the names of
+    the later nodes of that op. Names of ops the two graphs have equally many of are matched as they are
+    (anchors, in order in both); between two anchors the nodes are matched by op, in order (the longest common
+    subsequence). Raises ValueError when the anchors are not in the same order in both graphs."""
+    ca, cb = Counter(_NUMBER.sub("", n) for n in a), Counter(_NUMBER.sub("", n) for n in b)
+    where = {n: j for j, n in enumerate(b)}
+    anchors = [(i, where[n]) for i, n in enumerate(a) if n in where and ca[_NUMBER.sub("", n)] == cb[_NUMBER.sub("", n)]]
+    if any(j1 <= j0 for (_, j0), (_, j1) in zip(anchors, anchors[1:])):
+        raise ValueError("the graphs run their nodes in another order")
+    out = dict(anchors)
+    edges = [(-1, -1), *anchors, (len(a), len(b))]
+    for (i0, j0), (i1, j1) in zip(edges, edges[1:]):
+        ga, gb = [_NUMBER.sub("", n) for n in a[i0 + 1 : i1]], [_NUMBER.sub("", n) for n in b[j0 + 1 : j1]]
+        if ga and gb:
+            for m in difflib.SequenceMatcher(None, ga, gb, autojunk=False).get_matching_blocks():
+                out.update((i0 + 1 + m.a + k, j0 + 1 + m.b + k) for k in range(m.size))
+    return out
+
+
 def impose_pieces(planned: LayerGraph, traced: LayerGraph, model_name: str) -> LayerGraph:
     """``traced``'s graph cut where ``planned`` was cut: the plan's pieces on a graph traced at run time.
 
     The tracer's sub-block cuts depend on byte counts, so a trace in another
     dtype can offer other cuts; the plan's own must run. Cut k is placed
-    before the first node of planned piece k that the run-time graph has (nodes
-    are matched by name: the graphs come from one model, a few layout-only
-    nodes such as ``contiguous`` may exist in one of them only, and a piece of
-    such nodes alone is empty at run time); every computing node of the
-    run-time graph belongs to the piece whose cut precedes it, and the values
-    crossing each cut are recomputed from the run-time graph (the same on
-    every rank). Raises :class:`PlanMismatch` when a planned piece's nodes
-    come before the previous piece's in the run-time graph.
+    before the first node of planned piece k that the run-time graph has
+    (nodes matched by :func:`align_nodes`: the graphs come from one model, but
+    a few nodes may exist in one of them only, such as a stride-dependent
+    ``contiguous`` or the random ops of a stochastic depth --no-dropout turns
+    off; a piece of such nodes alone is empty at run time); every computing
+    node of the run-time graph belongs to the piece whose cut precedes it, and
+    the values crossing each cut are recomputed from the run-time graph (the
+    same on every rank). Raises :class:`PlanMismatch` when the two graphs do
+    not run their nodes in one order.
     """
     graph = traced.gm.graph
     free = _free_nodes(graph)
-    by_name = {n.name: n for n in graph.nodes}
     compute = [n for n in graph.nodes if n.op not in ("placeholder", "output") and n not in free]
     pos = {n: i for i, n in enumerate(compute)}
-    firsts: list[int | None] = []
-    for piece in planned.pieces:
-        first = next((by_name[n.name] for n in piece.nodes if n.name in by_name and by_name[n.name] in pos), None)
-        placed = [f for f in firsts if f is not None]
-        if first is not None and placed and pos[first] <= placed[-1]:  # out of order: not the planned model
-            raise PlanMismatch(
-                f"{model_name}: planned piece {piece.index} ({piece.name}) has no place in the graph traced at run time; "
-                "the model changed since planning. Re-run `planner plan` for this model."
-            )
-        firsts.append(None if first is None else pos[first])
-    # a piece none of whose nodes the run-time graph has (only layout nodes such as a ``contiguous`` the other trace
-    # lacks) is empty: its cut falls where the next placed piece starts
+    planned_free = _free_nodes(planned.gm.graph)
+    names = [(k, n.name) for k, p in enumerate(planned.pieces) for n in p.nodes if n not in planned_free]
+    try:
+        match = align_nodes([n for _, n in names], [n.name for n in compute])
+    except ValueError as e:
+        raise PlanMismatch(f"{model_name}: {e} at run time than at planning; the model changed since planning. Re-run `planner plan` for this model.") from None
+    firsts: list[int | None] = [None] * len(planned.pieces)
+    for i, (k, name) in enumerate(names):
+        if firsts[k] is None and i in match and not _LAYOUT_NODE.match(name):
+            firsts[k] = match[i]
+    # a piece none of whose nodes the run-time graph has is empty: its cut falls where the next placed piece starts
     starts, nxt = [0] * len(firsts), len(compute)
     for k in range(len(firsts) - 1, -1, -1):
         at = firsts[k]

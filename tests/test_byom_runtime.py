@@ -130,10 +130,9 @@ def test_bart_smoke_equals_one_process(bart_plan):
 
 
 def test_a_planned_piece_of_layout_nodes_the_run_time_graph_lacks_is_empty():
-    """A piece made only of nodes the other trace does not have (a ``contiguous`` a bf16 meta trace has and an fp32
-    one not) runs empty: its cut falls where the next piece starts, and the other pieces keep their nodes."""
-    from types import SimpleNamespace
-
+    """A piece made only of nodes the other trace does not have (the random ops of a stochastic depth --no-dropout
+    turns off, a ``contiguous`` a bf16 meta trace has and an fp32 one not) runs empty: its cut falls where the next
+    piece starts, and the other pieces keep their nodes."""
     from planner.model.trace import Piece, build_layer_graph
     from planner.runtime import PlanMismatch, impose_pieces
 
@@ -142,15 +141,102 @@ def test_a_planned_piece_of_layout_nodes_the_run_time_graph_lacks_is_empty():
     traced = build_layer_graph(model, (torch.empty(2, 8, device="meta"),), tracer="fx")
     nodes = traced.pieces[0].nodes
     cut = next(i for i, n in enumerate(nodes) if n.op == "call_module" and n.target == "blocks.1")
-    ghost = SimpleNamespace(name="contiguous_7")
+    ghost = torch.fx.Graph().call_function(torch.rand, (2,))  # a node of the other trace only
+    ghost.name = "rand_7"
     template = [Piece(0, "a", "block", None, nodes[:cut], ()), Piece(1, "a'", "block", None, [ghost], ()), Piece(2, "b", "block", None, nodes[cut:], ())]
     imposed = impose_pieces(dataclasses.replace(traced, pieces=template, cut_kinds=["input", "block", "block", "output"]), traced, "m.py")
     two = impose_pieces(dataclasses.replace(traced, pieces=[template[0], template[2]], cut_kinds=["input", "block", "output"]), traced, "m.py")
     assert [p.nodes for p in imposed.pieces] == [two.pieces[0].nodes, [], two.pieces[1].nodes] and all(two.pieces[i].nodes for i in (0, 1))
     assert [n.name for n in imposed.boundaries[1]] == [n.name for n in imposed.boundaries[2]] == ["size", "blocks_0"]
-    # a piece that is placed out of order is still refused
-    with pytest.raises(PlanMismatch, match=r"planned piece 2 \(c\) has no place"):
-        impose_pieces(dataclasses.replace(traced, pieces=[template[0], template[2], Piece(2, "c", "block", None, nodes[:1], ())]), traced, "m.py")
+    # pieces whose nodes run in another order are not the planned model
+    with pytest.raises(PlanMismatch, match="the graphs run their nodes in another order at run time than at planning"):
+        impose_pieces(dataclasses.replace(traced, pieces=[template[2], template[0]]), traced, "m.py")
+
+
+def test_align_nodes_matches_names_shifted_by_nodes_one_trace_lacks():
+    """--no-dropout removes a stochastic depth's random ops (rand, add, floor, div, mul) from the run-time trace, which
+    renumbers every later add; a stride-dependent contiguous shifts the later contiguous names the same way."""
+    from planner.runtime import align_nodes
+
+    planned = ["linear", "contiguous", "reshape", "rand", "add", "floor", "div", "mul", "add_1", "layer_norm", "contiguous_1", "linear_1", "add_2"]
+    run = ["linear", "reshape", "add", "layer_norm", "contiguous", "linear_1", "add_1"]
+    got = align_nodes(planned, run)
+    named = {planned[i]: run[j] for i, j in got.items()}
+    # ops both graphs have equally many of keep their names; the others are matched by op, in order
+    assert named["linear"] == "linear" and named["reshape"] == "reshape" and named["layer_norm"] == "layer_norm" and named["linear_1"] == "linear_1"
+    assert named["add_2"] == "add_1" and named["contiguous_1"] == "contiguous"
+    assert len(got) == len(run) and sorted(got.values()) == list(range(len(run)))  # every run-time node placed once
+    assert all(a.split("_")[0] == b.split("_")[0] for a, b in named.items())
+    assert sorted(got.values()) == [got[i] for i in sorted(got)]  # in order
+    assert not {"rand", "floor", "div", "mul", "contiguous"} & set(named)
+    assert align_nodes(run, run) == {i: i for i in range(len(run))}
+    with pytest.raises(ValueError, match="another order"):
+        align_nodes(["linear", "layer_norm"], ["layer_norm", "linear"])
+
+
+RELU_IN_PLACE = """
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = x.relu_()  # in place on the block's input
+        return self.lin(h.transpose(1, 2)).transpose(1, 2)  # the input's gradient comes back transposed
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(6, 6)
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+
+    def forward(self, x):
+        x = self.stem(x)
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def build_model():
+    return Model()
+
+
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 6, 6),)
+"""
+
+
+def test_a_stage_writing_its_input_in_place_runs_on_a_copy_and_sends_contiguous_gradients(tmp_path):
+    """torch.distributed.pipelining hands a stage its received values as leaves that require grad: an in-place op on
+    one (x.relu_(), ResNet's hidden += residual) raises, and a gradient with transposed strides cannot be received
+    into torch's buffer. The stage copies what it writes and returns contiguous gradients; values and gradients equal
+    the whole model's."""
+    (tmp_path / "m.py").write_text(RELU_IN_PLACE)
+    d = tmp_path / "plan"
+    r = runner.invoke(app, ["plan", str(tmp_path / "m.py"), "--gpus", "2xcpu", "--engine", "torch", "--pp", "2", "--out", str(d), "--quiet"])
+    assert r.exit_code == 0, r.output
+    planned = load_planned_model(d)
+    model = build_model(planned, seed=0)
+    last = planned.num_stages - 1
+    assert rt.written_placeholders(planned.stage(model, last).gm) == {0}
+    x = torch.randn(2, 6, 6)
+    model(x).sum().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    stages = [rt.StageModule(planned, model, s, "fp32", torch.device("cpu")) for s in range(planned.num_stages)]
+    h = stages[0](x)
+    sent = h.detach().requires_grad_(True)  # as a receiving stage gets it: a leaf
+    out = stages[last](sent)
+    assert torch.allclose(out, model(x)) and torch.equal(sent, h)  # the received value itself is left as it came
+    out.sum().backward()
+    assert sent.grad is not None and sent.grad.is_contiguous()
+    h.backward(sent.grad)
+    assert all(torch.allclose(p.grad, want[n]) for n, p in model.named_parameters())
 
 
 def test_stage_outputs_are_contiguous(tmp_path):

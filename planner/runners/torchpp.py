@@ -182,12 +182,19 @@ class StageModule(nn.Module):
         self.num_stages = planned.num_stages
         self.clone_outputs = clone_outputs and stage < planned.num_stages - 1
         self.last_output: FlatOutput | None = None
+        body = planned.stage(model, stage)
+        self.written_inputs = written_placeholders(body.gm)
         if recompute:
             self.pieces = nn.ModuleList(planned.piece(model, i) for i in range(start, stop))
         else:
-            self.body = planned.stage(model, stage)
+            self.body = body
 
     def forward(self, *args: Any) -> Any:
+        if self.stage_index > 0:
+            # received values are leaves that require grad: one the stage writes in place (ResNet's `hidden += residual`)
+            # runs on a copy; the gradients sent back are contiguous (torch sizes its receive buffers from their strides,
+            # and gloo and NCCL send contiguous tensors only)
+            args = tuple(_received(a, i in self.written_inputs) for i, a in enumerate(args))
         with autocast(self.precision, torch.device(self.device_type)):
             if not self.recompute:
                 out = self.body(*args)
@@ -206,6 +213,46 @@ class StageModule(nn.Module):
         outs = out if isinstance(out, tuple) else (out,)
         outs = tuple(_send_ready(t, self.clone_outputs) for t in outs)
         return outs if isinstance(out, tuple) else outs[0]
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g.contiguous()
+
+
+def _received(t: Any, written: bool) -> Any:
+    """A stage input as the stage reads it: its gradient made contiguous, and a copy when the stage writes it."""
+    if not isinstance(t, torch.Tensor) or not t.requires_grad:
+        return t.clone() if written and isinstance(t, torch.Tensor) else t
+    t = _ContiguousGrad.apply(t)
+    return t.clone() if written else t
+
+
+def written_placeholders(gm: torch.fx.GraphModule) -> frozenset[int]:
+    """Positions of the inputs of ``gm`` an operator writes in place: an aten overload whose schema marks the
+    argument written (``add_``, ``relu_``), an in-place tensor method, or ``inplace=True``."""
+    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out: set[int] = set()
+    for node in gm.graph.nodes:
+        written: list[Any] = []
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            for i, a in enumerate(target._schema.arguments):
+                if a.alias_info is not None and a.alias_info.is_write:
+                    written.append(node.args[i] if i < len(node.args) else node.kwargs.get(a.name))
+        elif node.op == "call_method" and isinstance(target, str) and target.endswith("_") and not target.startswith("_"):
+            written.append(node.args[0])
+        elif node.kwargs.get("inplace") is True or (node.op == "call_module" and getattr(gm.get_submodule(str(target)), "inplace", False) is True):
+            written.append(node.args[0] if node.args else None)
+        out.update(places.index(w) for w in written if w in places)
+    return frozenset(out)
 
 
 def _send_ready(t: Any, clone: bool) -> Any:
