@@ -21,7 +21,7 @@ from planner.model_ref import relative_ref
 
 HF = Path(__file__).resolve().parent / "models" / "hf"
 runner = CliRunner()
-MODELS = ["gpt2", "llama", "qwen2", "mixtral", "bert", "t5", "bart", "vit"]
+MODELS = ["gpt2", "llama", "qwen2", "mixtral", "bert", "t5", "bart", "vit", "clip"]
 DECODERS = ["gpt2", "llama", "qwen2"]
 
 
@@ -42,6 +42,7 @@ def _library_model(name: str):
         "t5": "T5ForConditionalGeneration",
         "bart": "BartForConditionalGeneration",
         "vit": "ViTModel",
+        "clip": "CLIPModel",
     }[name]
     with torch.device("meta"):
         return getattr(transformers, cls)(config), config
@@ -154,6 +155,52 @@ def test_bart_forward_flops_match_the_closed_form():
     assert inspect("bart")["totals"]["flops_fwd"] == 2 * matmul * s + attentions * 4 * s * s * h
 
 
+def test_clip_reads_token_ids_and_images_side_by_side():
+    """A dual encoder: text tower over the text config's positions, vision tower over patches + CLS, both projections
+    (one pooled token each) and the image-text logits."""
+    c = _config("clip")
+    t, v, p = c["text_config"], c["vision_config"], c["projection_dim"]
+    s, sv = t["max_position_embeddings"], (v["image_size"] // v["patch_size"]) ** 2 + 1
+    doc = inspect("clip")
+    assert doc["totals"]["seq_len"] == s
+
+    def tower(cfg, n):
+        h = cfg["hidden_size"]
+        return cfg["num_hidden_layers"] * (2 * (4 * h * h + 2 * h * cfg["intermediate_size"]) * n + 4 * n * n * h)
+
+    patch_embed = 2 * (sv - 1) * 3 * v["patch_size"] ** 2 * v["hidden_size"]
+    projections = 2 * t["hidden_size"] * p + 2 * v["hidden_size"] * p
+    assert doc["totals"]["flops_fwd"] == tower(t, s) + tower(v, sv) + patch_embed + projections + 2 * p
+
+
+def test_speech_models_are_refused_not_planned_without_their_encoder(tmp_path):
+    """Whisper's config has a causal-LM class too (its decoder alone): an encoder-decoder is built whole, and its
+    input_features, which an hf: spec cannot make, are asked for instead of tracing the decoder alone."""
+    from planner.model.sources import hf_config, hf_model_class
+
+    path = tmp_path / "whisper.json"
+    path.write_text(json.dumps({"model_type": "whisper"}))
+    assert hf_model_class(hf_config(path, {})) is transformers.AutoModelForSpeechSeq2Seq
+    r = runner.invoke(app, ["inspect", f"hf:{path}"])
+    assert r.exit_code == 2
+    assert "WhisperForConditionalGeneration reads input_features" in r.output and "example_inputs() returns" in r.output
+
+
+def test_a_vision_language_decoder_says_its_vision_tower_is_idle(tmp_path):
+    """LLaVA needs image tokens placed in its ids, which a config does not say: planned on text, and said so."""
+    tiny = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+    doc = {
+        "model_type": "llava",
+        "text_config": {"model_type": "llama", "vocab_size": 200, "max_position_embeddings": 32, **tiny},
+        "vision_config": {"model_type": "clip_vision_model", "image_size": 32, "patch_size": 8, **tiny},
+    }
+    path = tmp_path / "llava.json"
+    path.write_text(json.dumps(doc))
+    r = runner.invoke(app, ["inspect", f"hf:{path}", "--json"])
+    assert r.exit_code == 0, r.output
+    assert any("its vision tower's parameters are counted, its compute is not" in n for n in json.loads(r.stdout)["notes"])
+
+
 @pytest.mark.parametrize("name", DECODERS)
 def test_architecture_from_the_config_is_accepted_by_megatron_rules(name):
     mf = load_model_file(f"hf:{HF / name}.json")
@@ -175,7 +222,7 @@ def test_architecture_from_the_config_is_accepted_by_megatron_rules(name):
 
 
 def test_no_architecture_for_encoders_and_the_moe_keys_for_mixtral():
-    for name in ("bert", "t5", "bart", "vit"):
+    for name in ("bert", "t5", "bart", "vit", "clip"):
         assert load_model_file(f"hf:{HF / name}.json").architecture() is None
     arch, c = load_model_file(f"hf:{HF / 'mixtral'}.json").architecture(), _config("mixtral")
     assert (arch["num_experts"], arch["moe_router_topk"], arch["moe_ffn_hidden_size"]) == (

@@ -226,7 +226,9 @@ def load_model_file(path: str | Path, model_args: dict[str, Any] | None = None) 
     prefix = str(path).partition(":")[0]
     if prefix in LIBRARY_PREFIXES:
         lib = library_contract(str(path), dict(model_args or {}))
-        return ModelFile(path=Path(str(path)), module=None, model_args=lib.model_args, sha256=lib.sha256, funcs=lib.funcs, spec=str(path))
+        return ModelFile(
+            path=Path(str(path)), module=None, model_args=lib.model_args, sha256=lib.sha256, funcs=lib.funcs, notes=list(lib.notes), spec=str(path)
+        )
     path = Path(path)
     if not path.is_file():
         hint = "Pass the path of a Python file that defines build_model() and example_inputs()."

@@ -28,7 +28,7 @@ import importlib
 import inspect
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,8 @@ class LibraryContract:
     funcs: dict[str, Callable[..., Any]]
     model_args: dict[str, Any]
     sha256: str
+    #: what the planner leaves out of the model as built (said with the plan)
+    notes: list[str] = field(default_factory=list)
 
 
 def library_contract(spec: str, model_args: dict[str, Any]) -> LibraryContract:
@@ -186,8 +188,13 @@ def hf_model_class(config: Any, name: str | None = None) -> Any:
             )
         return cls
     mt = config.model_type
-    if getattr(config, "is_encoder_decoder", False) and mt in auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
-        return transformers.AutoModelForSeq2SeqLM
+    if getattr(config, "is_encoder_decoder", False):
+        # never the decoder alone (WhisperForCausalLM is the causal-LM class of whisper's config)
+        if mt in auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+            return transformers.AutoModelForSeq2SeqLM
+        if mt in auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES:
+            return transformers.AutoModelForSpeechSeq2Seq
+        return transformers.AutoModel
     if mt in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and mt not in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         return transformers.AutoModelForCausalLM
     return transformers.AutoModel
@@ -199,6 +206,7 @@ def hf_seq_len(config: Any, seq_len: int | None) -> int:
         if not isinstance(seq_len, int) or seq_len < 1:
             raise UsageError(f"--model-arg seq_len={seq_len!r} is not a positive integer.")
         return seq_len
+    config = _text_config(config)  # a dual encoder's (CLIP's) positions are its text model's
     most = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions", "n_ctx") if isinstance(getattr(config, k, None), int)), None)
     return min(most, HF_DEFAULT_MAX_SEQ) if most else 512
 
@@ -255,6 +263,21 @@ def _hf_contract(spec: str, rest: str, model_args: dict[str, Any]) -> LibraryCon
     params = [p for p in inspect.signature(concrete.forward).parameters if p != "self"]
     classifier = cls_name.endswith(("ForImageClassification", "ForSequenceClassification"))
     num_labels = getattr(config, "num_labels", 2)
+    if main_input not in ("input_ids", "pixel_values"):
+        raise UsageError(
+            f"hf:{path.name}: transformers' {cls_name} reads {main_input} (speech or other non-token input); hf: specs give "
+            "token ids and images only, and planning it without its input would leave its encoder out.",
+            "Write a model file whose build_model() builds this model from the config and whose example_inputs() returns "
+            f"{main_input} as the model's processor makes it (README: the model-file contract).",
+        )
+    vision = getattr(config, "vision_config", None)
+    image_tokens = any(getattr(config, k, None) is not None for k in ("image_token_index", "image_token_id"))
+    # a dual encoder (CLIP, SigLIP) reads token ids and images side by side; a vision-language decoder (LLaVA) needs its
+    # image tokens placed in the ids, which a config alone does not say: it is planned on text, its vision tower idle
+    paired_image = main_input == "input_ids" and "pixel_values" in params and vision is not None and not image_tokens
+    notes = []
+    if vision is not None and image_tokens:
+        notes.append(f"{cls_name} planned on token ids only: its vision tower's parameters are counted, its compute is not (no images)")
 
     def build_model(**_: Any) -> torch.nn.Module:
         return cls.from_config(hf_config(path, overrides)) if hasattr(cls, "from_config") else cls(hf_config(path, overrides))
@@ -265,6 +288,10 @@ def _hf_contract(spec: str, rest: str, model_args: dict[str, Any]) -> LibraryCon
             size = (size, size) if isinstance(size, int) else tuple(size)
             return (torch.randn(batch_size, getattr(config, "num_channels", 3), *size),)
         wanted = {"input_ids": torch.randint(0, vocab or 2, (batch_size, seq))}
+        if paired_image:
+            size = getattr(vision, "image_size", 224)
+            size = (size, size) if isinstance(size, int) else tuple(size)
+            wanted["pixel_values"] = torch.randn(batch_size, getattr(vision, "num_channels", 3), *size)
         if not causal:  # encoders and encoder-decoders take a padding mask
             wanted["attention_mask"] = torch.ones(batch_size, seq, dtype=torch.long)
         if getattr(config, "is_encoder_decoder", False):
@@ -284,7 +311,7 @@ def _hf_contract(spec: str, rest: str, model_args: dict[str, Any]) -> LibraryCon
     if arch is not None:
         funcs["architecture"] = lambda **_: dict(arch)
     # the config's bytes, not how its path is spelled: the same config planned from another directory has one digest
-    return LibraryContract(funcs, dict(model_args), _digest(b"hf", path.read_bytes()))
+    return LibraryContract(funcs, dict(model_args), _digest(b"hf", path.read_bytes()), notes)
 
 
 # --------------------------------------------------------------------------- architecture()
