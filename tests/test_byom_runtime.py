@@ -129,6 +129,21 @@ def test_bart_smoke_equals_one_process(bart_plan):
     assert doc["ok"] and doc["ranks"] == 2 and doc["max_relative_difference"] <= 1e-5
 
 
+@pytest.mark.slow
+def test_resnet_whose_stage_adds_into_its_received_value_equals_one_process(tmp_path):
+    """transformers' ResNet adds the shortcut into the block's output in place (hidden_state += residual): cut there,
+    the second stage writes the value it received."""
+    out = tmp_path / "plan"
+    r = runner.invoke(app, ["plan", f"hf:{MODELS / 'hf' / 'resnet.json'}", "--gpus", "2xcpu", "--engine", "torch", "--pp", "2", "--out", str(out), "--quiet"])
+    assert r.exit_code == 0, r.output
+    planned = load_planned_model(out)
+    model = build_model(planned, seed=0, no_dropout=True)
+    run = planned.for_run(model, "cpu")
+    assert any(rt.written_placeholders(run.stage(model, s).gm) for s in range(1, run.num_stages))
+    r = runner.invoke(app, ["smoke", str(out), "--steps", "2"])
+    assert r.exit_code == 0, r.output
+
+
 def test_a_planned_piece_of_layout_nodes_the_run_time_graph_lacks_is_empty():
     """A piece made only of nodes the other trace does not have (the random ops of a stochastic depth --no-dropout
     turns off, a ``contiguous`` a bf16 meta trace has and an fp32 one not) runs empty: its cut falls where the next

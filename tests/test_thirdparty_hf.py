@@ -21,7 +21,7 @@ from planner.model_ref import relative_ref
 
 HF = Path(__file__).resolve().parent / "models" / "hf"
 runner = CliRunner()
-MODELS = ["gpt2", "llama", "qwen2", "mixtral", "bert", "t5", "bart", "vit", "clip"]
+MODELS = ["gpt2", "llama", "qwen2", "mixtral", "bert", "t5", "bart", "vit", "clip", "resnet", "convnext"]
 DECODERS = ["gpt2", "llama", "qwen2"]
 
 
@@ -43,6 +43,8 @@ def _library_model(name: str):
         "bart": "BartForConditionalGeneration",
         "vit": "ViTModel",
         "clip": "CLIPModel",
+        "resnet": "ResNetForImageClassification",
+        "convnext": "ConvNextForImageClassification",
     }[name]
     with torch.device("meta"):
         return getattr(transformers, cls)(config), config
@@ -222,7 +224,7 @@ def test_architecture_from_the_config_is_accepted_by_megatron_rules(name):
 
 
 def test_no_architecture_for_encoders_and_the_moe_keys_for_mixtral():
-    for name in ("bert", "t5", "bart", "vit", "clip"):
+    for name in ("bert", "t5", "bart", "vit", "clip", "resnet", "convnext"):
         assert load_model_file(f"hf:{HF / name}.json").architecture() is None
     arch, c = load_model_file(f"hf:{HF / 'mixtral'}.json").architecture(), _config("mixtral")
     assert (arch["num_experts"], arch["moe_router_topk"], arch["moe_ffn_hidden_size"]) == (
