@@ -21,7 +21,7 @@ from planner.model_ref import relative_ref
 
 HF = Path(__file__).resolve().parent / "models" / "hf"
 runner = CliRunner()
-MODELS = ["gpt2", "llama", "qwen2", "mixtral", "bert", "t5", "bart", "vit", "clip", "resnet", "convnext"]
+MODELS = ["gpt2", "llama", "qwen2", "mixtral", "bert", "t5", "bart", "vit", "clip", "resnet", "convnext", "roberta"]
 DECODERS = ["gpt2", "llama", "qwen2"]
 
 
@@ -45,6 +45,7 @@ def _library_model(name: str):
         "clip": "CLIPModel",
         "resnet": "ResNetForImageClassification",
         "convnext": "ConvNextForImageClassification",
+        "roberta": "RobertaForMaskedLM",
     }[name]
     with torch.device("meta"):
         return getattr(transformers, cls)(config), config
@@ -175,6 +176,23 @@ def test_clip_reads_token_ids_and_images_side_by_side():
     assert doc["totals"]["flops_fwd"] == tower(t, s) + tower(v, sv) + patch_embed + projections + 2 * p
 
 
+def test_roberta_plans_the_tokens_its_positions_hold():
+    """RoBERTa's position ids start after the padding index: 34 positions hold 32 tokens. The model transformers builds
+    runs the planned inputs on the CPU; one token more indexes past its position table, and is refused as a seq_len."""
+    c = _config("roberta")
+    doc = inspect("roberta")
+    assert doc["totals"]["seq_len"] == c["max_position_embeddings"] - 2
+    mf = load_model_file(f"hf:{HF / 'roberta.json'}")
+    model = mf.call("build_model")
+    (ids, mask) = mf.call("example_inputs", 1)
+    assert ids.shape[1] == doc["totals"]["seq_len"]
+    assert model(ids, mask).logits.shape[1] == ids.shape[1]
+    with pytest.raises((IndexError, RuntimeError), match="out of"):
+        model(torch.cat([ids, ids[:, :1]], 1), torch.cat([mask, mask[:, :1]], 1))
+    r = runner.invoke(app, ["inspect", f"hf:{HF / 'roberta.json'}", "--model-arg", "seq_len=33"])
+    assert r.exit_code == 2 and "more than the 32 tokens a roberta config" in r.output
+
+
 def test_speech_models_are_refused_not_planned_without_their_encoder(tmp_path):
     """Whisper's config has a causal-LM class too (its decoder alone): an encoder-decoder is built whole, and its
     input_features, which an hf: spec cannot make, are asked for instead of tracing the decoder alone."""
@@ -224,7 +242,7 @@ def test_architecture_from_the_config_is_accepted_by_megatron_rules(name):
 
 
 def test_no_architecture_for_encoders_and_the_moe_keys_for_mixtral():
-    for name in ("bert", "t5", "bart", "vit", "clip", "resnet", "convnext"):
+    for name in ("bert", "t5", "bart", "vit", "clip", "resnet", "convnext", "roberta"):
         assert load_model_file(f"hf:{HF / name}.json").architecture() is None
     arch, c = load_model_file(f"hf:{HF / 'mixtral'}.json").architecture(), _config("mixtral")
     assert (arch["num_experts"], arch["moe_router_topk"], arch["moe_ffn_hidden_size"]) == (

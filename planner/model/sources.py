@@ -200,14 +200,31 @@ def hf_model_class(config: Any, name: str | None = None) -> Any:
     return transformers.AutoModel
 
 
+#: model types whose position ids count from the padding index + 1 (transformers' create_position_ids_from_input_ids):
+#: of max_position_embeddings positions, pad_token_id + 1 are never used by a token
+PADDING_OFFSET_POSITIONS = frozenset(
+    {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "longformer", "roberta-prelayernorm", "data2vec-text", "xmod", "ibert", "mpnet", "luke", "esm"}
+)
+
+
 def hf_seq_len(config: Any, seq_len: int | None) -> int:
-    """The planned sequence length: ``seq_len``, else the config's maximum positions capped at HF_DEFAULT_MAX_SEQ."""
+    """The planned sequence length: ``seq_len``, else the tokens the config's positions hold (RoBERTa's 514 positions
+    hold 512: :data:`PADDING_OFFSET_POSITIONS`) capped at HF_DEFAULT_MAX_SEQ."""
+    config = _text_config(config)  # a dual encoder's (CLIP's) positions are its text model's
+    most = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions", "n_ctx") if isinstance(getattr(config, k, None), int)), None)
+    if most and config.model_type in PADDING_OFFSET_POSITIONS:
+        most -= int(getattr(config, "pad_token_id", None) or 0) + 1
     if seq_len is not None:
         if not isinstance(seq_len, int) or seq_len < 1:
             raise UsageError(f"--model-arg seq_len={seq_len!r} is not a positive integer.")
+        if most and config.model_type in PADDING_OFFSET_POSITIONS and seq_len > most:
+            raise UsageError(
+                f"--model-arg seq_len={seq_len} is more than the {most} tokens a {config.model_type} config with "
+                f"max_position_embeddings={config.max_position_embeddings} and pad_token_id={config.pad_token_id} holds (its "
+                "position ids start after the padding index).",
+                f"Use seq_len <= {most}, or raise max_position_embeddings in the config.",
+            )
         return seq_len
-    config = _text_config(config)  # a dual encoder's (CLIP's) positions are its text model's
-    most = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions", "n_ctx") if isinstance(getattr(config, k, None), int)), None)
     return min(most, HF_DEFAULT_MAX_SEQ) if most else 512
 
 
