@@ -144,6 +144,47 @@ def test_resnet_whose_stage_adds_into_its_received_value_equals_one_process(tmp_
     assert r.exit_code == 0, r.output
 
 
+class TwoTowers(torch.nn.Module):
+    """A stage's view of CLIP: an image path received from the previous stage, a text path from token ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.tok = torch.nn.Embedding(10, 4)
+        self.text = torch.nn.Linear(4, 4)
+        self.scale = torch.nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, image, ids):
+        t = self.text(self.tok(ids)).mean(1)
+        return (self.proj(image) * t).sum(-1) * self.scale.exp()
+
+
+def test_weights_the_received_activations_do_not_reach_are_found():
+    """The text tower (fed by token ids) and a scale read alone are off the received image path; the image projection
+    and what consumes both paths are on it. With no differentiable input every weight is off it."""
+    gm = torch.fx.symbolic_trace(TwoTowers())
+    assert rt.weights_off_the_gradient_path(gm, [True, False]) == ["tok.weight", "text.weight", "text.bias", "scale"]
+    assert set(rt.weights_off_the_gradient_path(gm, [False, False])) == {n for n, _ in TwoTowers().named_parameters()}
+    assert rt.weights_off_the_gradient_path(gm, [True, True]) == ["scale"]
+
+
+@pytest.mark.slow
+def test_clip_under_a_zero_bubble_schedule_equals_one_process(tmp_path):
+    """CLIP cut between its towers: the second stage's text tower reads token ids only, which torch's split backward
+    cannot reach (its gradients were wrong from the second step, 1.26 relative); that stage now runs its whole backward
+    in the input-gradient pass."""
+    out = tmp_path / "plan"
+    spec = f"hf:{MODELS / 'hf' / 'clip.json'}"
+    r = runner.invoke(app, ["plan", spec, "--gpus", "2xcpu", "--engine", "torch", "--pp", "2", "--schedule", "zbv", "--out", str(out), "--quiet"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["smoke", str(out), "--steps", "2"])
+    assert r.exit_code == 0, r.output
+    import json
+
+    doc = json.loads((out / "smoke.json").read_text())
+    assert doc["ok"] and doc["max_relative_difference"] <= 1e-5 and doc["losses"][0] != doc["losses"][1]
+
+
 def test_a_planned_piece_of_layout_nodes_the_run_time_graph_lacks_is_empty():
     """A piece made only of nodes the other trace does not have (the random ops of a stochastic depth --no-dropout
     turns off, a ``contiguous`` a bf16 meta trace has and an fp32 one not) runs empty: its cut falls where the next

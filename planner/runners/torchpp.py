@@ -184,6 +184,11 @@ class StageModule(nn.Module):
         self.last_output: FlatOutput | None = None
         body = planned.stage(model, stage)
         self.written_inputs = written_placeholders(body.gm)
+        lg = planned.layer_graph
+        floats = [any(d.is_floating_point for _, d, _ in m.tensors) if (m := lg.metas.get(n)) is not None else True for n in lg.boundaries[start]]
+        #: weights this stage reads on values that come from none of the activations it receives: torch's split backward
+        #: cannot reach them, so this stage runs its whole backward in the input-gradient pass (PlannedStage)
+        self.weights_off_path = weights_off_the_gradient_path(body.gm, floats) if stage > 0 else []
         if recompute:
             self.pieces = nn.ModuleList(planned.piece(model, i) for i in range(start, stop))
         else:
@@ -233,6 +238,34 @@ def _received(t: Any, written: bool) -> Any:
         return t.clone() if written and isinstance(t, torch.Tensor) else t
     t = _ContiguousGrad.apply(t)
     return t.clone() if written else t
+
+
+def weights_off_the_gradient_path(gm: torch.fx.GraphModule, differentiable: Sequence[bool]) -> list[str]:
+    """Parameters of ``gm`` read by a node that depends on none of its differentiable inputs (``differentiable[i]``:
+    placeholder i carries floating-point activations): a text tower fed by token ids beside an image path (CLIP), a
+    scale read from a weight alone. torch's split backward (stage_backward_input / stage_backward_weight) finds a
+    stage's weights through the nodes on its received activations' paths, and loses or repeats the others' gradients
+    (its own code says so for the first stage, whose inputs need no gradient, and runs that one whole)."""
+    params = {name for name, _ in gm.named_parameters()}
+    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    downstream = {n for n, d in zip(places, differentiable) if d}
+    alone: list[str] = []
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        if any(a in downstream for a in node.all_input_nodes):
+            downstream.add(node)
+            continue
+        reads = [str(a.target) for a in node.all_input_nodes if a.op == "get_attr" and str(a.target) in params]
+        if node.op == "call_module":
+            reads += [f"{node.target}.{n}" for n, _ in gm.get_submodule(str(node.target)).named_parameters()]
+        alone += [r for r in reads if r not in alone]
+    return alone
+
+
+def _no_weight_pass() -> Callable[[], None]:
+    """A ``dw_builder`` whose weight pass does nothing: the stage's input-gradient pass ran its whole backward."""
+    return lambda: None
 
 
 def written_placeholders(gm: torch.fx.GraphModule) -> frozenset[int]:
@@ -316,6 +349,14 @@ class PlannedStage(PipelineStage):
     """
 
     _saved_buffers: dict[str, torch.Tensor] | None = None
+
+    def __init__(self, submodule: nn.Module, *args: Any, **kwargs: Any):
+        # a stage whose weights torch's split backward cannot all reach (StageModule.weights_off_path) runs its whole
+        # backward when a zero-bubble schedule asks for the input gradients, and nothing in the weight pass
+        # (PipelineStage's dw_builder); its gradients are then exact, at the cost of that stage's bubble
+        if getattr(submodule, "weights_off_path", None) and kwargs.get("dw_builder") is None:
+            kwargs["dw_builder"] = _no_weight_pass
+        super().__init__(submodule, *args, **kwargs)
 
     def _to_tensor(self, arg: Any) -> torch.Tensor:
         t = super()._to_tensor(arg)
