@@ -185,6 +185,64 @@ def test_clip_under_a_zero_bubble_schedule_equals_one_process(tmp_path):
     assert doc["ok"] and doc["max_relative_difference"] <= 1e-5 and doc["losses"][0] != doc["losses"][1]
 
 
+SCALAR_GAIN = """import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.gain = nn.Parameter(torch.tensor(0.5))  # a 0-dim weight (ReZero-style residual gain)
+
+    def forward(self, x):
+        return x + self.gain * torch.tanh(self.lin(x))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(4)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def build_model():
+    return Model()
+
+
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 8),)
+"""
+
+
+@pytest.mark.slow
+def test_a_0_dim_weight_trains_under_deepspeed_as_in_one_process(tmp_path):
+    """DeepSpeed 0.19.8 broadcasts every parameter as p.data.view(torch.uint8), which raises for a 0-dim weight (a
+    ReZero gain, CLIP's logit_scale); the script gives such weights the shape [1], and the losses equal one process."""
+    (tmp_path / "m.py").write_text(SCALAR_GAIN)
+    out = tmp_path / "plan"
+    r = runner.invoke(app, ["plan", str(tmp_path / "m.py"), "--gpus", "2xcpu", "--engine", "deepspeed", "--pp", "2", "--out", str(out), "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert "ds.scalar_parameters_as_vectors(module)" in (out / "train_deepspeed.py").read_text()
+    r = runner.invoke(app, ["smoke", str(out), "--steps", "2"])
+    assert r.exit_code == 0, r.output
+
+
+def test_scalar_parameters_become_vectors_in_place():
+    from planner.runners import deepspeed as ds
+
+    m = torch.nn.Module()
+    m.gain, m.w = torch.nn.Parameter(torch.tensor(0.5)), torch.nn.Parameter(torch.ones(2))
+    gain, storage = m.gain, m.gain.data.untyped_storage().data_ptr()
+    assert ds.scalar_parameters_as_vectors(m) == ["gain"]
+    assert m.gain is gain and m.gain.shape == (1,) and m.gain.item() == 0.5 and m.w.shape == (2,)
+    assert m.gain.data.untyped_storage().data_ptr() == storage  # a view, not a copy
+
+
 def test_a_planned_piece_of_layout_nodes_the_run_time_graph_lacks_is_empty():
     """A piece made only of nodes the other trace does not have (the random ops of a stochastic depth --no-dropout
     turns off, a ``contiguous`` a bf16 meta trace has and an fp32 one not) runs empty: its cut falls where the next

@@ -131,6 +131,20 @@ def cast_parameters(model: nn.Module, precision: str) -> nn.Module:
 # ----------------------------------------------------------------------------- the pipeline module
 
 
+def scalar_parameters_as_vectors(module: nn.Module) -> list[str]:
+    """Give 0-dim parameters (CLIP's logit_scale) the shape [1], in place, for the whole run; returns their names.
+
+    ``DeepSpeedEngine._broadcast_model`` sends each parameter as ``p.data.view(torch.uint8)``, which raises for a 0-dim
+    tensor of a wider dtype (deepspeed/runtime/engine.py, 0.19.8), and its optimizers keep the shape they saw, so the
+    shape cannot be put back after the engine is built. A [1] weight broadcasts wherever a scalar did; a checkpoint of
+    the run holds it as [1]."""
+    names = [n for n, p in module.named_parameters() if p.dim() == 0]
+    for p in module.parameters():
+        if p.dim() == 0:
+            p.data = p.data.view(1)
+    return names
+
+
 def checkpoint_units(blocks: Sequence[str | None], start: int, stop: int) -> list[tuple[int, int]]:
     """[a, b) piece ranges checkpointed together in pieces [start, stop) under full recompute.
 
