@@ -8,6 +8,7 @@ settings with what the ranks really do.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -27,12 +28,22 @@ MODELS = Path(__file__).parent / "models"
 runner = CliRunner()
 
 
-def plan_dir(tmp_path: Path, model: str, engine: str = "torch", *pins: str) -> Path:
-    out = tmp_path / f"{Path(model).stem}-{engine}"
-    args = ["plan", str(MODELS / model), "--gpus", "2xcpu", "--engine", engine, "--pp", "2", "--out", str(out), "--quiet", *pins]
-    r = runner.invoke(app, args)
+def plan_two_stages(spec: str, out: Path, engine: str = "torch", *pins: str) -> Path:
+    """`planner plan SPEC` on 2 CPU ranks, two pipeline stages, into ``out``."""
+    r = runner.invoke(app, ["plan", spec, "--gpus", "2xcpu", "--engine", engine, "--pp", "2", "--out", str(out), "--quiet", *pins])
     assert r.exit_code == 0, r.output
     return out
+
+
+def smoke_ok(plan: Path) -> dict:
+    """`planner smoke` of ``plan`` for two steps, passed; its smoke.json."""
+    r = runner.invoke(app, ["smoke", str(plan), "--steps", "2"])
+    assert r.exit_code == 0, r.output
+    return json.loads((plan / "smoke.json").read_text())
+
+
+def plan_dir(tmp_path: Path, model: str, engine: str = "torch", *pins: str) -> Path:
+    return plan_two_stages(str(MODELS / model), tmp_path / f"{Path(model).stem}-{engine}", engine, *pins)
 
 
 @pytest.fixture(scope="module")
@@ -95,11 +106,7 @@ def test_no_dropout_reaches_the_run_time_graph(gpt2_plan):
 @pytest.fixture(scope="module")
 def bart_plan(tmp_path_factory) -> Path:
     """transformers' BART (its config's defaults: dropout 0.1 through F.dropout, on module floats, not nn.Dropout)."""
-    out = tmp_path_factory.mktemp("bart") / "plan"
-    spec = f"hf:{MODELS / 'hf' / 'bart.json'}"
-    r = runner.invoke(app, ["plan", spec, "--gpus", "2xcpu", "--engine", "torch", "--pp", "2", "--out", str(out), "--quiet"])
-    assert r.exit_code == 0, r.output
-    return out
+    return plan_two_stages(f"hf:{MODELS / 'hf' / 'bart.json'}", tmp_path_factory.mktemp("bart") / "plan")
 
 
 def test_no_dropout_reaches_functional_dropout_on_module_floats(bart_plan):
@@ -121,11 +128,7 @@ def test_no_dropout_reaches_functional_dropout_on_module_floats(bart_plan):
 @pytest.mark.slow
 def test_bart_smoke_equals_one_process(bart_plan):
     """An encoder-decoder with functional dropout, two pipeline stages on two CPU ranks: losses equal one process."""
-    r = runner.invoke(app, ["smoke", str(bart_plan), "--steps", "2"])
-    assert r.exit_code == 0, r.output
-    import json
-
-    doc = json.loads((bart_plan / "smoke.json").read_text())
+    doc = smoke_ok(bart_plan)
     assert doc["ok"] and doc["ranks"] == 2 and doc["max_relative_difference"] <= 1e-5
 
 
@@ -133,15 +136,12 @@ def test_bart_smoke_equals_one_process(bart_plan):
 def test_resnet_whose_stage_adds_into_its_received_value_equals_one_process(tmp_path):
     """transformers' ResNet adds the shortcut into the block's output in place (hidden_state += residual): cut there,
     the second stage writes the value it received."""
-    out = tmp_path / "plan"
-    r = runner.invoke(app, ["plan", f"hf:{MODELS / 'hf' / 'resnet.json'}", "--gpus", "2xcpu", "--engine", "torch", "--pp", "2", "--out", str(out), "--quiet"])
-    assert r.exit_code == 0, r.output
+    out = plan_two_stages(f"hf:{MODELS / 'hf' / 'resnet.json'}", tmp_path / "plan")
     planned = load_planned_model(out)
     model = build_model(planned, seed=0, no_dropout=True)
     run = planned.for_run(model, "cpu")
     assert any(rt.written_placeholders(run.stage(model, s).gm) for s in range(1, run.num_stages))
-    r = runner.invoke(app, ["smoke", str(out), "--steps", "2"])
-    assert r.exit_code == 0, r.output
+    smoke_ok(out)
 
 
 class TwoTowers(torch.nn.Module):
@@ -173,15 +173,7 @@ def test_clip_under_a_zero_bubble_schedule_equals_one_process(tmp_path):
     """CLIP cut between its towers: the second stage's text tower reads token ids only, which torch's split backward
     cannot reach (its gradients were wrong from the second step, 1.26 relative); that stage now runs its whole backward
     in the input-gradient pass."""
-    out = tmp_path / "plan"
-    spec = f"hf:{MODELS / 'hf' / 'clip.json'}"
-    r = runner.invoke(app, ["plan", spec, "--gpus", "2xcpu", "--engine", "torch", "--pp", "2", "--schedule", "zbv", "--out", str(out), "--quiet"])
-    assert r.exit_code == 0, r.output
-    r = runner.invoke(app, ["smoke", str(out), "--steps", "2"])
-    assert r.exit_code == 0, r.output
-    import json
-
-    doc = json.loads((out / "smoke.json").read_text())
+    doc = smoke_ok(plan_two_stages(f"hf:{MODELS / 'hf' / 'clip.json'}", tmp_path / "plan", "torch", "--schedule", "zbv"))
     assert doc["ok"] and doc["max_relative_difference"] <= 1e-5 and doc["losses"][0] != doc["losses"][1]
 
 
@@ -224,12 +216,9 @@ def test_a_0_dim_weight_trains_under_deepspeed_as_in_one_process(tmp_path):
     """DeepSpeed 0.19.8 broadcasts every parameter as p.data.view(torch.uint8), which raises for a 0-dim weight (a
     ReZero gain, CLIP's logit_scale); the script gives such weights the shape [1], and the losses equal one process."""
     (tmp_path / "m.py").write_text(SCALAR_GAIN)
-    out = tmp_path / "plan"
-    r = runner.invoke(app, ["plan", str(tmp_path / "m.py"), "--gpus", "2xcpu", "--engine", "deepspeed", "--pp", "2", "--out", str(out), "--quiet"])
-    assert r.exit_code == 0, r.output
+    out = plan_two_stages(str(tmp_path / "m.py"), tmp_path / "plan", "deepspeed")
     assert "ds.scalar_parameters_as_vectors(module)" in (out / "train_deepspeed.py").read_text()
-    r = runner.invoke(app, ["smoke", str(out), "--steps", "2"])
-    assert r.exit_code == 0, r.output
+    smoke_ok(out)
 
 
 def test_scalar_parameters_become_vectors_in_place():
@@ -331,10 +320,7 @@ def test_a_stage_writing_its_input_in_place_runs_on_a_copy_and_sends_contiguous_
     into torch's buffer. The stage copies what it writes and returns contiguous gradients; values and gradients equal
     the whole model's."""
     (tmp_path / "m.py").write_text(RELU_IN_PLACE)
-    d = tmp_path / "plan"
-    r = runner.invoke(app, ["plan", str(tmp_path / "m.py"), "--gpus", "2xcpu", "--engine", "torch", "--pp", "2", "--out", str(d), "--quiet"])
-    assert r.exit_code == 0, r.output
-    planned = load_planned_model(d)
+    planned = load_planned_model(plan_two_stages(str(tmp_path / "m.py"), tmp_path / "plan"))
     model = build_model(planned, seed=0)
     last = planned.num_stages - 1
     assert rt.written_placeholders(planned.stage(model, last).gm) == {0}

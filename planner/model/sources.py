@@ -212,12 +212,13 @@ def hf_seq_len(config: Any, seq_len: int | None) -> int:
     hold 512: :data:`PADDING_OFFSET_POSITIONS`) capped at HF_DEFAULT_MAX_SEQ."""
     config = _text_config(config)  # a dual encoder's (CLIP's) positions are its text model's
     most = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions", "n_ctx") if isinstance(getattr(config, k, None), int)), None)
-    if most and config.model_type in PADDING_OFFSET_POSITIONS:
+    offset = most is not None and config.model_type in PADDING_OFFSET_POSITIONS
+    if offset:
         most -= int(getattr(config, "pad_token_id", None) or 0) + 1
     if seq_len is not None:
         if not isinstance(seq_len, int) or seq_len < 1:
             raise UsageError(f"--model-arg seq_len={seq_len!r} is not a positive integer.")
-        if most and config.model_type in PADDING_OFFSET_POSITIONS and seq_len > most:
+        if offset and seq_len > most:
             raise UsageError(
                 f"--model-arg seq_len={seq_len} is more than the {most} tokens a {config.model_type} config with "
                 f"max_position_embeddings={config.max_position_embeddings} and pad_token_id={config.pad_token_id} holds (its "

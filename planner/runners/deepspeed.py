@@ -138,11 +138,10 @@ def scalar_parameters_as_vectors(module: nn.Module) -> list[str]:
     tensor of a wider dtype (deepspeed/runtime/engine.py, 0.19.8), and its optimizers keep the shape they saw, so the
     shape cannot be put back after the engine is built. A [1] weight broadcasts wherever a scalar did; a checkpoint of
     the run holds it as [1]."""
-    names = [n for n, p in module.named_parameters() if p.dim() == 0]
-    for p in module.parameters():
-        if p.dim() == 0:
-            p.data = p.data.view(1)
-    return names
+    scalars = [(n, p) for n, p in module.named_parameters() if p.dim() == 0]
+    for _, p in scalars:
+        p.data = p.data.view(1)
+    return [n for n, _ in scalars]
 
 
 def checkpoint_units(blocks: Sequence[str | None], start: int, stop: int) -> list[tuple[int, int]]:
