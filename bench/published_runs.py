@@ -324,8 +324,6 @@ def not_expressible(run: PublishedRun) -> str | None:
         needs.append(f"a hardware profile for the {run.source.device}")
     if run.ep > 1 and not _planner_has_ep():
         needs.append(f"expert parallelism (ep {run.ep})")
-    if run.model.arch == "nemotron":
-        needs.append("a squared-ReLU MLP model file")
     if run.model.arch == "gpt" and run.model.ffn != 4 * run.model.hidden:
         needs.append("a GPT model file with ffn != 4h")
     return "needs " + ", ".join(needs) if needs else None
@@ -350,6 +348,8 @@ def model_file(run: PublishedRun) -> tuple[Path, dict]:
         "seq_len": m.seq,
         "vocab_size": m.vocab,
     }
+    if m.arch == "nemotron":  # Nemotron-4: the Llama layout with an ungated squared-ReLU MLP
+        args["activation"] = "squared_relu"
     return ROOT / "examples" / "llama.py", args
 
 

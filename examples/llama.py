@@ -3,6 +3,9 @@
 A model file for `planner`. Pick a size with ``--model-arg preset=NAME`` (see
 PRESETS) and override fields, e.g. ``--model-arg seq_len=8192``. The shapes
 are those of the published Llama 2 (7B, 70B) and Llama 3.1 (405B) models.
+``--model-arg activation=squared_relu`` swaps the gated SwiGLU MLP for the
+ungated squared-ReLU one of Nemotron-4 (``w2(relu(w1 x) ** 2)``, Megatron's
+``--squared-relu``).
 """
 
 import torch
@@ -77,24 +80,30 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 
+ACTIVATIONS = ("swiglu", "squared_relu")
+
+
 class FeedForward(nn.Module):
-    def __init__(self, dim, ffn_dim):
+    def __init__(self, dim, ffn_dim, activation="swiglu"):
         super().__init__()
+        self.activation = activation
         self.w1 = nn.Linear(dim, ffn_dim, bias=False)
-        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False) if activation == "swiglu" else None
         self.w2 = nn.Linear(ffn_dim, dim, bias=False)
 
     def forward(self, x):
+        if self.w3 is None:  # squared ReLU (Megatron's megatron.core.activations.squared_relu)
+            return self.w2(torch.pow(F.relu(self.w1(x)), 2))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, dim, n_heads, n_kv_heads, ffn_dim):
+    def __init__(self, dim, n_heads, n_kv_heads, ffn_dim, activation="swiglu"):
         super().__init__()
         self.attention_norm = RMSNorm(dim)
         self.attention = Attention(dim, n_heads, n_kv_heads)
         self.ffn_norm = RMSNorm(dim)
-        self.feed_forward = FeedForward(dim, ffn_dim)
+        self.feed_forward = FeedForward(dim, ffn_dim, activation)
 
     def forward(self, x, rope):
         h = x + self.attention(self.attention_norm(x), rope)
@@ -102,11 +111,11 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, n_layers, dim, n_heads, n_kv_heads, ffn_dim, seq_len, vocab_size):
+    def __init__(self, n_layers, dim, n_heads, n_kv_heads, ffn_dim, seq_len, vocab_size, activation="swiglu"):
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab_size, dim)
         self.register_buffer("rope", rope_tables(dim // n_heads, seq_len), persistent=False)
-        self.layers = nn.ModuleList([TransformerBlock(dim, n_heads, n_kv_heads, ffn_dim) for _ in range(n_layers)])
+        self.layers = nn.ModuleList([TransformerBlock(dim, n_heads, n_kv_heads, ffn_dim, activation) for _ in range(n_layers)])
         self.norm = RMSNorm(dim)
         self.output = nn.Linear(dim, vocab_size, bias=False)
         for module in self.modules():
@@ -120,9 +129,15 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
 
-def build_model(preset="llama-7b", n_layers=None, dim=None, n_heads=None, n_kv_heads=None, ffn_dim=None, seq_len=None, vocab_size=None):
+def _activation(activation):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
+    return activation
+
+
+def build_model(preset="llama-7b", n_layers=None, dim=None, n_heads=None, n_kv_heads=None, ffn_dim=None, seq_len=None, vocab_size=None, activation="swiglu"):
     cfg = _config(preset, n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, seq_len=seq_len, vocab_size=vocab_size)
-    return Llama(**cfg)
+    return Llama(**cfg, activation=_activation(activation))
 
 
 def example_inputs(batch_size, preset="llama-7b", seq_len=None, vocab_size=None):
@@ -139,7 +154,7 @@ def loss_fn(output, target):
     return F.cross_entropy(output.flatten(0, 1).float(), target.flatten(0, 1))
 
 
-def architecture(preset="llama-7b", n_layers=None, dim=None, n_heads=None, n_kv_heads=None, ffn_dim=None, seq_len=None, vocab_size=None):
+def architecture(preset="llama-7b", n_layers=None, dim=None, n_heads=None, n_kv_heads=None, ffn_dim=None, seq_len=None, vocab_size=None, activation="swiglu"):
     cfg = _config(preset, n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, seq_len=seq_len, vocab_size=vocab_size)
     return {
         "num_layers": cfg["n_layers"],
@@ -151,7 +166,7 @@ def architecture(preset="llama-7b", n_layers=None, dim=None, n_heads=None, n_kv_
         "max_position_embeddings": cfg["seq_len"],
         "vocab_size": cfg["vocab_size"],
         "normalization": "RMSNorm",
-        "activation": "swiglu",
+        "activation": _activation(activation),
         "position_embedding": "rope",
         "tied_embeddings": False,
         "bias": False,

@@ -73,7 +73,8 @@ __all__ = [
     "virtual_size",
 ]
 
-ACTIVATIONS = ("gelu", "swiglu")
+#: MLP activations of Megatron-LM core_v0.16.1 the planner prices: gelu (default), --swiglu, --squared-relu
+ACTIVATIONS = ("gelu", "swiglu", "squared_relu")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 #: --position-embedding-type choices of Megatron-LM core_v0.16.1 (arguments.py, _add_network_size_args)
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "mrope", "relative", "none")
@@ -98,7 +99,7 @@ ARCHITECTURE: tuple[ArchKey, ...] = (
     ArchKey("max_position_embeddings", REQUIRED, "position table size, at least seq_length (`--max-position-embeddings`)"),
     ArchKey("vocab_size", REQUIRED, "embedding rows (`--vocab-size` for NullTokenizer, minus its end-of-document id)"),
     ArchKey("normalization", REQUIRED, "`LayerNorm` or `RMSNorm` (`--normalization`)"),
-    ArchKey("activation", REQUIRED, "`gelu` or `swiglu` (`--swiglu`)"),
+    ArchKey("activation", REQUIRED, "`gelu`, `swiglu` (`--swiglu`) or `squared_relu` (`--squared-relu`)"),
     ArchKey("position_embedding", REQUIRED, "one of " + ", ".join(f"`{p}`" for p in POSITION_EMBEDDINGS) + " (`--position-embedding-type`)"),
     ArchKey("num_query_groups", None, "key/value heads; unset or equal to the heads means multi-head attention (`--group-query-attention --num-query-groups`)"),
     ArchKey(
@@ -207,7 +208,7 @@ def architecture_defaults(arch: dict[str, Any]) -> dict[str, Any]:
 def architecture_problem(arch: dict[str, Any] | None, model: str = "the model file") -> tuple[str, str] | None:
     """Why a model file's ``architecture()`` dict does not map onto Megatron-LM's GPT model, as (message, hint); None when it does.
 
-    Megatron builds its own model from flags: it needs the shape (ARCHITECTURE_KEYS), a gelu or swiglu
+    Megatron builds its own model from flags: it needs the shape (ARCHITECTURE_KEYS), a gelu, swiglu or squared-ReLU
     MLP, LayerNorm or RMSNorm, a position embedding Megatron accepts, heads dividing into the query groups.
     The search can call this before planning ``--engine megatron``; the renderer raises it as a UsageError.
     """

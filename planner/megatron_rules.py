@@ -75,6 +75,7 @@ RULES: dict[str, tuple[str, str]] = {
     "MEG040": ("error", "multi-latent attention flags megatron-core refuses"),
     "MEG041": ("error", "--fp8-param-gather without FP8 training or without the distributed optimizer"),
     "MEG042": ("error", "--overlap-moe-expert-parallel-comm without what TransformerConfig asserts for it"),
+    "MEG043": ("error", "MLP activation flags that do not combine (squared ReLU with SwiGLU, or with the bias-GeLU fusion)"),
 }
 
 
@@ -546,6 +547,19 @@ class _Checker:
             )
         if a.has("--fp16") and a.has("--bf16"):
             self.add("MEG025", self.line("--fp16"), "--fp16 and --bf16 are both given; Megatron trains in one of them.", "keep one")
+        if a.has("--squared-relu"):
+            # core_transformer_config_from_args asserts not swiglu; TransformerConfig fuses only gelu / swiglu with a bias
+            if a.has("--swiglu"):
+                self.add(
+                    "MEG043", self.line("--squared-relu"), "--squared-relu with --swiglu: core_transformer_config_from_args asserts one activation.", "keep one"
+                )
+            elif not a.has("--disable-bias-linear") and not a.has("--no-bias-gelu-fusion"):
+                self.add(
+                    "MEG043",
+                    self.line("--squared-relu"),
+                    "--squared-relu with biases and the bias-GeLU fusion on: TransformerConfig fuses only gelu and swiglu with their bias and raises.",
+                    "add --no-bias-gelu-fusion (or --disable-bias-linear)",
+                )
 
     # mixtures of experts and multi-latent attention ----------------------------
     def moe_rules(self, tp: int, pp: int, L: int | None, dp: int | None) -> None:

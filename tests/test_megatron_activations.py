@@ -204,3 +204,51 @@ def test_keys_at_their_defaults_keep_the_megatron_layer(tiny):
     assert not dense_layer({**dense, "qk_layernorm": True})
     assert not dense_layer({**dense, "multi_latent_attention": True})
     assert not dense_layer({**dense, "unknown_key": 3})
+
+
+def test_squared_relu_layer_keeps_the_relu_output_and_fc2_input():
+    """Megatron's squared_relu, torch.pow(F.relu(x), 2): ReLU keeps its output and the square its input, one storage, and
+    FC1's output is freed; FC2 keeps the square's output. The same 2 F as GeLU's MLP, F wide (ungated)."""
+    import torch
+    from megatron.core.activations import squared_relu
+
+    kept = []
+    x = torch.randn(8, 2, 96, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        out = squared_relu(x * 1.0)  # x * 1.0: FC1's output, no longer referenced afterwards
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
+    assert len(storages) == 1 and out.untyped_storage().data_ptr() not in storages and x.untyped_storage().data_ptr() not in storages
+    arch = {**LLAMA70, "activation": "squared_relu", "ffn_hidden_size": 4 * 8192}
+    s, b, t = 4096, 1, 8
+    relu = _named(layer_saved(LayerShape.from_architecture(arch), s, b, t, True))
+    gelu = _named(layer_saved(LayerShape.from_architecture({**arch, "activation": "gelu"}), s, b, t, True))
+    f = s * b * 4 * 8192 / t
+    assert relu["ReLU output (the square's input)"] == 2 * f == sum(storages.values()) * f / x.numel()
+    assert relu["activation output (FC2 input)"] == 2 * f
+    assert sum(relu.values()) == sum(gelu.values())
+
+
+def test_megatron_plans_the_squared_relu_llama_example():
+    """examples/llama.py activation=squared_relu (Nemotron-4's MLP) traces without FC3, renders --squared-relu and
+    megatron-core builds its layer with that function."""
+    from megatron.core.activations import squared_relu
+
+    from planner.check.megatron_core import core_config
+    from planner.check.megatron_script import parse_megatron_args
+    from planner.megatron_args import check_megatron_args
+    from planner.planning import PlanRequest, plan_model
+    from planner.render.megatron import render_megatron
+    from tests.conftest import EXAMPLES, costs_of
+
+    gated, plain = costs_of("llama", "llama-tiny"), costs_of("llama", "llama-tiny", activation="squared_relu")
+    assert plain.architecture["activation"] == "squared_relu"
+    h, f, L = 64, 176, 4
+    assert gated.total_params - plain.total_params == L * h * f  # FC3 gone
+    plan, _, _ = plan_model(
+        PlanRequest(
+            model_file=str(EXAMPLES / "llama.py"), model_args={"preset": "llama-tiny", "activation": "squared_relu"}, gpus="4xH100-SXM", engine="megatron", pp=2
+        )
+    )
+    args = parse_megatron_args(render_megatron(plan, "c", None)["pretrain_gpt.sh"])
+    assert args.has("--squared-relu") and not args.has("--swiglu") and check_megatron_args(args) == []
+    assert core_config(args).activation_func is squared_relu

@@ -337,6 +337,7 @@ RULE_CASES = {
         True,
         True,
     ),  # pp 2 without virtual stages
+    "MEG043": (_with({}, extra=[("--squared-relu", None)]), WORLD, True, True),  # biases on, the bias-GeLU fusion on: TransformerConfig raises
 }
 
 
@@ -401,7 +402,8 @@ def test_uneven_and_interleaved_examples_pass():
 
 
 @pytest.mark.parametrize(
-    "rule", ["MEG003", "MEG004", "MEG005", "MEG007", "MEG008", "MEG009", "MEG010", "MEG011", "MEG013", "MEG014", "MEG020", "MEG036", "MEG037", "MEG038"]
+    "rule",
+    ["MEG003", "MEG004", "MEG005", "MEG007", "MEG008", "MEG009", "MEG010", "MEG011", "MEG013", "MEG014", "MEG020", "MEG036", "MEG037", "MEG038", "MEG043"],
 )
 def test_transformer_config_refuses_what_the_rule_refuses(rule):
     """Rules that megatron-core's TransformerConfig (or its layer-count function) enforces: it raises on the failing example."""
@@ -410,6 +412,27 @@ def test_transformer_config_refuses_what_the_rule_refuses(rule):
     with pytest.raises((ValueError, AssertionError)):
         cfg = _core_config(args)
         _core_stage_layers(cfg)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [("--squared-relu", None), ("--no-bias-gelu-fusion", None)],
+        [("--squared-relu", None), ("--disable-bias-linear", None)],
+    ],
+)
+def test_squared_relu_without_the_gelu_fusion_passes_and_megatron_core_builds_it(extra):
+    args = parse_megatron_args(_script(_with({}, extra=extra)))
+    assert check_megatron_args(args) == []
+    from megatron.core.activations import squared_relu
+
+    cfg = _core_config(args)
+    assert cfg.activation_func is squared_relu and not cfg.bias_activation_fusion and not cfg.gated_linear_unit
+
+
+def test_squared_relu_with_swiglu_is_refused():
+    args = parse_megatron_args(_script(_with({}, extra=[("--squared-relu", None), ("--swiglu", None), ("--disable-bias-linear", None)])))
+    assert [f.rule for f in check_megatron_args(args)] == ["MEG043"]
 
 
 def test_transformer_config_accepts_the_base_example():

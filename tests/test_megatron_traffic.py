@@ -210,3 +210,50 @@ def test_megatron_traffic_leaves_layers_it_does_not_build_as_traced(tiny):
     layers[blocks[0]] = replace(layers[blocks[0]], core_bytes_fwd=1.0)
     explicit = replace(tiny, layers=tuple(layers))
     assert megatron_layer_traffic(explicit, 1, False, 1) is explicit
+
+
+class _AtenBytes:
+    """Bytes each aten op reads (tensor arguments) and writes (tensor results) while it runs, as a torch dispatch mode."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        log = self.ops = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func.overloadpacket not in (torch.ops.aten.detach, torch.ops.aten.ones_like):  # views and the seed gradient
+                    outs = out if isinstance(out, tuple) else (out,)
+                    log.append((func.overloadpacket.__name__, sum(_nbytes(a) for a in args if isinstance(a, torch.Tensor)) + _nbytes(*outs)))
+                return out
+
+        self.mode = Mode()
+
+
+def test_squared_relu_is_megatrons_unfused_function():
+    """megatron-core's squared_relu (activations.py, never fused): relu then pow forward, reading and writing F each;
+    backward the four aten ops torch's autograd dispatches for them (pow, mul by 2, mul by the gradient,
+    threshold_backward), 10 F in all; with a bias its add forward (reads F and the bias, writes F) and its gradient's
+    reduction (F)."""
+    from megatron.core.activations import squared_relu
+
+    shape = _shape(activation="squared_relu", ffn_hidden_size=FFN)
+    assert not shape.swiglu
+    y = torch.randn(S, B, FFN, dtype=torch.bfloat16, requires_grad=True)
+    fwd, bwd = _AtenBytes(), _AtenBytes()
+    with fwd.mode:
+        out = squared_relu(y)
+    g = torch.randn_like(out)
+    with bwd.mode:
+        out.backward(g)
+    k = _kernel(layer_traffic(shape, S, B, bias=False), "squared relu")
+    assert [n for n, _ in fwd.ops] == ["relu", "pow"] and sum(b for _, b in fwd.ops) == k.fwd == 4 * _nbytes(y)
+    assert sorted(n for n, _ in bwd.ops) == ["mul", "mul", "pow", "threshold_backward"]
+    assert sum(b for _, b in bwd.ops) == k.bwd == 10 * _nbytes(y)
+    biased = _kernel(layer_traffic(shape, S, B, bias=True), "squared relu")
+    bias = torch.zeros(FFN, dtype=torch.bfloat16, requires_grad=True)
+    add = _AtenBytes()
+    with add.mode:
+        z = y + bias
+    assert (biased.fwd - k.fwd, biased.bwd - k.bwd) == (sum(b for _, b in add.ops) - _nbytes(bias), _nbytes(z))

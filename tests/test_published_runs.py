@@ -6,6 +6,8 @@ multiply out, batches that divide, converted step times that reproduce the publi
 source's FLOP formula (re-derived here in expanded form, independently of bench/published_runs.py), and
 published figures that agree with each other. No prediction accuracy is asserted for the new rows yet."""
 
+from dataclasses import replace
+
 import pytest
 import yaml
 
@@ -161,11 +163,14 @@ def test_split_is_by_source_and_keeps_the_original_runs_in_tune():
 def test_loader_keeps_every_row_and_names_what_the_planner_lacks():
     runs = {r.id: r for r in load_runs()}
     assert len(runs) == len(ROWS)
-    assert "squared-ReLU" in not_expressible(runs["N-nemotron-8b"])
-    for rid in ("L3-16k-cp16", "N-gpt3-5b", "N-llama3-70b", "M24-462b"):  # context parallelism and FP8 are priced
+    for rid in ("L3-16k-cp16", "N-gpt3-5b", "N-llama3-70b", "M24-462b", "N-nemotron-22b"):  # cp, FP8, squared ReLU are priced
         assert not_expressible(runs[rid]) is None, rid
-    p = predict(runs["N-nemotron-8b"])  # kept and reported, not dropped
-    assert p.predicted_step_s is None and "squared-ReLU" in p.skipped
+    path, args = model_file(runs["N-nemotron-22b"])
+    assert path.name == "llama.py" and args["activation"] == "squared_relu"
+    elsewhere = replace(runs["N-nemotron-22b"], source=replace(runs["N-nemotron-22b"].source, device="TPU-v5p"))
+    assert "hardware profile for the TPU-v5p" in not_expressible(elsewhere)
+    p = predict(elsewhere)  # kept and reported, not dropped
+    assert p.predicted_step_s is None and "TPU-v5p" in p.skipped
 
 
 def test_layouts_carry_cp_fp8_and_the_sources_overlaps():

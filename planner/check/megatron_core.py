@@ -11,6 +11,7 @@ from planner.megatron_args import MegatronArgs, parse_layout
 def core_config(args: MegatronArgs):
     """TransformerConfig built from the flags the way Megatron-LM's core_transformer_config_from_args does."""
     import torch
+    from megatron.core.activations import squared_relu
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     def i(name, default=None):
@@ -28,6 +29,10 @@ def core_config(args: MegatronArgs):
     dtype = torch.bfloat16 if args.has("--bf16") else torch.half if args.has("--fp16") else torch.float32
     swiglu = args.has("--swiglu")
     bias = not args.has("--disable-bias-linear")
+    # core_transformer_config_from_args: bias_swiglu_fusion with --swiglu, else bias_gelu_fusion, which validate_args turns
+    # off without biases; --squared-relu only swaps the function (TransformerConfig then refuses a fusion it cannot do)
+    fusion = not args.has("--no-bias-swiglu-fusion") if swiglu else bias and not args.has("--no-bias-gelu-fusion")
+    activation = squared_relu if args.has("--squared-relu") else torch.nn.functional.silu if swiglu else torch.nn.functional.gelu
     gran = "selective" if args.has("--recompute-activations") else args.value("--recompute-granularity")
     config_class = MLATransformerConfig if args.has("--multi-latent-attention") else TransformerConfig
     return config_class(
@@ -57,9 +62,9 @@ def core_config(args: MegatronArgs):
         recompute_modules=list(args.get("--recompute-modules").values) if args.has("--recompute-modules") else None,
         normalization=args.value("--normalization") or "LayerNorm",
         gated_linear_unit=swiglu,
-        activation_func=torch.nn.functional.silu if swiglu else torch.nn.functional.gelu,
+        activation_func=activation,
         add_bias_linear=bias,
-        bias_activation_fusion=bias or swiglu,  # validate_args turns bias_gelu_fusion off without biases
+        bias_activation_fusion=fusion,
         attention_dropout=float(args.value("--attention-dropout") or 0.1),
         hidden_dropout=float(args.value("--hidden-dropout") or 0.1),
         # Megatron-LM fuses rope unless --no-rope-fusion or the position embedding is not rope (validate_args); the fused

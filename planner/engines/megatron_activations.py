@@ -22,8 +22,10 @@ GEMMs always are:
 * bias-dropout-add (megatron/core/fusions/fused_bias_dropout.py): the dropout mask, 1 byte per element, only when the
   hidden dropout is > 0 (torch's dropout returns its input at p = 0); the residual add keeps nothing;
 * pre-MLP norm fused with FC1, as the first bullet; FC1's output (2 x ffn wide with SwiGLU), kept by the fused
-  bias-GeLU / bias-SwiGLU (megatron/core/fusions/fused_bias_gelu.py, fused_bias_swiglu.py: their input); FC2 keeps the
-  activation's output, its own input; then a second bias-dropout-add.
+  bias-GeLU / bias-SwiGLU (megatron/core/fusions/fused_bias_gelu.py, fused_bias_swiglu.py: their input); with
+  ``--squared-relu`` (megatron/core/activations.py ``torch.pow(F.relu(x), 2)``, never fused) ReLU keeps its output and
+  the square keeps its input, one tensor of ffn wide, and FC1's output is freed; FC2 keeps the activation's output,
+  its own input; then a second bias-dropout-add.
 
 Kinds (what :func:`planner.solve.memory.saved_bytes` does with them under FP8): ``gemm``, kept only by a weight GEMM,
 which TE keeps in FP8 (1 byte); ``shared``, kept by a GEMM and another operator (the attention output), which gains an
@@ -67,9 +69,14 @@ class LayerShape:
     groups: int
     kv_channels: int
     ffn: int
-    swiglu: bool
+    activation: str  # gelu | swiglu | squared_relu (planner.megatron_args.ACTIVATIONS)
     rmsnorm: bool
     dropout: float
+
+    @property
+    def swiglu(self) -> bool:
+        """A gated MLP: FC1 is 2 x ffn wide."""
+        return self.activation == "swiglu"
 
     @classmethod
     def from_architecture(cls, arch: dict[str, Any]) -> LayerShape:
@@ -82,7 +89,7 @@ class LayerShape:
             groups=int(a["num_query_groups"] or heads),
             kv_channels=int(a.get("kv_channels") or h // heads),
             ffn=int(a["ffn_hidden_size"] or megatron_ffn_hidden_size(h, swiglu)),
-            swiglu=swiglu,
+            activation=str(a["activation"]),
             rmsnorm=a["normalization"] == "RMSNorm",
             dropout=float(a["dropout"] or 0.0),
         )
@@ -146,7 +153,8 @@ def layer_saved(
                 raise ValueError(f"unknown attention {attention!r}")
         else:
             ffn = sb * shape.ffn / tp
-            out.append(Saved("FC1 output (activation input)", d * ffn * (2 if shape.swiglu else 1), "core" if inside else "other", part))
+            kept = "ReLU output (the square's input)" if shape.activation == "squared_relu" else "FC1 output (activation input)"
+            out.append(Saved(kept, d * ffn * (2 if shape.swiglu else 1), "core" if inside else "other", part))
             out.append(Saved("activation output (FC2 input)", d * ffn, "core" if inside else "gemm", part))
         if shape.dropout > 0:
             out.append(Saved(f"{part} dropout mask", MASK_BYTES * resid, "other", part))

@@ -19,7 +19,8 @@ forward
 * q/k norms (``qk_layernorm``): a norm of q and of k, ``2 (Q + K)``;
 * bias-dropout-add (megatron/core/fusions/fused_bias_dropout.py, one fused kernel): reads the projection's output
   and the residual, writes the sum, ``3 R``, and a 1-byte dropout mask ``R`` when the hidden dropout is > 0;
-* the activation (fused_bias_gelu.py: reads ``F``, writes ``F``; fused_bias_swiglu.py: reads ``2 F``, writes ``F``).
+* the activation (fused_bias_gelu.py: reads ``F``, writes ``F``; fused_bias_swiglu.py: reads ``2 F``, writes ``F``;
+  squared ReLU, unfused: ``relu`` then ``pow``, each reading and writing ``F``).
 
 backward
 * bias-dropout-add: with dropout, reads the gradient and the mask and writes the input gradient, ``2 R`` + mask;
@@ -29,7 +30,9 @@ backward
 * RoPE and the q/k norms as forward (``2 (Q + K)``, ``3 (Q + K)``); the split of the QKV output concatenates the
   q, k and v gradients back into one, ``2 (Q + 2 K)``;
 * the activation's backward: GeLU reads the gradient and the input and writes the input gradient, ``3 F``; SwiGLU
-  ``5 F``; with a bias the FC1 bias gradient reads ``2 F`` / ``F`` more.
+  ``5 F``; squared ReLU runs four kernels (the aten ops its autograd dispatches in torch 2.13: ``pow`` (x^1),
+  ``mul`` by 2, ``mul`` by the gradient, ``threshold_backward``), ``2 F + 2 F + 3 F + 3 F``; with a bias the FC1 bias
+  gradient reads ``2 F`` / ``F`` more (squared ReLU: ``F``, and its separate bias add forward, ``2 F``).
 
 Not here: the GEMMs and the attention core (their FLOPs, as traced), Transformer Engine's FP8 casts
 (timing.fp8_cast_bytes), the tensor-parallel collectives (the cluster model), bias additions fused into GEMM epilogues.
@@ -92,6 +95,8 @@ def layer_traffic(
         else:
             if shape.swiglu:
                 out.append(Kernel("bias-swiglu", 3 * d * f, 5 * d * f + (2 * d * f if bias else 0.0), part))
+            elif shape.activation == "squared_relu":
+                out.append(Kernel("squared relu", 4 * d * f + (2 * d * f if bias else 0.0), 10 * d * f + (d * f if bias else 0.0), part))
             else:
                 out.append(Kernel("bias-gelu", 2 * d * f, 3 * d * f + (d * f if bias else 0.0), part))
         out.append(Kernel(f"{part} bias-dropout-add", 3 * d * r + mask, (2 * d * r + mask if mask else 0.0) + (d * r if bias else 0.0), part))

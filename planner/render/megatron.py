@@ -2,7 +2,7 @@
 
 Megatron builds its own GPT model from flags, so the model file's
 ``architecture()`` (plan.model["architecture"]) is mapped onto them:
-RMSNorm -> ``--normalization RMSNorm``, swiglu -> ``--swiglu``, rope ->
+RMSNorm -> ``--normalization RMSNorm``, swiglu -> ``--swiglu``, squared_relu -> ``--squared-relu``, rope ->
 ``--position-embedding-type rope``, fewer key/value heads than query heads ->
 ``--group-query-attention --num-query-groups``, untied head ->
 ``--untie-embeddings-and-output-weights``, no biases -> ``--disable-bias-linear``.
@@ -169,6 +169,10 @@ def model_flags(arch: dict[str, Any]) -> Flags:
     ]
     if arch["activation"] == "swiglu":
         flags.append(("--swiglu", None))
+    elif arch["activation"] == "squared_relu":
+        flags.append(("--squared-relu", None))
+        if arch.get("bias", True):  # TransformerConfig fuses only gelu and swiglu with their bias (validate_args drops the fusion without biases)
+            flags.append(("--no-bias-gelu-fusion", None))
     if arch.get("mrope_section"):
         flags.append(("--mrope-section", tuple(str(int(x)) for x in arch["mrope_section"])))
     if not arch.get("tied_embeddings", True):
