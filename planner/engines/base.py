@@ -71,6 +71,11 @@ class Engine(ABC):
     #: whether each step begins by zeroing a persistent main-gradient buffer that holds every local gradient (a memory-bound
     #: write of all the GPU's parameters x the main-gradient bytes, on the critical path before the first forward)
     zeroes_grad_buffer: bool = False
+    #: whether the model's input and output (cuts 0 and n) take a pair of buffers on the first and last stage as the
+    #: stage boundaries do: the user's loss_fn runs on the last stage's output, which stays alive with its gradient
+    #: through the loss (torch.distributed.pipelining, DeepSpeed). False where the loss is computed inside the model and
+    #: the last stage sends nothing (Megatron's GPTModel); its working set is then the engine's (``layer_activations``)
+    model_io_buffers: bool = True
 
     # ------------------------------------------------------------------ memory and time
 

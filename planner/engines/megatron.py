@@ -27,6 +27,10 @@ FP8 runs Transformer Engine's FP8 GEMMs (``--fp8-format``, ``--fp8-recipe``): TE
 transpose of each bf16 weight, cached across the micro-batches of a step (Megatron passes is_first_microbatch), 2 bytes
 per parameter more; ``--fp8-param-gather`` (FP8 primary weights, distributed optimizer only) keeps the weight only in
 FP8 plus its transpose: 2 bytes per parameter in place of 4.
+
+The loss is computed inside the model (GPTModel: the output layer, then tensor_parallel.vocab_parallel_cross_entropy),
+so the last stage sends nothing and holds no buffers for the model's output (:attr:`MegatronEngine.model_io_buffers`).
+Its working set is :func:`megatron_loss_working_set`.
 """
 
 from __future__ import annotations
@@ -156,6 +160,24 @@ def megatron_layer_activations(
         for k, (total, gemm, shared, core) in sums.items():
             layers[k] = replace(layers[k], saved_bytes=int(total), gemm_saved_bytes=int(gemm), gemm_shared_bytes=int(shared), core_saved_bytes=int(core))
     return replace(costs, layers=tuple(layers))
+
+
+def megatron_loss_working_set(costs: ModelCosts, tp: int, cp: int) -> ModelCosts:
+    """``costs`` (scaled and sharded) with the last piece's working set that of Megatron's loss, when that piece is the
+    output layer and ``architecture()`` gives the vocabulary; otherwise unchanged.
+
+    megatron-core's _VocabParallelCrossEntropy (tensor_parallel/cross_entropy.py, core_v0.16.1 and core_r0.8.0) takes the
+    output layer's logits (micro-batch x seq / cp x vocab / tp, in the training dtype), makes one fp32 copy, subtracts the
+    maximum, exponentiates and normalises it in place and saves it for backward (the piece's saved bytes, as traced: the
+    user's loss keeps its fp32 log-softmax, the same size); its backward turns that tensor into the gradient in place and
+    autograd casts it to the logits' dtype. Beyond what is saved, the logits then live once: forward until the loss returns,
+    backward as their gradient. The traced loss (the user's loss_fn on the model output) is not what runs."""
+    arch = costs.architecture or {}
+    vocab = arch.get("vocab_size")
+    if not costs.layers or costs.layers[-1].kind != "head" or not vocab or not costs.seq_len:
+        return costs
+    logits = costs.micro_batch * (costs.seq_len / cp) * (int(vocab) / tp) * DTYPE_BYTES.get(costs.dtype, 2.0)
+    return replace(costs, layers=costs.layers[:-1] + (replace(costs.layers[-1], max_op_bytes=int(logits)),))
 
 
 def megatron_recompute_work(costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, modules: frozenset[str]) -> tuple[RecomputeWork, ...] | None:
@@ -300,6 +322,7 @@ class MegatronEngine(Engine):
     #: contiguous gradient buffer (ParamAndGradBuffer.reset: ``self.grad_data.zero_()``; megatron/training/training.py
     #: and megatron/core/distributed/{distributed_data_parallel,param_and_grad_buffer}.py, core_v0.16.1 and core_r0.8.0)
     zeroes_grad_buffer = True
+    model_io_buffers = False
     overlaps = ("tp-comm-overlap", "overlap-grad-reduce", "overlap-param-gather", "overlap-moe-expert-parallel-comm")
     precision_options = True
     fp8 = True
@@ -328,8 +351,10 @@ class MegatronEngine(Engine):
     def layer_activations(
         self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str, etp: int = 1, modules: frozenset[str] = frozenset()
     ) -> ModelCosts:
-        """pretrain_gpt.py runs its own TE layer, not the user's module: :func:`megatron_layer_activations`."""
-        return megatron_layer_activations(costs, tp, sequence_parallel, cp, recompute, etp, modules or CORE_ATTN)
+        """pretrain_gpt.py runs its own TE layer and loss, not the user's module: :func:`megatron_layer_activations`,
+        :func:`megatron_loss_working_set`."""
+        layers = megatron_layer_activations(costs, tp, sequence_parallel, cp, recompute, etp, modules or CORE_ATTN)
+        return megatron_loss_working_set(layers, tp, cp)
 
     def recompute_work(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, modules: frozenset[str]) -> tuple[RecomputeWork, ...] | None:
         """:func:`megatron_recompute_work`."""

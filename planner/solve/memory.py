@@ -271,10 +271,11 @@ def gemm_param_matrix(costs: ModelCosts, tp: int, ep: int = 1, etp: int = 1) -> 
     return out
 
 
-def transient_matrix(costs: ModelCosts, recompute: str, fp8: bool = False) -> np.ndarray:
+def transient_matrix(costs: ModelCosts, recompute: str, fp8: bool = False, model_io: bool = True) -> np.ndarray:
     """Bytes allocated and freed while a stage of pieces [a, b) runs, as an (n+1)^2 matrix: the point-to-point buffers
     of its two boundaries (a send and a receive buffer each, 2 x (cut a + cut b)) and its working set (the largest
-    operator output in the range, + one rebuilt unit under full recompute).
+    operator output in the range, + one rebuilt unit under full recompute). ``model_io`` False: the model's input and
+    output (cuts 0 and n) take no such pair (:attr:`planner.engines.base.Engine.model_io_buffers`).
 
     A GPU runs one stage's operator at a time, so a rank holding several stages (interleaved, ZB-V) needs the largest
     of its stages' transient bytes, not their sum (:func:`planner.solve.rank_memory.rank_need`).
@@ -282,6 +283,8 @@ def transient_matrix(costs: ModelCosts, recompute: str, fp8: bool = False) -> np
     n = costs.n
     L = costs.layers
     cut = np.array([c.bytes for c in costs.cuts], dtype=float)
+    if not model_io:
+        cut[0] = cut[n] = 0.0
     ws_piece = np.array([l.max_op_bytes for l in L], dtype=float)
     if recompute == "full":
         unit = np.zeros(n)

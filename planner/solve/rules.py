@@ -47,6 +47,7 @@ class EngineRules(Protocol):
     fp8: bool
     overlaps: tuple[str, ...]
     zeroes_grad_buffer: bool
+    model_io_buffers: bool
 
     def allowed_cuts(self, costs: ModelCosts) -> np.ndarray:
         """(n + 1,) booleans: where this engine can cut between pieces."""

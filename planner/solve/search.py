@@ -281,7 +281,7 @@ class Context:
         if key not in self._memory:
             sharded = self.sharded(b, tp, sp, cp)
             costs = self.engine.layer_activations(sharded, tp, sp and tp > 1, cp, recompute, etp, modules)
-            trans = transient_matrix(costs, recompute, fp8)
+            trans = transient_matrix(costs, recompute, fp8, self.engine.model_io_buffers)
             params, other, act, wgrad = range_matrices(costs, tp, recompute, fp8, ep=ep, etp=etp, transient=trans)
             if costs is sharded:
                 act = act + expert_saved_extra(sharded, tp if sp and tp > 1 else 1, etp, recompute)
