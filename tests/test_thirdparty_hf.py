@@ -194,6 +194,33 @@ def test_roberta_plans_the_tokens_its_positions_hold():
     assert r.exit_code == 2 and "more than the 32 tokens a roberta config" in r.output
 
 
+@pytest.mark.parametrize("name", ["gpt2", "bert", "bart", "clip"])
+def test_a_sequence_longer_than_the_learned_position_table_is_refused(name):
+    """GPT-2's wpe, BERT's and CLIP's text position_embeddings, BART's embed_positions (2 rows of offset) hold the
+    config's position count: the model transformers builds runs that many tokens on the CPU and indexes past its table
+    with one more, which the planner refuses as a seq_len (exit 2) instead of planning a run that cannot start."""
+    c = _config(name)
+    held = c.get("n_positions") or c.get("max_position_embeddings") or c["text_config"]["max_position_embeddings"]
+    mf = load_model_file(f"hf:{HF / name}.json", {"seq_len": held})
+    model = mf.call("build_model")
+    inputs = mf.call("example_inputs", 1)
+    ids = inputs[0]
+    assert ids.shape[1] == held
+    model(*inputs)
+    longer = [torch.cat([t, t[:, :1]], 1) if t.dim() == 2 and t.shape[1] == held else t for t in inputs]
+    with pytest.raises((IndexError, RuntimeError, ValueError), match="out of|index|max_position_embeddings|must match the existing size"):
+        model(*longer)
+    r = runner.invoke(app, ["inspect", f"hf:{HF / name}.json", "--model-arg", f"seq_len={held + 1}"])
+    assert r.exit_code == 2 and f"more than the {held} positions its learned position table" in r.output, r.output
+
+
+def test_rotary_and_relative_positions_take_longer_sequences():
+    """Llama (rope) and T5 (relative buckets) have no position table: a longer seq_len than the config's default plans."""
+    for name in ("llama", "t5"):
+        r = runner.invoke(app, ["inspect", f"hf:{HF / name}.json", "--model-arg", "seq_len=80"])
+        assert r.exit_code == 0, r.output
+
+
 def test_speech_models_are_refused_not_planned_without_their_encoder(tmp_path):
     """Whisper's config has a causal-LM class too (its decoder alone): an encoder-decoder is built whole, and its
     input_features, which an hf: spec cannot make, are asked for instead of tracing the decoder alone."""

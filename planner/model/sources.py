@@ -229,6 +229,37 @@ def hf_seq_len(config: Any, seq_len: int | None) -> int:
     return min(most, HF_DEFAULT_MAX_SEQ) if most else 512
 
 
+#: words in a module path that mark a position table indexed by image patches or audio frames, not by token positions
+_NON_TEXT_PATHS = ("vision", "visual", "image", "patch", "audio", "speech")
+
+
+def learned_position_tables(model: torch.nn.Module) -> list[tuple[str, int]]:
+    """(module path, token positions it holds) of each learned position table of a text model: an ``nn.Embedding``
+    named for positions (GPT-2's ``wpe``, BERT's ``position_embeddings``, BART's and OPT's ``embed_positions``) outside
+    a vision or audio tower. Position ids index it directly, so a sequence longer than it holds indexes past it on the
+    GPU; BART's and OPT's tables keep ``offset`` (2) rows before the first position."""
+    out = []
+    for name, m in model.named_modules():
+        leaf = name.rpartition(".")[2].lower()
+        if not isinstance(m, torch.nn.Embedding) or not (leaf == "wpe" or "position" in leaf or leaf.startswith("pos_")):
+            continue
+        if any(w in name.lower() for w in _NON_TEXT_PATHS):
+            continue
+        out.append((name, int(m.num_embeddings) - int(getattr(m, "offset", 0) or 0)))
+    return out
+
+
+def _check_positions(model: torch.nn.Module, seq: int, what: str) -> None:
+    short = [(n, k) for n, k in learned_position_tables(model) if seq > k]
+    if short:
+        name, held = min(short, key=lambda x: x[1])
+        raise UsageError(
+            f"{what}: seq_len {seq} is more than the {held} positions its learned position table {name} holds; the "
+            "position ids would index past it on the GPU.",
+            f"Use --model-arg seq_len={held} or less, or raise the config's position count (max_position_embeddings / n_positions).",
+        )
+
+
 def _names(mapping: dict[str, Any], cls_name: str) -> bool:
     """Whether a transformers auto mapping (model_type -> class name(s)) lists ``cls_name``."""
     return any(cls_name == v or isinstance(v, (tuple, list)) and cls_name in v for v in mapping.values())
@@ -298,7 +329,10 @@ def _hf_contract(spec: str, rest: str, model_args: dict[str, Any]) -> LibraryCon
         notes.append(f"{cls_name} planned on token ids only: its vision tower's parameters are counted, its compute is not (no images)")
 
     def build_model(**_: Any) -> torch.nn.Module:
-        return cls.from_config(hf_config(path, overrides)) if hasattr(cls, "from_config") else cls(hf_config(path, overrides))
+        model = cls.from_config(hf_config(path, overrides)) if hasattr(cls, "from_config") else cls(hf_config(path, overrides))
+        if main_input == "input_ids":
+            _check_positions(model, seq, f"hf:{path.name}")
+        return model
 
     def example_inputs(batch_size: int, **_: Any) -> tuple[torch.Tensor, ...]:
         if main_input == "pixel_values":
