@@ -269,6 +269,24 @@ def test_architecture_from_the_config_is_accepted_by_megatron_rules(name):
         assert arch["num_query_groups"] == c["num_key_value_heads"] and arch["ffn_hidden_size"] == c["intermediate_size"]
 
 
+@pytest.mark.parametrize(
+    "name,field,act,why",
+    [("llama", "hidden_act", "gelu", "activation 'gated gelu'"), ("gpt2", "activation_function", "silu", "activation 'silu'")],
+)
+def test_an_mlp_megatron_cannot_build_is_refused_not_mapped_onto_another(name, field, act, why, tmp_path):
+    """Llama's MLP is gated (down(act(gate x) * up x)): with GeLU it is no Megatron MLP (--swiglu is gated SiLU only, GeLU
+    ungated); GPT-2's is ungated: SiLU there is not --swiglu. Both were rendered as the other MLP; now refused (exit 2)."""
+    mf = load_model_file(f"hf:{HF / name}.json", {field: act})
+    model = mf.call("build_model")
+    mlp = next(m for n, m in model.named_modules() if n.endswith(".mlp"))
+    assert hasattr(mlp, "gate_proj") == (name == "llama")  # what transformers builds: gated or not
+    arch = mf.architecture()
+    assert why in architecture_problem(arch, name)[0]
+    out = tmp_path / "out"
+    r = runner.invoke(app, ["plan", f"hf:{HF / name}.json", "--model-arg", f"{field}={act}", "--gpus", "8xH100-SXM", "--engine", "megatron", "--out", str(out)])
+    assert r.exit_code == 2 and why in r.output and not out.exists(), r.output
+
+
 def test_no_architecture_for_encoders_and_the_moe_keys_for_mixtral():
     for name in ("bert", "t5", "bart", "vit", "clip", "resnet", "convnext", "roberta"):
         assert load_model_file(f"hf:{HF / name}.json").architecture() is None

@@ -368,7 +368,20 @@ def _hf_contract(spec: str, rest: str, model_args: dict[str, Any]) -> LibraryCon
 
 # --------------------------------------------------------------------------- architecture()
 
-_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_fast": "gelu", "silu": "swiglu", "swish": "swiglu"}
+#: transformers activation names -> Megatron's MLP, for the ungated MLP (GPT-2: fc, activation, proj) ...
+_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_fast": "gelu", "relu2": "squared_relu"}
+#: ... and for the gated one (the other MEGATRON_HF_TYPES: down(act(gate x) * up x)), which Megatron runs only as SwiGLU
+_HF_GATED_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu"}
+#: the MEGATRON_HF_TYPES whose MLP is ungated
+_HF_UNGATED_TYPES = ("gpt2",)
+
+
+def hf_activation(model_type: str, act_name: str) -> str:
+    """Megatron's name for a transformers MLP activation (planner.megatron_args.ACTIVATIONS), or a name Megatron has not
+    (a gated GeLU, an ungated SiLU), which architecture_problem then refuses."""
+    if model_type in _HF_UNGATED_TYPES:
+        return _HF_ACTIVATIONS.get(act_name, act_name)
+    return _HF_GATED_ACTIVATIONS.get(act_name, f"gated {act_name}")
 
 
 #: transformers model types whose decoder layer Megatron-LM's GPT layer runs as transformers does (the layer's norms,
@@ -444,7 +457,7 @@ def hf_architecture(config: Any, seq_len: int) -> dict[str, Any] | None:
         "max_position_embeddings": get("max_position_embeddings", "n_positions", default=seq_len),
         "vocab_size": get("vocab_size"),
         "normalization": "RMSNorm" if rms else "LayerNorm",
-        "activation": _HF_ACTIVATIONS.get(act_name, act_name),
+        "activation": hf_activation(c.model_type, act_name),
         "position_embedding": "rope" if rope else "learned_absolute",
         "tied_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
         "bias": bool(get("attention_bias", "mlp_bias", default=c.model_type in ("gpt2",))),
