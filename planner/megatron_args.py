@@ -107,6 +107,7 @@ ARCHITECTURE: tuple[ArchKey, ...] = (
     ),
     ArchKey("tied_embeddings", True, "input embedding shared with the output layer (else `--untie-embeddings-and-output-weights`)"),
     ArchKey("bias", True, "biases in the linear layers (else `--disable-bias-linear`)"),
+    ArchKey("qkv_bias", False, "without `bias`, biases in the query, key and value projections only, as Qwen2's (`--add-qkv-bias`)"),
     ArchKey("dropout", 0.0, "attention and hidden dropout probability (`--attention-dropout`, `--hidden-dropout`)"),
     ArchKey("norm_epsilon", None, "normalization epsilon; unset means Megatron's 1e-5 (`--norm-epsilon`)"),
     ArchKey("rotary_base", None, "RoPE base for rope/mrope, an integer; unset means Megatron's 10000 (`--rotary-base`)"),
@@ -251,6 +252,8 @@ def architecture_problem(arch: dict[str, Any] | None, model: str = "the model fi
     kv = arch["kv_channels"]
     if kv is not None and (not isinstance(kv, int) or isinstance(kv, bool) or kv < 1):
         problems.append(f"kv_channels = {kv!r} (a positive integer or unset)")
+    if not isinstance(arch["qkv_bias"], bool):
+        problems.append(f"qkv_bias = {arch['qkv_bias']!r} (True or False)")
     if not isinstance(arch["qk_layernorm"], bool):
         problems.append(f"qk_layernorm = {arch['qk_layernorm']!r} (True or False)")
     problems += rope_problems(arch)

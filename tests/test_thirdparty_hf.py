@@ -416,3 +416,30 @@ def test_megatron_refuses_an_hf_decoder_it_cannot_build_with_the_reason(tmp_path
     assert "model type 'gemma2': Megatron-LM's GPT layer runs the decoder layers of gpt2, llama" in out
     assert "--engine torch" in out and "defines no architecture()" not in out
     assert not (tmp_path / "out").exists()
+
+
+def test_qwen2_keeps_its_qkv_biases_under_megatron(tmp_path):
+    """transformers' Qwen2 attention has biases on q, k and v only (no config field says so); the architecture says
+    qkv_bias, the script adds --add-qkv-bias to --disable-bias-linear, and megatron-core's config (Megatron-LM's own
+    argument handling too, where a checkout is named) builds q/k/v biases and no others."""
+    from mlm_validate import megatron_lm_config, megatron_lm_path
+
+    from planner.check.megatron_core import core_config
+    from planner.check.megatron_script import parse_megatron_args
+
+    model, _ = _library_model("qwen2")
+    biases = {n.rsplit(".", 2)[-2] for n, _ in model.named_parameters() if n.endswith(".bias")}
+    assert biases == {"q_proj", "k_proj", "v_proj"}
+    arch = load_model_file(f"hf:{HF / 'qwen2'}.json").architecture()
+    assert arch["qkv_bias"] is True and arch["bias"] is False
+    assert load_model_file(f"hf:{HF / 'llama'}.json").architecture()["qkv_bias"] is False
+    out = tmp_path / "out"
+    r = runner.invoke(app, ["plan", f"hf:{HF / 'qwen2'}.json", "--gpus", "2xH100-SXM", "--engine", "megatron", "--pp", "2", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    args = parse_megatron_args((out / "pretrain_gpt.sh").read_text())
+    assert args.has("--disable-bias-linear") and args.has("--add-qkv-bias")
+    cfg = core_config(args)
+    assert cfg.add_qkv_bias and not cfg.add_bias_linear
+    if megatron_lm_path() is not None:
+        lm_args, lm_cfg = megatron_lm_config(args.argv(), 2)
+        assert lm_args.add_qkv_bias and lm_cfg.add_qkv_bias and not lm_cfg.add_bias_linear

@@ -64,6 +64,7 @@ def core_config(args: MegatronArgs):
         gated_linear_unit=swiglu,
         activation_func=activation,
         add_bias_linear=bias,
+        add_qkv_bias=bias or args.has("--add-qkv-bias"),  # validate_args keeps add_qkv_bias in sync with add_bias_linear
         bias_activation_fusion=fusion,
         attention_dropout=float(args.value("--attention-dropout") or 0.1),
         hidden_dropout=float(args.value("--hidden-dropout") or 0.1),

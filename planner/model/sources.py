@@ -389,6 +389,9 @@ def hf_activation(model_type: str, act_name: str) -> str:
 #: in ways Megatron's flags cannot express: Gemma's gated GeLU, sandwich norms, logit soft-capping and embedding scale,
 #: OLMo's weightless LayerNorm, OLMo 2's and GLM-4's post-norms, GPT-NeoX's and Falcon's parallel residual, Granite's
 #: multipliers, SmolLM3's layers without rope.
+#: MEGATRON_HF_TYPES whose attention has q/k/v biases and no other linear biases (transformers' Qwen2Attention,
+#: Qwen2MoeAttention: ``bias=True`` on q_proj, k_proj and v_proj)
+QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")
 MEGATRON_HF_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "stablelm", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
 
@@ -461,6 +464,8 @@ def hf_architecture(config: Any, seq_len: int) -> dict[str, Any] | None:
         "position_embedding": "rope" if rope else "learned_absolute",
         "tied_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
         "bias": bool(get("attention_bias", "mlp_bias", default=c.model_type in ("gpt2",))),
+        # Qwen2's attention builds q, k and v with biases and the output projection without (no config field says so)
+        "qkv_bias": c.model_type in QKV_BIAS_TYPES and not get("attention_bias", "mlp_bias", default=False),
         "dropout": float(get("attention_dropout", "attn_pdrop", default=0.0) or 0.0),
     }
     eps = get("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_epsilon")

@@ -179,6 +179,8 @@ def model_flags(arch: dict[str, Any]) -> Flags:
         flags.append(("--untie-embeddings-and-output-weights", None))
     if not arch.get("bias", True):
         flags.append(("--disable-bias-linear", None))
+        if arch.get("qkv_bias"):
+            flags.append(("--add-qkv-bias", None))
     dropout = float(arch.get("dropout", 0.0) or 0.0)
     flags += [("--attention-dropout", repr(dropout)), ("--hidden-dropout", repr(dropout))]
     if arch.get("norm_epsilon") is not None:
