@@ -86,7 +86,6 @@ ACTIVATIONS = ("swiglu", "squared_relu")
 class FeedForward(nn.Module):
     def __init__(self, dim, ffn_dim, activation="swiglu"):
         super().__init__()
-        self.activation = activation
         self.w1 = nn.Linear(dim, ffn_dim, bias=False)
         self.w3 = nn.Linear(dim, ffn_dim, bias=False) if activation == "swiglu" else None
         self.w2 = nn.Linear(ffn_dim, dim, bias=False)

@@ -389,10 +389,10 @@ def hf_activation(model_type: str, act_name: str) -> str:
 #: in ways Megatron's flags cannot express: Gemma's gated GeLU, sandwich norms, logit soft-capping and embedding scale,
 #: OLMo's weightless LayerNorm, OLMo 2's and GLM-4's post-norms, GPT-NeoX's and Falcon's parallel residual, Granite's
 #: multipliers, SmolLM3's layers without rope.
+MEGATRON_HF_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "stablelm", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 #: MEGATRON_HF_TYPES whose attention has q/k/v biases and no other linear biases (transformers' Qwen2Attention,
 #: Qwen2MoeAttention: ``bias=True`` on q_proj, k_proj and v_proj)
 QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")
-MEGATRON_HF_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "stablelm", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
 
 def hf_architecture_gap(config: Any, seq_len: int) -> str | None:

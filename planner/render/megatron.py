@@ -5,7 +5,8 @@ Megatron builds its own GPT model from flags, so the model file's
 RMSNorm -> ``--normalization RMSNorm``, swiglu -> ``--swiglu``, squared_relu -> ``--squared-relu``, rope ->
 ``--position-embedding-type rope``, fewer key/value heads than query heads ->
 ``--group-query-attention --num-query-groups``, untied head ->
-``--untie-embeddings-and-output-weights``, no biases -> ``--disable-bias-linear``.
+``--untie-embeddings-and-output-weights``, no biases -> ``--disable-bias-linear`` (q/k/v biases
+only: ``--add-qkv-bias``).
 The planned split (whole transformer layers per stage, counted from
 plan.model["blocks"]) becomes an even split, ``--decoder-first/last-pipeline-num-layers``
 or ``--pipeline-model-parallel-layout`` (:func:`planner.megatron_args.split_flags`).
