@@ -34,9 +34,9 @@ import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from planner.errors import UsageError
 from planner.model.analyze import torch_dtype
 from planner.model.load import ModelFile, load_model_file
+from planner.model.losses import default_loss
 from planner.model.trace import LayerGraph, Piece, PiecesModule, _free_nodes, build_layer_graph
 from planner.model_ref import resolve_ref
 
@@ -140,17 +140,10 @@ class PlannedModel:
         return tuple(inputs), target
 
     def loss(self, output: Any, target: Any) -> torch.Tensor:
-        """The model file's loss_fn, or the mean of the output when it has none."""
+        """The model file's loss_fn, or the default loss (planner.model.losses) when it has none."""
         if self.model_file.has("loss_fn") and target is not None:
             return cast(torch.Tensor, self.model_file.funcs["loss_fn"](output, target))  # the model file's contract: a scalar tensor
-        flat = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        if not flat:
-            kinds = sorted({type(t).__name__ if not isinstance(t, torch.Tensor) else f"{t.dtype} tensor" for t in torch.utils._pytree.tree_leaves(output)})
-            raise UsageError(
-                f"the model's output holds no floating-point tensor to train on ({', '.join(kinds) or 'nothing'}): "
-                "define loss_fn(output, target) and example_target(batch_size) in the model file."
-            )
-        return cast(torch.Tensor, sum(t.float().mean() for t in flat))
+        return default_loss(output)
 
 
 def retarget(lg: LayerGraph, source: torch.device, device: torch.device) -> None:

@@ -459,7 +459,7 @@ def test_per_rank_record_drops_warm_up():
 
 
 def test_loss_of_an_output_without_floating_tensors_is_refused_by_name():
-    """The default loss is the mean of the output's floating tensors; an output with none (token ids, a bool mask)
+    """The default loss sums over the output's floating tensors; an output with none (token ids, a bool mask)
     has nothing to train on and is refused with what to add, not summed to the integer 0 that backward cannot use."""
     from pathlib import Path
 
@@ -472,4 +472,4 @@ def test_loss_of_an_output_without_floating_tensors_is_refused_by_name():
     with pytest.raises(UsageError, match=r"no floating-point tensor to train on \(torch.bool tensor, torch.int64 tensor\).*loss_fn"):
         planned.loss(out, None)
     loss = planned.loss({"x": torch.full((2,), 3.0), "ids": out["ids"]}, None)
-    assert isinstance(loss, torch.Tensor) and loss.item() == 3.0
+    assert isinstance(loss, torch.Tensor) and loss.item() == 10.0  # the mean of (3 - (-1))^2 = 16 and (3 - 1)^2 = 4

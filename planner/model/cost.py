@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from planner.errors import UsageError
 from planner.model.experts import expert_parameters, router_parameters
 from planner.model.flops import REGISTRY, flop_counter, uncounted_compute
+from planner.model.losses import default_loss
 from planner.model.trace import LayerGraph, dtype_name
 from planner.records import Cut, Layer, ModelCosts, TiedGroup
 
@@ -383,7 +384,7 @@ def _loss_closure(model_file, batch_size: int) -> Callable[[Any], torch.Tensor]:
     if model_file is not None and model_file.has("loss_fn") and target is not None:
         fn = model_file.funcs["loss_fn"]
         return lambda out: fn(out, target)
-    return lambda out: sum(t.float().mean() for t in _flat_tensors(out) if t.is_floating_point())
+    return default_loss
 
 
 def cost_layers(
@@ -398,7 +399,7 @@ def cost_layers(
 ) -> ModelCosts:
     """Cost every piece of ``lg`` for one micro-batch; identical pieces are costed once.
 
-    The loss (``loss_fn`` of the model file, else the mean of the output) is
+    The loss (``loss_fn`` of the model file, else planner.model.losses.default_loss) is
     costed with the last piece, which is where it runs in a pipeline.
     """
     layers: list[Layer] = []

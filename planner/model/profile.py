@@ -48,6 +48,7 @@ from planner.model.analyze import analyze, torch_dtype
 from planner.model.cost import piece_structure
 from planner.model.device import Timer, calibrate_device, check_device, device_memory, device_name, hardware_key_for, summarize, sync
 from planner.model.load import load_model_file
+from planner.model.losses import default_loss
 
 PROFILE_SCHEMA = 1
 PROFILE_KIND = "planner-profile"
@@ -245,13 +246,13 @@ def _time_runs(runs: list[_PieceRun], device: str, warmup: int, repeats: int, wa
 
 
 def _loss_for(mf, batch: int, device: str, dtype: torch.dtype) -> Callable[[Any], torch.Tensor]:
-    """The last piece's loss: the model file's loss_fn on example_target, else the mean of the output (as in costing)."""
+    """The last piece's loss: the model file's loss_fn on example_target, else the default loss (as in costing)."""
     if mf.has("loss_fn") and mf.has("example_target"):
         with torch.device(device):
             target = _on_device(mf.call("example_target", batch), device, dtype)
         fn = mf.funcs["loss_fn"]
         return lambda out: fn(out, target)
-    return lambda out: sum(t.float().mean() for t in _flat(out) if t.is_floating_point())
+    return default_loss
 
 
 # --------------------------------------------------------------------------- profile

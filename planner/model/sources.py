@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from planner.errors import UsageError, did_you_mean
+from planner.model.losses import default_loss
 
 LIBRARY_PREFIXES = ("hf", "timm", "torchvision")
 PIP = {"transformers": "pip install transformers", "timm": "pip install timm torchvision", "torchvision": "pip install torchvision"}
@@ -638,8 +639,7 @@ def _vision_contract(spec: str, name: str, model_args: dict[str, Any], lib: str)
     def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
         if isinstance(output, torch.Tensor) and output.dim() == 2:
             return F.cross_entropy(output.float(), target)
-        flat = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        return sum(t.float().mean() for t in flat)  # dense outputs (segmentation): the mean, as for a model file without loss_fn
+        return default_loss(output)  # dense outputs (segmentation): as for a model file without loss_fn
 
     funcs = {"build_model": build_model, "example_inputs": example_inputs, "loss_fn": loss_fn, "example_target": example_target}
     return LibraryContract(funcs, dict(model_args), _digest(spec.encode(), f"{lib} {version}".encode(), repr(sorted(model_args.items())).encode()))
