@@ -171,3 +171,80 @@ def test_cost_piece_accepts_an_input_updated_in_place():
     x = torch.randn(4, 8, device="meta", requires_grad=True)
     cost, _ = cost_piece(M(), (x,), None, 4)
     assert cost.saved_bytes > 0
+
+
+class _Attn(nn.Module):
+    """q, k, v of ``shape`` (any leading dims) straight into F.scaled_dot_product_attention, with an optional mask."""
+
+    def __init__(self, mask_shape=None):
+        super().__init__()
+        self.mask_shape = mask_shape
+
+    def forward(self, q, k, v):
+        mask = None if self.mask_shape is None else torch.zeros(self.mask_shape, device=q.device)
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize(
+    "shape, mask",
+    [
+        ((2, 3, 4, 16, 8), None),  # windowed attention (timm's Hiera / NesT): batch, heads, windows, tokens, dim
+        ((6, 16, 8), None),  # one head, no head dim
+        ((2, 3, 4, 16, 8), (4, 16, 16)),  # a relative-position bias broadcast over batch and heads (timm's SAM ViT)
+    ],
+)
+def test_attention_with_other_than_four_dims_costs_as_its_four_dim_equivalent(shape, mask):
+    """F.scaled_dot_product_attention takes any batch dims; the fused kernels the costing routes to take four.
+    Closed form: 4 x n x s^2 x d FLOPs forward (QK^T and PV), n = the product of the leading dims."""
+    s, d = shape[-2], shape[-1]
+    n = 1
+    for x in shape[:-2]:
+        n *= x
+    qkv = tuple(torch.randn(shape, device="meta", requires_grad=True) for _ in range(3))
+    cost, out = cost_piece(_Attn(mask), qkv, None, shape[0])
+    assert tuple(out.shape) == shape
+    assert cost.flops_fwd == 4 * n * s * s * d
+    flat = tuple(torch.randn(n, 1, s, d, device="meta", requires_grad=True) for _ in range(3))
+    ref, _ = cost_piece(_Attn(None if mask is None else (n, 1, s, s)), flat, None, shape[0])
+    assert (cost.flops_fwd, cost.flops_bwd) == (ref.flops_fwd, ref.flops_bwd)
+    assert cost.saved_bytes == ref.saved_bytes
+
+
+def test_a_constructor_that_reads_tensor_data_builds_with_its_weights_on_meta():
+    """Parameters 8x8+8, 8x12+12, 12x18+18 (widths computed from tensors in __init__), every one on the meta device."""
+    from planner.model.load import load_model_file
+    from planner.model.meta import parameters_on_meta
+
+    doc = inspect_json(MODELS / "computed_widths.py")
+    assert doc["totals"]["params"] == (8 * 8 + 8) + (8 * 12 + 12) + (12 * 18 + 18)
+    model = load_model_file(MODELS / "computed_widths.py", {}).build_meta(torch.float32)
+    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
+    with parameters_on_meta():  # the registration hooks are undone on exit
+        pass
+    assert nn.Linear(2, 2).weight.device.type == "cpu"
+
+
+class _Windows(nn.Module):
+    """Tokens regrouped into windows of ``w`` (a constant fx writes into the graph, as torchvision's MaxViT does)."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.w = w
+
+    def forward(self, x):
+        b, n, c = x.shape
+        return x.reshape(b, n // self.w, self.w, c)
+
+
+def test_pieces_that_differ_only_in_a_constant_are_not_costed_as_one():
+    """Windows of 7 and of 8 give outputs (2, 8, 7, 4) and (2, 7, 8, 4): a structural signature blind to constants
+    took one for the other and handed the next piece the wrong shape (MaxViT's window and grid attention)."""
+    from types import SimpleNamespace
+
+    from planner.model.cost import piece_structure
+
+    seven, eight, again = (SimpleNamespace(gm=torch.fx.symbolic_trace(_Windows(w))) for w in (7, 8, 7))
+    assert piece_structure(seven, None) != piece_structure(eight, None)
+    assert piece_structure(seven, None) == piece_structure(again, None)
+    x = torch.randn(2, 56, 4, device="meta")
+    assert tuple(seven.gm(x).shape) == (2, 8, 7, 4) and tuple(eight.gm(x).shape) == (2, 7, 8, 4)

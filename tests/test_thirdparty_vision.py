@@ -83,3 +83,28 @@ def test_unknown_name_is_a_clear_error():
     r = runner.invoke(app, ["inspect", "torchvision:resnet51"])
     assert r.exit_code == 2 and "resnet50" in r.output and "Traceback" not in r.output
     assert torch is not None
+
+
+@pytest.mark.parametrize("name", ["inception_v3", "r3d_18", "mvit_v2_s", "regnet_y_400mf", "maxvit_t"])
+def test_parameters_and_flops_match_torchvision_model_cards(name):
+    """At the input the default weights were trained at (Inception v3's 299x299, 16-frame 112x112 clips for R3D), the
+    forward FLOPs are 2x the GMACs and the parameters those of the weights' model card (torchvision's ``_ops`` and
+    ``num_params``). RegNet computes its widths with tensors in __init__, MaxViT's window and grid attention differ
+    only in constants: both used to fail."""
+    doc = inspect(f"torchvision:{name}")
+    meta = torchvision.models.get_model_weights(name).DEFAULT.meta
+    assert doc["totals"]["params"] == meta["num_params"]
+    per_sample = doc["totals"]["flops_fwd"] / doc["totals"]["micro_batch"]
+    assert per_sample == pytest.approx(2 * meta["_ops"] * 1e9, rel=0.02)
+
+
+def test_video_models_take_clips():
+    doc = inspect("torchvision:r3d_18", "--model-arg", "frames=8")
+    full = inspect("torchvision:r3d_18")
+    assert doc["totals"]["flops_fwd"] == pytest.approx(full["totals"]["flops_fwd"] / 2, rel=0.01)  # 3-D convs: linear in frames
+
+
+@pytest.mark.parametrize("name", ["fasterrcnn_resnet50_fpn", "raft_small"])
+def test_detection_and_optical_flow_models_are_refused_with_what_to_plan(name):
+    r = runner.invoke(app, ["inspect", f"torchvision:{name}"])
+    assert r.exit_code == 2 and "Plan its backbone instead" in r.output, r.output

@@ -82,6 +82,10 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     if enable_gqa and key.size(-3) != query.size(-3):
         rep = query.size(-3) // key.size(-3)
         key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
+    if query.dim() != 4:
+        # F.scaled_dot_product_attention takes any leading (batch) dims: windowed attention passes five (timm's Hiera,
+        # NesT, Twins), a single head three; the fused kernels (and torch's FLOP formulas) take (batch, heads, s, d)
+        return _sdpa_flattened(query, key, value, attn_mask, dropout_p, is_causal, scale)
     if attn_mask is not None:
         bias = attn_mask
         if bias.dtype == torch.bool:
@@ -98,6 +102,19 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
         return out[0]
     out = _aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False, scale=scale)
     return out[0]
+
+
+def _sdpa_flattened(query, key, value, attn_mask, dropout_p, is_causal, scale):
+    """SDPA over inputs with other than four dims, as one (n, 1, s, d) attention: the same FLOPs and saved bytes."""
+    lead = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
+
+    def to4(t: torch.Tensor) -> torch.Tensor:
+        return t.expand(*lead, *t.shape[-2:]).reshape(-1, 1, *t.shape[-2:])
+
+    if attn_mask is not None:
+        attn_mask = attn_mask.expand(*lead, query.size(-2), key.size(-2)).reshape(-1, 1, query.size(-2), key.size(-2))
+    out = _sdpa(to4(query), to4(key), to4(value), attn_mask, dropout_p, is_causal, scale)
+    return out.reshape(*lead, query.size(-2), value.size(-1))
 
 
 def _dropout(input, p=0.5, training=True, inplace=False):
@@ -334,7 +351,7 @@ def cost_piece(
 
 def piece_structure(mod, block: str | None) -> tuple[Any, ...]:
     """Structure of one piece module with its block's path removed: graph ops (values entering the piece by
-    position) and the nodes each reads, module classes and their scalar settings, parameter and buffer shapes and dtypes.
+    position), the nodes each reads and the constants each takes, module classes and their scalar settings, parameter and buffer shapes and dtypes.
 
     Equal for the pieces of repeated blocks, so they are costed (and profiled) once.
     """
@@ -358,7 +375,9 @@ def piece_structure(mod, block: str | None) -> tuple[Any, ...]:
         # same ops that pass their values on in another order are not taken for one another
         reads: list[int] = []
         torch.fx.node.map_arg((node.args, node.kwargs), lambda a: reads.append(index[a]) or a)
-        ops.append((node.op, norm(str(target)), len(node.args), tuple(sorted(node.kwargs)), tuple(reads)))
+        # and the constants among the arguments: a reshape into windows of 7 and one into windows of 8 differ
+        consts = repr(torch.fx.node.map_arg((node.args, sorted(node.kwargs.items())), lambda a: None))
+        ops.append((node.op, norm(str(target)), len(node.args), tuple(sorted(node.kwargs)), tuple(reads), consts))
     mods = []
     for name, m in gm.named_modules():
         settings = tuple(sorted((k, v) for k, v in vars(m).items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))))

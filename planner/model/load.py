@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from planner.errors import UsageError
+from planner.model.meta import build_on_meta
 from planner.model.sources import LIBRARY_PREFIXES, library_contract
 
 CONTRACT = ("build_model", "example_inputs", "loss_fn", "example_target", "architecture")
@@ -109,8 +110,7 @@ class ModelFile:
 
     def build_meta(self, dtype: torch.dtype) -> torch.nn.Module:
         """Build the model on the meta device in ``dtype``: no weights are allocated."""
-        with torch.device("meta"):
-            model = self.call("build_model")
+        model = build_on_meta(lambda: self.call("build_model"))
         if not isinstance(model, torch.nn.Module):
             raise UsageError(
                 f"{self.name}: build_model() returned {type(model).__name__}, not a torch.nn.Module.",

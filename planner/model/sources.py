@@ -15,7 +15,12 @@ the same model from the spec recorded in plan.json.
 * ``timm:NAME``: ``timm.create_model(NAME, pretrained=False, **model_args)``;
   inputs at the model's default input size.
 * ``torchvision:NAME``: ``torchvision.models.get_model(NAME, weights=None,
-  **model_args)``; ``image_size`` sets the input size (default 224).
+  **model_args)``; ``image_size`` sets the input size (default: the model's
+  own ``image_size``, else the crop its default weights were trained at, as
+  Inception v3's 299, else 224); video models take clips of ``frames``
+  (default 16, the reference recipe's clip length, or the weights' minimum).
+  Detection and optical-flow models, whose training step takes images with
+  box targets or image pairs, are refused.
 
 The libraries are optional extras, imported only when a spec names them.
 """
@@ -37,12 +42,14 @@ import torch.nn.functional as F
 
 from planner.errors import UsageError, did_you_mean
 from planner.model.losses import default_loss
+from planner.model.meta import build_on_meta
 
 LIBRARY_PREFIXES = ("hf", "timm", "torchvision")
 PIP = {"transformers": "pip install transformers", "timm": "pip install timm torchvision", "torchvision": "pip install torchvision"}
 HF_DEFAULT_MAX_SEQ = 2048
 HF_RESERVED_ARGS = ("seq_len", "model_class")
-VISION_RESERVED_ARGS = ("image_size",)
+VISION_RESERVED_ARGS = ("image_size", "frames")
+VIDEO_FRAMES = 16  # torchvision references/video_classification: --clip-len 16
 
 
 @dataclass
@@ -607,7 +614,18 @@ def _vision_contract(spec: str, name: str, model_args: dict[str, Any], lib: str)
         if name not in names:
             raise UsageError(f"torchvision has no model {name!r}.{did_you_mean(name, names)}", "List the names with torchvision.models.list_models().")
 
+        for family in ("detection", "optical_flow"):
+            if name in tv.models.list_models(module=getattr(tv.models, family)):
+                raise UsageError(
+                    f"torchvision:{name} is a {family.replace('_', '-')} model: its training step takes "
+                    + ("a list of images with box targets" if family == "detection" else "pairs of images and flow targets")
+                    + ", which the planner's tensor-batch pipeline stages do not carry.",
+                    "Plan its backbone instead (e.g. torchvision:resnet50), or write a model file whose forward() takes a "
+                    "tensor batch and returns the training output.",
+                )
         builder = tv.models.get_model_builder(name)
+        video = name in tv.models.list_models(module=tv.models.video)
+        crop, min_frames = _weights_input(tv, name)
         # segmentation and detection builders fetch ImageNet backbone weights by default: never load weights
         no_weights = {"weights": None} | ({"weights_backbone": None} if "weights_backbone" in inspect.signature(builder).parameters else {})
 
@@ -619,14 +637,17 @@ def _vision_contract(spec: str, name: str, model_args: dict[str, Any], lib: str)
 
     def build_model(**_: Any) -> torch.nn.Module:
         model = make()
-        state["input_size"] = _input_size(model, size_arg)
+        size = _input_size(model, size_arg if size_arg is not None or lib == "timm" else getattr(model, "image_size", None) or crop)
+        if lib != "timm" and video:
+            frames = int(model_args.get("frames", max(VIDEO_FRAMES, min_frames)))
+            size = (size[0], frames, *size[1:])  # (channels, frames, height, width)
+        state["input_size"] = size
         state["classes"] = getattr(model, "num_classes", None) or _classes(model)
         return model
 
     def shape() -> tuple[int, ...]:
         if "input_size" not in state:
-            with torch.device("meta"):
-                build_model()
+            build_on_meta(build_model)
         return state["input_size"]
 
     def example_inputs(batch_size: int, **_: Any) -> tuple[torch.Tensor, ...]:
@@ -643,6 +664,16 @@ def _vision_contract(spec: str, name: str, model_args: dict[str, Any], lib: str)
 
     funcs = {"build_model": build_model, "example_inputs": example_inputs, "loss_fn": loss_fn, "example_target": example_target}
     return LibraryContract(funcs, dict(model_args), _digest(spec.encode(), f"{lib} {version}".encode(), repr(sorted(model_args.items())).encode()))
+
+
+def _weights_input(tv: Any, name: str) -> tuple[Any, int]:
+    """(crop size, minimum frames) of a torchvision model's default weights: the input they were trained at."""
+    try:
+        weights = tv.models.get_model_weights(name).DEFAULT
+    except (ValueError, AttributeError, KeyError):
+        return None, 1
+    crop = getattr(weights.transforms, "keywords", {}).get("crop_size")
+    return crop, int(weights.meta.get("min_temporal_size", 1))
 
 
 def _input_size(model: torch.nn.Module, size: Any) -> tuple[int, ...]:
