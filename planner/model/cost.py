@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from planner.errors import UsageError
 from planner.model.experts import expert_parameters, router_parameters
 from planner.model.flops import REGISTRY, flop_counter, uncounted_compute
-from planner.model.losses import default_loss
+from planner.model.losses import default_loss, floating_outputs, tensor_leaves
 from planner.model.trace import LayerGraph, dtype_name
 from planner.records import Cut, Layer, ModelCosts, TiedGroup
 
@@ -70,7 +70,7 @@ class _WeightGemms(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        gemm = func in _GEMMS and any(isinstance(t, nn.Parameter) for t in _flat_tensors((args, kwargs)))
+        gemm = func in _GEMMS and any(isinstance(t, nn.Parameter) for t in tensor_leaves((args, kwargs)))
         self.depth += gemm
         try:
             return func(*args, **kwargs)
@@ -135,11 +135,6 @@ def _tensor_bytes(t: Any) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
-def _flat_tensors(x: Any) -> list[torch.Tensor]:
-    flat, _ = torch.utils._pytree.tree_flatten(x)
-    return [t for t in flat if isinstance(t, torch.Tensor)]
-
-
 class _OpMeter(TorchDispatchMode):
     """Counts, per operator call: bytes moved by operators without a FLOP formula, attention-core work, largest output."""
 
@@ -169,8 +164,8 @@ class _OpMeter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        ins = _flat_tensors((args, kwargs))
-        outs = _flat_tensors(out)
+        ins = tensor_leaves((args, kwargs))
+        outs = tensor_leaves(out)
         core = self._is_core(ins + outs)
         packet = func.overloadpacket
         if packet is _aten._grouped_mm:
@@ -289,7 +284,7 @@ def cost_piece(
             refs.append(t)
         return t
 
-    floats = [t for t in _flat_tensors(inputs) if t.is_floating_point()]
+    floats = floating_outputs(inputs)
     resid = tuple(floats[0].shape) if floats else None
     fwd_meter = _OpMeter(seq_len, batch, resid)
     with torch.device("meta"), GpuKernels(), gemms, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -298,12 +293,12 @@ def cost_piece(
             target = loss(out) if loss is not None else None
     flops_fwd = float(fc_fwd.get_total_flops())
 
-    outs = [t for t in _flat_tensors(out) if t.requires_grad]
+    outs = [t for t in tensor_leaves(out) if t.requires_grad]
     if target is not None:
         roots, grads = ([target], [torch.ones_like(target)]) if target.requires_grad else ([], [])
     else:
         roots, grads = outs, [torch.ones_like(t) for t in outs]
-    grad_inputs = [t for t in _flat_tensors(leaf_inputs) if t.requires_grad]
+    grad_inputs = [t for t in tensor_leaves(leaf_inputs) if t.requires_grad]
     flops_bwd_input = 0.0
     flops_bwd = 0.0
     bwd_meter = _OpMeter(seq_len, batch, resid)

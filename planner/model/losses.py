@@ -16,9 +16,14 @@ import torch
 from planner.errors import UsageError
 
 
+def tensor_leaves(x: Any) -> list[torch.Tensor]:
+    """The tensors in ``x`` (any nesting of tuples, lists and dicts), in pytree order."""
+    return [t for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
 def floating_outputs(output: Any) -> list[torch.Tensor]:
     """The floating-point tensors of a model's output (any nesting of tuples, lists and dicts)."""
-    return [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return [t for t in tensor_leaves(output) if t.is_floating_point()]
 
 
 def ramp_target(t: torch.Tensor) -> torch.Tensor:

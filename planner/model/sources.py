@@ -637,7 +637,7 @@ def _vision_contract(spec: str, name: str, model_args: dict[str, Any], lib: str)
 
     def build_model(**_: Any) -> torch.nn.Module:
         model = make()
-        size = _input_size(model, size_arg if size_arg is not None or lib == "timm" else getattr(model, "image_size", None) or crop)
+        size = _input_size(model, _requested_size(model, lib, size_arg, crop))
         if lib != "timm" and video:
             frames = int(model_args.get("frames", max(VIDEO_FRAMES, min_frames)))
             size = (size[0], frames, *size[1:])  # (channels, frames, height, width)
@@ -664,6 +664,15 @@ def _vision_contract(spec: str, name: str, model_args: dict[str, Any], lib: str)
 
     funcs = {"build_model": build_model, "example_inputs": example_inputs, "loss_fn": loss_fn, "example_target": example_target}
     return LibraryContract(funcs, dict(model_args), _digest(spec.encode(), f"{lib} {version}".encode(), repr(sorted(model_args.items())).encode()))
+
+
+def _requested_size(model: torch.nn.Module, lib: str, size_arg: Any, crop: Any) -> Any:
+    """The image size to plan at, before _input_size's defaults: the user's ``image_size`` model-arg; for torchvision
+    (timm reads its own pretrained_cfg) the size the model was built for (ViT's ``image_size``), else the crop of its
+    default weights; None where neither says."""
+    if size_arg is not None or lib == "timm":
+        return size_arg
+    return getattr(model, "image_size", None) or crop
 
 
 def _weights_input(tv: Any, name: str) -> tuple[Any, int]:
