@@ -240,7 +240,7 @@ def test_report_md_names_every_stage_and_the_layout(planned, name):
 
 
 def test_report_md_gives_the_fp8_ceiling_and_sustained_rate_an_fp8_plan_is_priced_with():
-    """An FP8 plan on H100: the device table shows the profile's FP8 ceiling (0.709, MAMF) and sustained rate (0.81)."""
+    """An FP8 plan on H100: the device table shows the profile's FP8 ceiling (0.709, MAMF) and sustained rate (0.79)."""
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
