@@ -81,7 +81,17 @@ def _recorded_gpu() -> str:
 
 
 def main() -> None:
-    from bench import calibration, fit_fixed_costs, fit_sustained, inspect_speed, partition_quality, planning_speed, published_runs, smoke_vs_prediction
+    from bench import (
+        calibration,
+        fit_fixed_costs,
+        fit_sustained,
+        host_issue,
+        inspect_speed,
+        partition_quality,
+        planning_speed,
+        published_runs,
+        smoke_vs_prediction,
+    )
 
     started = time.time()
     sections = []
@@ -112,6 +122,8 @@ def main() -> None:
     sections.append(
         ("Sustained GEMM rate fitted on the tune rows", fit_sustained.__doc__.strip() + "\n\n" + fit_sustained.markdown(sustained), time.time() - t)
     )
+    t = time.time()
+    sections.append(("A host-issue floor per operator (what-if)", host_issue.__doc__.strip() + "\n\n" + host_issue.markdown(host_issue.run()), time.time() - t))
     t = time.time()
     sections.append(("Planning speed and memory", planning_speed.__doc__.strip() + "\n\n" + planning_speed.markdown(planning_speed.run_all()), time.time() - t))
     t = time.time()

@@ -560,9 +560,15 @@ def profile_document(name: str, fit: Fit, runs: Sequence[Run], dtypes: Sequence[
             "allreduce_inter": eff("allreduce_efficiency_inter"),
             **kept_efficiency(b),
         },
-        **({"fixed_costs": {"kernel_us": b.kernel_floor_s * 1e6, "p2p_sync_us": b.p2p_sync_s * 1e6}} if b.kernel_floor_s or b.p2p_sync_s else {}),
+        **({"fixed_costs": fixed_costs_of(b)} if b.kernel_floor_s or b.p2p_sync_s or b.host_op_s else {}),
         "sources": sources,
     }
+
+
+def fixed_costs_of(base: hardware.DeviceProfile) -> dict[str, float]:
+    """The base profile's fixed costs as its ``fixed_costs`` mapping (microseconds; host_us only where set)."""
+    out = {"kernel_us": base.kernel_floor_s * 1e6, "p2p_sync_us": base.p2p_sync_s * 1e6}
+    return out | ({"host_us": base.host_op_s * 1e6} if base.host_op_s else {})
 
 
 def kept_efficiency(base: hardware.DeviceProfile) -> dict[str, Any]:

@@ -105,6 +105,9 @@ class DeviceProfile:
     kernel_floor_s: float = 0.0
     #: seconds of synchronisation each pipeline send/recv adds besides its link latency (profile fixed_costs)
     p2p_sync_s: float = 0.0
+    #: seconds the host takes to issue one operator of an eager step (framework dispatch and kernel launch; profile
+    #: fixed_costs.host_us): a pass takes at least its operators x this (planner.solve.timing.host_bound)
+    host_op_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.matmul_size_scale:
@@ -175,7 +178,7 @@ _TOP = {
     "sources": ("sources", "a mapping from each numeric field to its source (URL or note)"),
     "measured_at_runtime": ("bool", "true or false"),
     "notes": ("str", "free text"),
-    "fixed_costs": ("fixed", "a mapping {kernel_us, p2p_sync_us} of per-operator and per-send fixed costs"),
+    "fixed_costs": ("fixed", "a mapping {kernel_us, p2p_sync_us[, host_us]} of per-operator and per-send fixed costs"),
 }
 _OPTIONAL = {"measured_at_runtime", "notes", "fixed_costs"}
 _SUB = {
@@ -203,9 +206,10 @@ _SUB = {
     "fixed_costs": {
         "kernel_us": ("pos", "microseconds: the least time one kernel of an eager training step takes"),
         "p2p_sync_us": ("pos", "microseconds of synchronisation per pipeline send/recv"),
+        "host_us": ("pos", "microseconds of host time to issue one operator of an eager training step"),
     },
 }
-_SUB_OPTIONAL = {"matmul_size_scale", "memory_size_scale", "matmul_fp8", "matmul_fp8_size_scale", "sustained"}
+_SUB_OPTIONAL = {"matmul_size_scale", "memory_size_scale", "matmul_fp8", "matmul_fp8_size_scale", "sustained", "host_us"}
 # Every numeric field group needs sources[group] (or sources["group.sub"] for each sub-field).
 _NUMERIC_GROUPS = (
     "memory_gib",
@@ -493,6 +497,7 @@ def profile_from_dict(data: Any, path: str | Path) -> DeviceProfile:
         sustained_matmul=eff.get("sustained", 1.0),
         kernel_floor_s=v.get("fixed_costs", {}).get("kernel_us", 0.0) * 1e-6,
         p2p_sync_s=v.get("fixed_costs", {}).get("p2p_sync_us", 0.0) * 1e-6,
+        host_op_s=v.get("fixed_costs", {}).get("host_us", 0.0) * 1e-6,
     )
 
 

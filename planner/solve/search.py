@@ -484,6 +484,7 @@ class Context:
                 ep_overlap,
                 work,
                 not modules or "core_attn" in modules,
+                dev.host_op_s,
             )
             measured = self.opts.measured.get(dev.key)
             if measured and tp == 1 and cp == 1 and not fp8 and ep * etp == 1:

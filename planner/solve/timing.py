@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 from planner import hardware
 from planner.hardware import Cluster, DeviceProfile
-from planner.records import ModelCosts, RecomputeWork, scale_layer
+from planner.records import Layer, ModelCosts, RecomputeWork, scale_layer
 from planner.solve.expert_groups import expert_parallel_ranks, expert_tensor_ranks
 
 TP_COLLECTIVES = {"attention": (1, 1), "mlp": (1, 1), "block": (2, 2), "embedding": (1, 0), "head": (0, 1)}
@@ -373,6 +373,7 @@ def analytical_times(
     ep_overlap: float = 0.0,
     recompute_work: Sequence[RecomputeWork] | None = None,
     recompute_core: bool = True,
+    host_op_s: float = 0.0,
 ) -> PieceTimes:
     """Roofline times of every piece (``costs`` already sharded with :func:`shard_costs`).
 
@@ -399,6 +400,9 @@ def analytical_times(
     Selective recomputation recomputes the attention core (``recompute_core``; off when the engine was told other
     modules only) and, per piece, ``recompute_work`` (the engine's recomputed modules: GEMMs at the piece's GEMM
     rate, memory-bound kernels, and their residual-stream collectives).
+    ``host_op_s`` is the host's time to issue one operator (:func:`issued_operators`): a piece's forward takes at
+    least its forward operators x ``host_op_s`` and its backward its backward operators x ``host_op_s``
+    (:func:`host_bound`), the GPU running no faster than the host hands it work.
     """
     mm_dtype = matmul_dtype or dtype
     n = len(costs.layers)
@@ -476,11 +480,40 @@ def analytical_times(
                 r += overlapped_collective_time(rw.collectives * coll[k], mm_r, tp) if tp_overlap else rw.collectives * coll[k]
         else:
             r = 0.0
+        if host_op_s > 0:
+            n_fwd, n_bwd = issued_operators(l, ep, len(cast_bytes[k][0]) if cast_bytes is not None and gemm_dtype != dtype else 0)
+            f, i, w = host_bound(f, i, w, n_fwd * host_op_s, n_bwd * host_op_s)
+            r = f if recompute == "full" else r
         fwd.append(f)
         bi.append(i)
         bw.append(w)
         rc.append(r)
     return PieceTimes(tuple(fwd), tuple(bi), tuple(bw), tuple(rc), ("analytical",) * n)
+
+
+def issued_operators(layer: Layer, ep: int = 1, casts: int = 0) -> tuple[int, int]:
+    """(forward, backward) operators the host issues for one piece and micro-batch: each operator the trace recorded
+    (``op_flops_*``, ``op_bytes_*`` and ``op_bytes_*_resid``), each routed grouped GEMM once per local expert
+    (num_experts / ``ep``: Transformer Engine's grouped GEMM issues one GEMM per expert, as :func:`expert_gemm_time`
+    times it) and ``casts`` FP8 cast kernels forward and backward."""
+    local = max(1, layer.num_experts // max(1, ep)) if layer.num_experts else 1
+    fwd = len(layer.op_flops_fwd) + len(layer.op_bytes_fwd) + len(layer.op_bytes_fwd_resid) + local * len(layer.expert_op_flops_fwd)
+    bwd = len(layer.op_flops_bwd) + len(layer.op_bytes_bwd) + len(layer.op_bytes_bwd_resid) + local * len(layer.expert_op_flops_bwd)
+    return fwd + casts, bwd + casts
+
+
+def host_bound(fwd: float, bwd_input: float, bwd_weight: float, host_fwd: float, host_bwd: float) -> tuple[float, float, float]:
+    """A pass's seconds when the host needs ``host_fwd`` / ``host_bwd`` seconds to issue its operators: the forward
+    takes max(fwd, host_fwd); a backward shorter than host_bwd is stretched to it, its input- and weight-gradient
+    parts in their own proportion (all to the input gradient where the backward has no time of its own)."""
+    fwd = max(fwd, host_fwd)
+    bwd = bwd_input + bwd_weight
+    if bwd < host_bwd:
+        if bwd > 0:
+            bwd_input, bwd_weight = bwd_input * host_bwd / bwd, bwd_weight * host_bwd / bwd
+        else:
+            bwd_input = host_bwd
+    return fwd, bwd_input, bwd_weight
 
 
 def ops_time(op_flops: Sequence[float], total: float, device: DeviceProfile, dtype: str, floor_s: float = 0.0) -> float:
