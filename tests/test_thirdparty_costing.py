@@ -248,3 +248,39 @@ def test_pieces_that_differ_only_in_a_constant_are_not_costed_as_one():
     assert piece_structure(seven, None) == piece_structure(again, None)
     x = torch.randn(2, 56, 4, device="meta")
     assert tuple(seven.gm(x).shape) == (2, 8, 7, 4) and tuple(eight.gm(x).shape) == (2, 7, 8, 4)
+
+
+def test_timm_contract_takes_the_models_own_input_size(monkeypatch):
+    """timm:NAME plans at the model's pretrained_cfg input size, or at the image_size model-arg; nothing of
+    torchvision's (default weights' crop, video clips) applies. Run against a minimal module in timm's place
+    (create_model, list_models, __version__: what the contract calls), since timm is not a test dependency."""
+    import sys
+    import types
+
+    from planner.model.meta import build_on_meta
+    from planner.model.sources import library_contract
+
+    class Net(torch.nn.Module):
+        pretrained_cfg = {"input_size": (3, 160, 128)}
+
+        def __init__(self, num_classes: int = 10):
+            super().__init__()
+            self.head = torch.nn.Linear(3, num_classes)
+
+        def forward(self, x):
+            return self.head(x.mean((2, 3)))
+
+    stand_in = types.ModuleType("timm")
+    stand_in.__version__ = "0"
+    stand_in.list_models = lambda: ["net"]
+    stand_in.create_model = lambda name, pretrained=False, **kw: Net(**kw)
+    monkeypatch.setitem(sys.modules, "timm", stand_in)
+
+    c = library_contract("timm:net", {})
+    model = build_on_meta(c.funcs["build_model"])
+    assert isinstance(model, Net) and model.head.weight.is_meta
+    assert c.funcs["example_inputs"](2)[0].shape == (2, 3, 160, 128)
+    assert c.funcs["example_target"](2).max() < 10
+    sized = library_contract("timm:net", {"image_size": 96, "num_classes": 5})
+    assert sized.funcs["example_inputs"](1)[0].shape == (1, 3, 96, 96)
+    assert sized.funcs["example_target"](4).max() < 5

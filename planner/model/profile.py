@@ -48,7 +48,7 @@ from planner.model.analyze import analyze, torch_dtype
 from planner.model.cost import piece_structure
 from planner.model.device import Timer, calibrate_device, check_device, device_memory, device_name, hardware_key_for, summarize, sync
 from planner.model.load import load_model_file
-from planner.model.losses import default_loss
+from planner.model.losses import default_loss, tensor_leaves
 
 PROFILE_SCHEMA = 1
 PROFILE_KIND = "planner-profile"
@@ -152,10 +152,6 @@ def _check_no_meta(mod, piece_name: str) -> None:
                 )
 
 
-def _flat(x: Any) -> list[torch.Tensor]:
-    return [t for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
-
-
 def _leaf_inputs(values: list[Any], metas: list[Any]) -> tuple[Any, ...]:
     """Detached copies of the cut values; floating tensors require grad where the traced value did."""
     out = []
@@ -179,7 +175,7 @@ class _PieceRun:
     def __init__(self, mod, args: tuple[Any, ...], loss: Callable[[Any], torch.Tensor] | None):
         self.mod, self.args, self.loss = mod, args, loss
         self.params = [p for p in mod.parameters() if p.requires_grad]
-        self.leaves = [t for t in _flat(args) if t.requires_grad]
+        self.leaves = [t for t in tensor_leaves(args) if t.requires_grad]
         self.grads: list[torch.Tensor] | None = None
 
     def step(self, timer: Timer | None = None) -> None:
@@ -187,7 +183,7 @@ class _PieceRun:
         if timer:
             timer.start()
         out = self.mod(*self.args)
-        roots = [self.loss(out)] if self.loss is not None else [t for t in _flat(out) if t.requires_grad]
+        roots = [self.loss(out)] if self.loss is not None else [t for t in tensor_leaves(out) if t.requires_grad]
         if timer:
             timer.mark()
         if roots:
@@ -338,7 +334,7 @@ def profile_model(
         },
         "dtype": dtype,
         "micro_batch": micro_batch,
-        "inputs": [{"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")} for t in _flat(inputs)],
+        "inputs": [{"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")} for t in tensor_leaves(inputs)],
         "settings": {
             "warmup": warmup,
             "warmup_s": warmup_s,

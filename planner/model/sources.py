@@ -599,6 +599,7 @@ def hf_moe_architecture(c: Any) -> dict[str, Any] | None:
 def _vision_contract(spec: str, name: str, model_args: dict[str, Any], lib: str) -> LibraryContract:
     kwargs = {k: v for k, v in model_args.items() if k not in VISION_RESERVED_ARGS}
     size_arg = model_args.get("image_size")
+    crop, video, min_frames = None, False, 1  # torchvision's default weights and video models set them below
     if lib == "timm":
         timm = require("timm")
         if name not in timm.list_models():
@@ -638,7 +639,7 @@ def _vision_contract(spec: str, name: str, model_args: dict[str, Any], lib: str)
     def build_model(**_: Any) -> torch.nn.Module:
         model = make()
         size = _input_size(model, _requested_size(model, lib, size_arg, crop))
-        if lib != "timm" and video:
+        if video:
             frames = int(model_args.get("frames", max(VIDEO_FRAMES, min_frames)))
             size = (size[0], frames, *size[1:])  # (channels, frames, height, width)
         state["input_size"] = size
