@@ -39,7 +39,11 @@ torch 2.13's ``pipeline_order`` action for action):
   ``m % p == 0``, Megatron's default group size). Rank ``r`` warms up with
   ``min((v-1)*g + 2*(p-1-r), v*m)`` forwards. Identical to torch's
   ``ScheduleInterleaved1F1B``, and to Megatron's order whenever Megatron accepts
-  the configuration (``m % p == 0``, ``m >= p``, default group size).
+  the configuration (``m % p == 0``, ``m >= p``, default group size). An
+  explicit group size ``g`` (Megatron's ``microbatch_group_size_per_vp_stage``)
+  takes the microbatches ``g`` at a time, the last group holding what is left,
+  and warms up with ``(v-1)*g + 2*(p-1-r)`` forwards: Megatron's order for every
+  ``g`` it accepts (``p <= g <= m``, ``m % g`` zero or at least ``p``).
 - ``looped-bfs``: breadth first (Lamy-Poirier 2022): each local stage runs all
   its forwards, then backwards in reverse stage and microbatch order (torch
   ``ScheduleLoopedBFS``).
@@ -84,6 +88,7 @@ __all__ = [
     "validate_schedule",
     "to_torch_order",
     "interleaved_group_size",
+    "group_constraints",
     "iter_actions",
 ]
 
@@ -139,6 +144,9 @@ class Schedule:
     analysis_only: bool = False
     flush: bool = True
     weight_versions_per_stage: tuple[int, ...] = ()
+    #: microbatches per chunk group of the interleaved schedule when set explicitly (0: the default,
+    #: :func:`interleaved_group_size`)
+    group: int = 0
     # Simulator's compiled form, filled lazily by planner.solve.simulate.
     _compiled: object = field(default=None, init=False, repr=False, compare=False, hash=False)
 
@@ -271,8 +279,8 @@ def _as_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def schedule_constraints(name: str, p: int, m: int, v: int = 1) -> list[str]:
-    """The rules that ``(name, p, m, v)`` violates; empty when the schedule can be built.
+def schedule_constraints(name: str, p: int, m: int, v: int = 1, group: int = 0) -> list[str]:
+    """The rules that ``(name, p, m, v, group)`` violates; empty when the schedule can be built.
 
     These are the schedule's own rules; each engine adds its run-time rules
     (planner.engines.<name>.schedule_problems).
@@ -282,6 +290,14 @@ def schedule_constraints(name: str, p: int, m: int, v: int = 1) -> list[str]:
         p: pipeline ranks.
         m: microbatches per step.
         v: stages (model chunks) per rank.
+        group: microbatches per chunk group of ``interleaved`` (0: the default,
+            :func:`interleaved_group_size`). Allowed: the groups Megatron accepts
+            (``p <= g <= m`` with the last group, ``m % g`` microbatches, empty or at
+            least ``p``) and one group of all ``m``. Every such order runs without
+            deadlock (tests/test_schedules.py simulates each one up to p = 8,
+            m = 24); smaller groups deadlock depth-first interleaving in many cases
+            (p = 16, g = 4: rank 0's first chunk-1 forward waits on a rank that is
+            itself waiting on a backward).
     Returns:
         Human-readable rule violations, each stating the rule.
     """
@@ -294,6 +310,8 @@ def schedule_constraints(name: str, p: int, m: int, v: int = 1) -> list[str]:
     if out:
         return out
 
+    if group:
+        out += group_constraints(name, p, m, group)
     rounds = max(1, m // p)
     if name in ("gpipe", "1f1b", "zb-h1", "pipedream", "pipedream-2bw"):
         if v != 1:
@@ -302,7 +320,7 @@ def schedule_constraints(name: str, p: int, m: int, v: int = 1) -> list[str]:
         if v < 2:
             alt = "1f1b" if name == "interleaved" else "zb-h1"
             out.append(f"{name} needs v >= 2 stages per rank (got v={v}); use {alt!r} for v=1")
-        if m % rounds != 0:
+        if m % rounds != 0 and not group:
             out.append(
                 f"{name} needs m to be a multiple of its number of rounds max(1, m // p) = {rounds} (got m={m}, p={p}); e.g. m < {2 * p} or m a multiple of p"
             )
@@ -316,6 +334,22 @@ def schedule_constraints(name: str, p: int, m: int, v: int = 1) -> list[str]:
         out.append(f"pipedream-2bw needs m >= p ({p}) microbatches per weight update so that 2 weight versions suffice, got m={m}")
 
     return out
+
+
+def group_constraints(name: str, p: int, m: int, group: int) -> list[str]:
+    """The rules an explicit interleaved group size ``group`` violates (see :func:`schedule_constraints`)."""
+    if name != "interleaved":
+        return [f"only the interleaved schedule takes a micro-batch group size (got {name!r} with group {group})"]
+    if not _as_int(group) or group < 1:
+        return [f"the micro-batch group size must be an integer >= 1, got {group!r}"]
+    if group > m:
+        return [f"the micro-batch group size ({group}) exceeds the micro-batches per step (m={m})"]
+    last = m % group
+    if group == m or (group >= p and (last == 0 or last >= p)):
+        return []
+    if group < p:
+        return [f"a micro-batch group of {group} < p ({p}) deadlocks depth-first interleaving: use a group of at least {p}, or {m} (all)"]
+    return [f"the last micro-batch group holds m % group = {last} < p ({p}) micro-batches, which deadlocks: pick a group that divides m={m} or leaves at least {p}"]
 
 
 # ----------------------------------------------------------------------- generators
@@ -340,35 +374,42 @@ def _gen_1f1b(p: int, m: int, v: int) -> list[RankOps]:
     return out
 
 
-def _chunk_order(p: int, m: int, v: int, r: int, k: int, backward: bool) -> tuple[int, int]:
+def _group_table(m: int, v: int, g: int) -> tuple[tuple[int, int], ...]:
+    """(chunk, microbatch) of each virtual microbatch of depth-first interleaving with groups of ``g``.
+
+    ``g`` microbatches of chunk 0, then the same ``g`` of chunk 1, ..., chunk v-1, then
+    the next ``g``; the last group holds what is left (``m % g`` when ``g`` does not
+    divide ``m``). This is Megatron's ``get_schedule_table``.
+    """
+    return tuple((c, j) for lo in range(0, m, g) for c in range(v) for j in range(lo, min(lo + g, m)))
+
+
+def _chunk_order(p: int, r: int, v: int, table: tuple[tuple[int, int], ...], k: int, backward: bool) -> tuple[int, int]:
     """(stage, microbatch) of rank r's k-th forward (or backward) in depth-first interleaving.
 
-    Virtual microbatches come in groups of g per chunk: g of chunk 0, g of chunk 1,
-    ..., g of chunk v-1, then the next g microbatches. Backwards visit chunks in
-    reverse.
+    Backwards visit the chunks of each group in reverse (chunk v-1 first).
     """
-    g = interleaved_group_size(p, m)
-    q, rem = divmod(k, g * v)
-    chunk, i = divmod(rem, g)
+    chunk, mb = table[k]
     if backward:
         chunk = v - 1 - chunk
-    return chunk * p + r, q * g + i
+    return chunk * p + r, mb
 
 
-def _gen_interleaved(p: int, m: int, v: int) -> list[RankOps]:
-    g = interleaved_group_size(p, m)
+def _gen_interleaved(p: int, m: int, v: int, group: int = 0) -> list[RankOps]:
+    g = group or interleaved_group_size(p, m)
+    table = _group_table(m, v, g)
     total = v * m
     out = []
     for r in range(p):
         warm = min((v - 1) * g + 2 * (p - 1 - r), total)
         ops: RankOps = []
         for k in range(warm):
-            ops.append(("F",) + _chunk_order(p, m, v, r, k, False))
+            ops.append(("F",) + _chunk_order(p, r, v, table, k, False))
         for k in range(total - warm):
-            ops.append(("F",) + _chunk_order(p, m, v, r, warm + k, False))
-            ops.append(("B",) + _chunk_order(p, m, v, r, k, True))
+            ops.append(("F",) + _chunk_order(p, r, v, table, warm + k, False))
+            ops.append(("B",) + _chunk_order(p, r, v, table, k, True))
         for k in range(total - warm, total):
-            ops.append(("B",) + _chunk_order(p, m, v, r, k, True))
+            ops.append(("B",) + _chunk_order(p, r, v, table, k, True))
         out.append(ops)
     return out
 
@@ -382,6 +423,7 @@ def _gen_zero_bubble(p: int, m: int, v: int) -> list[RankOps]:
     the first r W passes are left for the end, where they fill the cool-down.
     """
     g = interleaved_group_size(p, m)
+    table = _group_table(m, v, g)
     total = v * m
     out = []
     for r in range(p):
@@ -389,11 +431,11 @@ def _gen_zero_bubble(p: int, m: int, v: int) -> list[RankOps]:
         ops: RankOps = []
         pending: list[tuple[int, int]] = []  # I done, W not yet issued (FIFO)
         for k in range(warm):
-            ops.append(("F",) + _chunk_order(p, m, v, r, k, False))
+            ops.append(("F",) + _chunk_order(p, r, v, table, k, False))
         for k in range(total):
             if k < total - warm:
-                ops.append(("F",) + _chunk_order(p, m, v, r, warm + k, False))
-            sm = _chunk_order(p, m, v, r, k, True)
+                ops.append(("F",) + _chunk_order(p, r, v, table, warm + k, False))
+            sm = _chunk_order(p, r, v, table, k, True)
             ops.append(("I",) + sm)
             pending.append(sm)
             if k >= r:
@@ -579,28 +621,33 @@ def _weight_versions(name: str, p: int, num_stages: int) -> tuple[int, ...]:
     return ()
 
 
-def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+def build_schedule(name: str, p: int, m: int, v: int = 1, group: int = 0) -> Schedule:
     """Build schedule ``name`` for ``p`` ranks, ``m`` microbatches and ``v`` stages per rank.
 
     Args:
         name: a key of :data:`SCHEDULES`.
         p, m, v: pipeline ranks, microbatches per step, stages per rank.
+        group: microbatches per chunk group of ``interleaved`` (0: the default). A group
+            equal to the default builds the default schedule (``group`` 0).
 
     Raises:
         ValueError: listing every violated rule (see :func:`schedule_constraints`).
 
     Results are cached: the same arguments return the same immutable object.
     """
-    problems = schedule_constraints(name, p, m, v)
+    if group and name == "interleaved" and m % max(1, m // p) == 0 and group == interleaved_group_size(p, m):
+        group = 0
+    problems = schedule_constraints(name, p, m, v, group)
     if problems:
-        raise ValueError(f"cannot build schedule {name!r} with p={p}, m={m}, v={v}: " + "; ".join(problems))
-    return _build_cached(name, p, m, v)
+        where = f"p={p}, m={m}, v={v}" + (f", group={group}" if group else "")
+        raise ValueError(f"cannot build schedule {name!r} with {where}: " + "; ".join(problems))
+    return _build_cached(name, p, m, v, group)
 
 
 @lru_cache(maxsize=128)
-def _build_cached(name: str, p: int, m: int, v: int) -> Schedule:
+def _build_cached(name: str, p: int, m: int, v: int, group: int = 0) -> Schedule:
     info = SCHEDULE_INFO[name]
-    per_rank = _GENERATORS[name](p, m, v)
+    per_rank = _gen_interleaved(p, m, v, group) if group else _GENERATORS[name](p, m, v)
     actions = tuple(tuple(Action(k, s, j) for k, s, j in ops) for ops in per_rank)
     num_stages = p * v
     return Schedule(
@@ -613,6 +660,7 @@ def _build_cached(name: str, p: int, m: int, v: int) -> Schedule:
         analysis_only=info.analysis_only,
         flush=not info.analysis_only,
         weight_versions_per_stage=_weight_versions(name, p, num_stages),
+        group=group,
     )
 
 
