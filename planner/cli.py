@@ -306,6 +306,11 @@ def plan(
     fp8_param_gather: bool = typer.Option(
         False, "--fp8-param-gather", help="FP8 primary weights, no bf16 copy (Megatron --fp8-param-gather; needs --dtype fp8 and zero 1)."
     ),
+    microbatch_group: Optional[int] = typer.Option(
+        None,
+        "--microbatch-group",
+        help="Pin the interleaved schedule's micro-batches per chunk group (Megatron --microbatch-group-size-per-virtual-pipeline-stage; p to m).",
+    ),
     timeout: float = Timeout,
 ) -> None:
     """Choose the layout and stage split, predict step time and memory, and write the configs."""
@@ -350,8 +355,10 @@ def plan(
             main_grads_dtype=main_grads_dtype,
             optimizer_state_dtype=optimizer_state_dtype,
             fp8_param_gather=fp8_param_gather,
+            microbatch_group=microbatch_group,
         )
         cv.positive_int("--cp", cp)
+        cv.positive_int("--microbatch-group", microbatch_group, cv.MAX_GLOBAL_BATCH)
         cv.fp8_param_gather(fp8_param_gather, dtype, engine, zero)
         cv.positive_int("--ep", ep)
         cv.positive_int("--etp", etp)

@@ -50,6 +50,7 @@ RECORDED_SEARCH_FIELDS = (
     "etp",
     "ep_comm_overlap",
     "recompute_modules",
+    "microbatch_group",
 )
 _KNOBS = frozenset(f.name for f in fields(SearchOptions)) - frozenset(RECORDED_SEARCH_FIELDS)
 

@@ -156,13 +156,14 @@ def _simulated_m(plan: Plan) -> int:
     per_mb = 2 * lay.pp * lay.vp * (2 if lay.schedule in ("zb-h1", "interleaved-zb", "zbv", "dualpipev") else 1)
     if m * per_mb <= MAX_SIMULATED:
         return m
-    return max(lay.pp, (MAX_SIMULATED // per_mb) // lay.pp * lay.pp)
+    step = lay.microbatch_group or lay.pp  # whole groups keep an explicit group size's order
+    return max(step, (MAX_SIMULATED // per_mb) // step * step)
 
 
 def simulate_plan(plan: Plan, m: int | None = None) -> SimResult:
     """Simulate the plan's schedule with its stage times, with the timeline."""
     lay = plan.layout
-    sched = build_schedule(lay.schedule, lay.pp, m or lay.num_microbatches, lay.vp)
+    sched = build_schedule(lay.schedule, lay.pp, m or lay.num_microbatches, lay.vp, lay.microbatch_group)
     return simulate(sched, plan_stage_times(plan), timeline=True)
 
 
@@ -207,7 +208,7 @@ def timeline_view(plan: Plan, max_boxes: int = MAX_BOXES) -> TimelineView:
     """Simulate the plan and choose which actions to draw (at most about ``max_boxes``)."""
     lay = plan.layout
     m = _simulated_m(plan)
-    sched = build_schedule(lay.schedule, lay.pp, m, lay.vp)
+    sched = build_schedule(lay.schedule, lay.pp, m, lay.vp, lay.microbatch_group)
     sim = simulate(sched, plan_stage_times(plan), timeline=True)
     # a rank runs its actions one after another in IR order, so each row is already in time order
     per_rank: list[list[tuple[int, Action, float, float]]] = [[] for _ in range(lay.pp)]

@@ -375,7 +375,7 @@ def _check_plan(run: _Run, ctx: _Ctx) -> None:
     if cluster_world is not None and lay.world > cluster_world:
         bad("pp", f"pp {lay.pp} x tp {lay.tp} x cp {lay.cp} x dp {lay.dp} = {lay.world} GPUs, more than the {cluster_world} of the planned cluster.")
     engine = ENGINES[lay.engine]
-    problems = (engine.schedule_problems(lay.schedule, lay.pp, lay.num_microbatches, lay.vp) if lay.pp > 1 else []) + engine.zero_problems(lay.zero, lay.pp)
+    problems = (engine.schedule_problems(lay.schedule, lay.pp, lay.num_microbatches, lay.vp, lay.microbatch_group) if lay.pp > 1 else []) + engine.zero_problems(lay.zero, lay.pp)
     problems += engine.recompute_problems(lay.recompute)
     for p in problems:
         bad("layout", f"the layout {lay.short()} breaks an engine rule: {p}.")
@@ -675,6 +675,9 @@ def _memory_megatron(run: _Run, ctx: _Ctx, rel: str, args, world: int | None) ->
     vp = len(counts) // pp
     m = gb // (mb * dp)
     dtype = "bf16" if args.has("--bf16") else "fp16" if args.has("--fp16") else "fp32"
+    group = args.int("--microbatch-group-size-per-virtual-pipeline-stage") or 0
+    if vp <= 1 or (group == pp and m % pp == 0):  # Megatron's default group is pp, the planner's default (0) then
+        group = 0
     layout = Layout(
         "megatron",
         pp,
@@ -702,6 +705,7 @@ def _memory_megatron(run: _Run, ctx: _Ctx, rel: str, args, world: int | None) ->
         etp=args.int("--expert-tensor-parallel-size", tp) or tp,
         ep_comm_overlap=args.has("--overlap-moe-expert-parallel-comm"),
         recompute_modules=_megatron_recompute_modules(args),
+        microbatch_group=group,
     )
     costs = _costs(run, ctx, rel, line, dtype)
     if costs is None:

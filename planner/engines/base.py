@@ -49,6 +49,8 @@ class Engine(ABC):
     schedules: tuple[str, ...] = ("1f1b",)
     #: the subset the search tries when --schedule is not pinned
     searched_schedules: tuple[str, ...] = ("1f1b",)
+    #: whether the interleaved schedule takes an explicit micro-batch group size (Layout.microbatch_group)
+    microbatch_groups: bool = False
     zero_levels: tuple[int, ...] = (0,)
     tensor_parallel: bool = False
     #: whether stages may be cut inside a repeated block (False: only between whole blocks)
@@ -129,16 +131,23 @@ class Engine(ABC):
 
     # ------------------------------------------------------------------ rules
 
-    def runtime_schedule_problems(self, schedule: str, pp: int, m: int, v: int) -> list[str]:
-        """What the engine itself refuses for ``schedule`` with pp ranks, m micro-batches and v stages per rank."""
-        problems = schedule_constraints(schedule, pp, m, v)
+    def runtime_schedule_problems(self, schedule: str, pp: int, m: int, v: int, group: int = 0) -> list[str]:
+        """What the engine itself refuses for ``schedule`` with pp ranks, m micro-batches, v stages per rank and an
+        explicit interleaved micro-batch group size ``group`` (0: the schedule's default)."""
+        problems = schedule_constraints(schedule, pp, m, v, group)
         if schedule in SCHEDULE_INFO and schedule not in self.schedules:
             problems.append(f"engine {self.name} does not run schedule {schedule!r} (it runs: {', '.join(self.schedules)})")
+        if group and not self.microbatch_groups:
+            problems.append(f"{self.name} runs its schedule's own micro-batch group size (no --microbatch-group; use --engine megatron)")
         return problems
 
-    def schedule_problems(self, schedule: str, pp: int, m: int, v: int) -> list[str]:
+    def interleaved_groups(self, pp: int, m: int) -> tuple[int, ...]:
+        """The micro-batch group sizes an unpinned search tries for the interleaved schedule (0: the default)."""
+        return (0,)
+
+    def schedule_problems(self, schedule: str, pp: int, m: int, v: int, group: int = 0) -> list[str]:
         """The engine's refusals, plus the planner's own rule: never fewer micro-batches than stages (except GPipe)."""
-        problems = self.runtime_schedule_problems(schedule, pp, m, v)
+        problems = self.runtime_schedule_problems(schedule, pp, m, v, group)
         if m < pp and schedule != "gpipe":
             problems.append(f"{m} micro-batches cannot fill {pp} pipeline stages: each step would idle most ranks (need at least {pp})")
         return problems
@@ -176,7 +185,7 @@ class Engine(ABC):
 
     def layout_problems(self, layout: Layout, costs: ModelCosts) -> list[str]:
         """Every rule ``layout`` breaks on this engine (empty when it can run)."""
-        out = self.schedule_problems(layout.schedule, layout.pp, layout.num_microbatches, layout.vp) if layout.pp > 1 else []
+        out = self.schedule_problems(layout.schedule, layout.pp, layout.num_microbatches, layout.vp, layout.microbatch_group) if layout.pp > 1 else []
         out += self.zero_problems(layout.zero, layout.pp)
         out += self.recompute_problems(layout.recompute)
         if layout.recompute_modules and layout.recompute != "selective":

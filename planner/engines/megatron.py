@@ -59,6 +59,7 @@ from planner.megatron_moe import layer_pattern
 from planner.records import Layer, ModelCosts, RecomputeWork
 from planner.solve.memory import DTYPE_BYTES, StateRecipe, state_recipe
 from planner.solve.plan import Layout, ep_overlap_allowed
+from planner.solve.schedules import group_constraints
 
 #: DistributedDataParallel's default bucket: max(40,000,000, 1,000,000 x data-parallel size) parameters
 #: (megatron/core/distributed/distributed_data_parallel.py, core_v0.16.1)
@@ -311,6 +312,7 @@ class MegatronEngine(Engine):
     description = "Megatron-LM pretrain_gpt.py (1F1B or interleaved, tensor/sequence parallel, distributed optimizer)"
     schedules = ("1f1b", "interleaved")
     searched_schedules = ("1f1b", "interleaved")
+    microbatch_groups = True
     zero_levels = (0, 1)
     tensor_parallel = True
     sub_block_cuts = False
@@ -411,14 +413,26 @@ class MegatronEngine(Engine):
         output layer and loss with the last, so the first and last stages always hold a layer."""
         return whole_block_cuts(costs)
 
-    def runtime_schedule_problems(self, schedule: str, pp: int, m: int, v: int) -> list[str]:
-        out = super().runtime_schedule_problems(schedule, pp, m, v)
-        if schedule == "interleaved":
+    def runtime_schedule_problems(self, schedule: str, pp: int, m: int, v: int, group: int = 0) -> list[str]:
+        out = super().runtime_schedule_problems(schedule, pp, m, v, group)
+        if schedule == "interleaved" and group:
+            # forward_backward_pipelining_with_interleaving (core_v0.16.1): the group lies in [p, m], and a last group
+            # of 0 < m % group < p micro-batches is refused (the rest of the rule is the schedule's own)
+            if group < pp:
+                out.append(f"Megatron's micro-batch group size must lie in [p, m] = [{pp}, {m}], got {group}")
+        elif schedule == "interleaved":
             if m % pp != 0:
                 out.append(f"Megatron interleaved 1F1B needs m to be a multiple of p ({pp}), got m={m}")
             if m < pp:
                 out.append(f"Megatron interleaved 1F1B needs m >= p ({pp}), got m={m}")
         return out
+
+    def interleaved_groups(self, pp: int, m: int) -> tuple[int, ...]:
+        """The default group (p) when p divides m; otherwise the smallest group Megatron accepts (a group in [p, m]
+        whose last group is empty or holds at least p), which interleaves an m that is not a multiple of p."""
+        if m % pp == 0 or m < pp:
+            return (0,)
+        return next(((g,) for g in range(pp, m + 1) if not group_constraints("interleaved", pp, m, g)), (0,))
 
     def tensor_parallel_problems(self, costs: ModelCosts, tp: int) -> list[str]:
         if tp == 1:

@@ -35,8 +35,8 @@ class TorchEngine(Engine):
         # one more output cut per micro-batch in flight (planner.runners.torchpp.StageModule)
         return SCHEDULE_INFO[schedule].split_backward
 
-    def runtime_schedule_problems(self, schedule: str, pp: int, m: int, v: int) -> list[str]:
-        out = super().runtime_schedule_problems(schedule, pp, m, v)
+    def runtime_schedule_problems(self, schedule: str, pp: int, m: int, v: int, group: int = 0) -> list[str]:
+        out = super().runtime_schedule_problems(schedule, pp, m, v, group)
         rounds = max(1, m // pp)
         if schedule == "1f1b" and m < pp:
             out.append(f"torch Schedule1F1B needs m >= number of stages (m >= p = {pp}), got m={m}")

@@ -83,8 +83,8 @@ class TorchtitanEngine(TorchEngine):
     def allowed_cuts(self, costs: ModelCosts) -> np.ndarray:
         return whole_block_cuts(costs)
 
-    def runtime_schedule_problems(self, schedule: str, pp: int, m: int, v: int) -> list[str]:
-        out = super().runtime_schedule_problems(schedule, pp, m, v)
+    def runtime_schedule_problems(self, schedule: str, pp: int, m: int, v: int, group: int = 0) -> list[str]:
+        out = super().runtime_schedule_problems(schedule, pp, m, v, group)
         if schedule in ("gpipe", "1f1b") and v != 1:
             out.append(f"torchtitan's {SCHEDULE_NAMES[schedule]} is a single-stage schedule: exactly 1 stage per rank, got {v}")
         return out

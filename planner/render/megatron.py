@@ -312,6 +312,8 @@ def flag_groups(plan: Plan) -> dict[str, Flags]:
     training += list(HYPERPARAMETERS)
     parallel: Flags = [("--tensor-model-parallel-size", str(lay.tp)), ("--pipeline-model-parallel-size", str(lay.pp))]
     parallel += split_flags(counts, lay.pp)
+    if lay.microbatch_group:  # the interleaved schedule's micro-batches per chunk group, where not Megatron's default p
+        parallel.append(("--microbatch-group-size-per-virtual-pipeline-stage", str(lay.microbatch_group)))
     if lay.tp > 1:
         parallel.append(("--sequence-parallel", None))
     parallel += feature_parallel

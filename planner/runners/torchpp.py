@@ -486,7 +486,7 @@ def check_schedule(schedule: Any, stages: Sequence[PipelineStage], plan: dict[st
     """
     lay = plan["layout"]
     pp, m, vp = int(lay["pp"]), int(lay["num_microbatches"]), int(lay["vp"])
-    ir = build_schedule(lay["schedule"], pp, m, vp)
+    ir = build_schedule(lay["schedule"], pp, m, vp, int(lay.get("microbatch_group", 0)))
     ranks = [int(s["rank"]) for s in plan["stages"]]
     if ranks != list(ir.stage_to_rank):
         raise ScheduleMismatch(

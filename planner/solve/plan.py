@@ -76,6 +76,9 @@ class Layout:
     #: what selective recomputation recomputes (Megatron --recompute-modules, in the order given); () is the engine's
     #: default, the core attention (Megatron: core_attn)
     recompute_modules: tuple[str, ...] = ()
+    #: micro-batches per chunk group of the interleaved schedule (Megatron
+    #: --microbatch-group-size-per-virtual-pipeline-stage); 0 is the schedule's default (p when m is a multiple of p)
+    microbatch_group: int = 0
 
     @property
     def modules_recomputed(self) -> frozenset[str]:
@@ -121,8 +124,9 @@ class Layout:
         fp8 = (" fp8" + (" fp8-params" if self.fp8_param_gather else "")) if self.fp8 else ""
         ep = f" ep{self.ep}" + (f" etp{self.etp}" if self.etp > 1 else "") if self.ep > 1 else ""
         rc = f"({'+'.join(self.recompute_modules)})" if self.recompute_modules and self.recompute == "selective" else ""
+        g = f" group{self.microbatch_group}" if self.microbatch_group else ""
         return (
-            f"pp{self.pp} tp{self.tp}{cp} dp{self.dp}{ep}{v} {self.schedule} mb{self.micro_batch}x{self.num_microbatches} "
+            f"pp{self.pp} tp{self.tp}{cp} dp{self.dp}{ep}{v}{g} {self.schedule} mb{self.micro_batch}x{self.num_microbatches} "
             f"recompute={self.recompute}{rc} zero={self.zero}{sp}{fp8}"
         )
 

@@ -60,15 +60,16 @@ class RankPoints:
 
 
 @lru_cache(maxsize=512)
-def order_points(name: str, p: int, m: int, v: int) -> tuple[RankPoints, ...]:
-    """Per rank, the count points of schedule ``name`` with ``p`` ranks, ``m`` micro-batches and ``v`` stages per rank.
+def order_points(name: str, p: int, m: int, v: int, group: int = 0) -> tuple[RankPoints, ...]:
+    """Per rank, the count points of schedule ``name`` with ``p`` ranks, ``m`` micro-batches, ``v`` stages per rank and
+    interleaved micro-batch groups of ``group`` (0: the default).
 
     Built from the full action order (all ``m`` micro-batches): the counts of interleaved schedules with ``m`` not a
     multiple of ``p``, looped BFS and GPipe keep growing with ``m``, so no shortened step stands for them.
     """
     if name == "gpipe":  # every forward before any backward: one point, all m micro-batches held (v = 1)
         return tuple(RankPoints((r,), np.array([[float(m)]]), np.zeros((1, 1))) for r in range(p))
-    sched = build_schedule(name, p, m, v)
+    sched = build_schedule(name, p, m, v, group)
     out = []
     for acts in sched.actions:
         stages = tuple(sorted({a.stage for a in acts}))

@@ -42,6 +42,7 @@ class EngineRules(Protocol):
     recompute_modules: tuple[str, ...]
     zero_levels: tuple[int, ...]
     searched_schedules: tuple[str, ...]
+    microbatch_groups: bool
     context_parallel: bool
     expert_parallel: bool
     fp8: bool
@@ -51,6 +52,10 @@ class EngineRules(Protocol):
 
     def allowed_cuts(self, costs: ModelCosts) -> np.ndarray:
         """(n + 1,) booleans: where this engine can cut between pieces."""
+        ...
+
+    def interleaved_groups(self, pp: int, m: int) -> tuple[int, ...]:
+        """The micro-batch group sizes an unpinned search tries for the interleaved schedule (0: the default)."""
         ...
 
     def searches_zero(self, zero: int, dtype: str, dp: int) -> bool:

@@ -126,6 +126,9 @@ class SearchOptions:
     ep_comm_overlap: bool | None = None
     #: what selective recomputation recomputes (Megatron --recompute-modules); () : the engine's default (core attention)
     recompute_modules: tuple[str, ...] = ()
+    #: micro-batches per chunk group of the interleaved schedule (Megatron
+    #: --microbatch-group-size-per-virtual-pipeline-stage); None: the engine's choice (EngineRules.interleaved_groups)
+    microbatch_group: int | None = None
 
 
 @dataclass
@@ -407,14 +410,14 @@ class Context:
             )
         return self._terms[key]
 
-    def simulated(self, name: str, p: int, m: int, v: int, times: StageTimes, mem: StageMemory) -> SimResult:
+    def simulated(self, name: str, p: int, m: int, v: int, times: StageTimes, mem: StageMemory, group: int = 0) -> SimResult:
         """:func:`_simulate_extrapolated`, once per schedule, stage times and stage bytes: layouts that differ only in
         what the pipeline does not see (ZeRO level, optimizer state, overlaps of the gradient exchange) and got the
         same split simulate the same step. Each caller gets its own copy of the lists."""
         stages = (times.fwd, times.bwd_input, times.bwd_weight, times.send_fwd, times.send_bwd, mem.activation, mem.wgrad_pending)
-        key = (name, p, m, v, *(tuple(x) for x in stages))
+        key = (name, p, m, v, group, *(tuple(x) for x in stages))
         if key not in self._sims:
-            self._sims[key] = _simulate_extrapolated(name, p, m, v, times, mem)
+            self._sims[key] = _simulate_extrapolated(name, p, m, v, times, mem, group)
         r = self._sims[key]
         return replace(
             r,
@@ -538,6 +541,19 @@ def enumerate_layouts(costs: ModelCosts, cluster: Cluster, opts: SearchOptions, 
     recomputes = [opts.recompute] if opts.recompute else [r for r in rules.recompute_modes if r != "selective" or has_core]
     zeros = [opts.zero] if opts.zero is not None else list(rules.zero_levels)
     schedules = [opts.schedule] if opts.schedule else list(engine.searched_schedules)
+    if opts.microbatch_group is not None and opts.microbatch_group < 0:
+        raise UsageError(f"--microbatch-group must be at least 1, got {opts.microbatch_group}.", "Give the micro-batches per chunk group, at least --pp.")
+    if opts.microbatch_group:
+        if opts.schedule and opts.schedule != "interleaved":
+            raise UsageError(
+                f"--microbatch-group applies to the interleaved schedule, not {opts.schedule!r}.", "Use --schedule interleaved, or drop --microbatch-group."
+            )
+        if not engine.microbatch_groups:
+            raise UsageError(
+                f"engine {engine.name} runs its schedule's own micro-batch group size (--microbatch-group {opts.microbatch_group}).",
+                "Use --engine megatron, or drop --microbatch-group.",
+            )
+        schedules = ["interleaved"]
     if opts.cp is not None and opts.cp < 1:
         raise UsageError(f"--cp must be at least 1, got {opts.cp}.", "Use --cp 1 (no context parallelism) or a divisor of the GPUs left after tp.")
     if opts.cp:
@@ -579,12 +595,26 @@ def enumerate_layouts(costs: ModelCosts, cluster: Cluster, opts: SearchOptions, 
                                 for z in zeros:
                                     if opts.zero is None and not engine.searches_zero(z, costs.dtype, dp):
                                         continue
-                                    base = Layout(engine.name, pp, tp, dp, v, b, m, global_batch, sched, rc, z, tp > 1, cp=cp)
-                                    for ep, etp in expert_layouts(experts, tp, cp, dp, opts):
-                                        out += with_options(replace(base, ep=ep, etp=etp), opts, engine)
+                                    for group in microbatch_groups(sched, pp, m, opts, engine):
+                                        base = Layout(engine.name, pp, tp, dp, v, b, m, global_batch, sched, rc, z, tp > 1, cp=cp, microbatch_group=group)
+                                        for ep, etp in expert_layouts(experts, tp, cp, dp, opts):
+                                            out += with_options(replace(base, ep=ep, etp=etp), opts, engine)
     if not out:
         raise UsageError(_no_layout_message(world, opts, global_batch, costs), "Relax a pin, or change --global-batch or --gpus.")
     return out, rejected
+
+
+def microbatch_groups(sched: str, pp: int, m: int, opts: SearchOptions, engine: EngineRules) -> tuple[int, ...]:
+    """The interleaved micro-batch group sizes to try: ``opts.microbatch_group`` None lets the engine choose, 0 pins the
+    schedule's default, a size pins that size (0 when it equals the default); (0,) for the other schedules and without
+    pipelining, none of those when a size is pinned."""
+    pinned = opts.microbatch_group
+    if sched != "interleaved" or pp == 1:
+        return () if pinned else (0,)  # a pinned group plans interleaved layouts only
+    if pinned is None:
+        return engine.interleaved_groups(pp, m)
+    default = m % max(1, m // pp) == 0 and pinned == interleaved_group_size(pp, m)
+    return (0 if default else pinned,)
 
 
 def model_experts(costs: ModelCosts) -> int:
@@ -675,7 +705,7 @@ def fp8_problems(cluster: Cluster) -> None:
 
 
 def _no_layout_message(world: int, opts: SearchOptions, gb: int, costs: ModelCosts) -> str:
-    pins = {k: getattr(opts, k) for k in ("pp", "tp", "cp", "dp", "vp", "ep", "etp", "micro_batch", "schedule") if getattr(opts, k)}
+    pins = {k: getattr(opts, k) for k in ("pp", "tp", "cp", "dp", "vp", "ep", "etp", "micro_batch", "schedule", "microbatch_group") if getattr(opts, k)}
     bits = [f"{world} GPUs", f"global batch {gb}"] + [f"{k}={v}" for k, v in pins.items()]
     why = []
     degrees = {k: v for k, v in pins.items() if k in ("pp", "tp", "cp", "dp")}
@@ -764,8 +794,9 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     if span is not None:
         return Rejection(lay, span, RejectKind.DEVICES)
     devices = list(found)
-    m_order = min(m, _peak_m(lay.schedule, p, m)) if p > 1 else 1
-    sched = build_schedule(lay.schedule, p, m_order, v) if p > 1 else build_schedule("1f1b", 1, 1, 1)
+    group = lay.microbatch_group
+    m_order = (m if group else min(m, _peak_m(lay.schedule, p, m))) if p > 1 else 1
+    sched = build_schedule(lay.schedule, p, m_order, v, group) if p > 1 else build_schedule("1f1b", 1, 1, 1)
     stage_rank = tuple(sched.stage_to_rank)
     sp = lay.sequence_parallel
     sharded = ctx.sharded(b, tp, sp, cp)
@@ -795,7 +826,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     # point-to-point buffers, trans_m, here; the activations by the rank problem), never on the model state
     held_trans = trans_m * frag
     fixed = opts.overhead.context + opts.overhead.communicator + feature_buffers(costs, lay) + dispatch_buffer_bytes(sharded, lay)
-    points = rmem.order_points(sched.name, p, _points_m(sched.name, p, m), v) if p > 1 else rmem.order_points(sched.name, 1, 1, 1)
+    points = rmem.order_points(sched.name, p, m if group else _points_m(sched.name, p, m), v, group) if p > 1 else rmem.order_points(sched.name, 1, 1, 1)
     if lay.ep_comm_overlap:
         points = one_more_in_flight(points)
     rp = rmem.RankProblem(static, act, wgrad, stage_rank, points, frag, (fixed,) * p, tuple(d.memory_bytes * opts.mem_target for d in devices), held_trans)
@@ -872,7 +903,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     times = StageTimes(F, I, W, sf, sb)
     act_mb = tuple(float(act[a, c]) for a, c in rng)
     wg_mb = tuple(float(wgrad[a, c]) for a, c in rng)
-    sim = ctx.simulated(sched.name, p, m, v, times, StageMemory(act_mb, wg_mb))
+    sim = ctx.simulated(sched.name, p, m, v, times, StageMemory(act_mb, wg_mb), group)
 
     # per-stage and per-rank memory
     stage_mem = []
@@ -1043,7 +1074,8 @@ def ep_paired(lay: Layout) -> float:
     """The share of passes --overlap-moe-expert-parallel-comm pairs for ``lay`` (timing.paired_share; 0 without it)."""
     if not lay.ep_comm_overlap:
         return 0.0
-    return paired_share(lay.pp, lay.vp, lay.num_microbatches, interleaved_group_size(lay.pp, lay.num_microbatches) if lay.pp > 1 else 1)
+    g = lay.microbatch_group or interleaved_group_size(lay.pp, lay.num_microbatches)
+    return paired_share(lay.pp, lay.vp, lay.num_microbatches, g if lay.pp > 1 else 1)
 
 
 def one_more_in_flight(points: Sequence[rmem.RankPoints]) -> tuple[rmem.RankPoints, ...]:
@@ -1066,7 +1098,7 @@ EXTRAPOLATE_ACTIONS = 20000
 EXTRAPOLATE_AT = (4, 8)
 
 
-def _simulate_extrapolated(name: str, p: int, m: int, v: int, times: StageTimes, mem: StageMemory) -> SimResult:
+def _simulate_extrapolated(name: str, p: int, m: int, v: int, times: StageTimes, mem: StageMemory, group: int = 0) -> SimResult:
     """Simulate; for many micro-batches (m x p x v above :data:`EXTRAPOLATE_ACTIONS`), simulate :data:`EXTRAPOLATE_AT`
     x p micro-batches and extend the difference linearly.
 
@@ -1075,11 +1107,14 @@ def _simulate_extrapolated(name: str, p: int, m: int, v: int, times: StageTimes,
     m > 8p that a Llama 70B search on 1024 H100 and a 7B search on 64 price, extrapolating from 2p and 4p erred by up
     to 3.5% (interleaved, p 2, v 3) and from 4p and 8p by up to 0.054%; on random stage times, 2.4% and 0.8%
     (tests/test_search.py; bench/NOTES.md)."""
-    m1, m2 = (_valid_m(name, p, k * p) for k in EXTRAPOLATE_AT)
+    if group:  # whole groups of the explicit size: every group full, as in the long run of the step
+        m1, m2 = (group * -(-k * p // group) for k in EXTRAPOLATE_AT)
+    else:
+        m1, m2 = (_valid_m(name, p, k * p) for k in EXTRAPOLATE_AT)
     if p == 1 or m * p * v <= EXTRAPOLATE_ACTIONS or name == "gpipe" and m <= 4096 or m2 >= m:
-        return simulate(build_schedule(name, p, m, v), times, mem, timeline=False)
-    r1 = simulate(build_schedule(name, p, m1, v), times, mem, timeline=False)
-    r2 = simulate(build_schedule(name, p, m2, v), times, mem, timeline=False)
+        return simulate(build_schedule(name, p, m, v, group), times, mem, timeline=False)
+    r1 = simulate(build_schedule(name, p, m1, v, group), times, mem, timeline=False)
+    r2 = simulate(build_schedule(name, p, m2, v, group), times, mem, timeline=False)
     period = (r2.step_time - r1.step_time) / (m2 - m1)
     step = r2.step_time + (m - m2) * period
     busy = [b2 + (b2 - b1) / (m2 - m1) * (m - m2) for b1, b2 in zip(r1.busy, r2.busy)]
@@ -1185,7 +1220,7 @@ _RECOMPUTE_MEMORY = {"full": 0, "selective": 1, "none": 2}
 
 def _dominance_group(lay: Layout) -> tuple[object, ...]:
     """The fields :func:`_needs_no_less_memory` requires equal: only layouts of one group can dominate each other."""
-    return (lay.pp, lay.tp, lay.dp, lay.vp, lay.ep, lay.etp, lay.schedule)
+    return (lay.pp, lay.tp, lay.dp, lay.vp, lay.ep, lay.etp, lay.schedule, lay.microbatch_group)
 
 
 def _needs_no_less_memory(lay: Layout, other: Layout) -> bool:
@@ -1204,6 +1239,7 @@ def _needs_no_less_memory(lay: Layout, other: Layout) -> bool:
         and lay.ep == other.ep
         and lay.etp == other.etp
         and lay.schedule == other.schedule
+        and lay.microbatch_group == other.microbatch_group
         and lay.micro_batch >= other.micro_batch
         and _RECOMPUTE_MEMORY[lay.recompute] >= _RECOMPUTE_MEMORY[other.recompute]
         and lay.zero <= other.zero
