@@ -269,6 +269,18 @@ def test_untouched_render_passes_with_drift_check(tmp_path, model_file, engine):
     assert [round(t) for t in report.memory[0].rank_total_bytes] == [r.memory_bytes["total"] for r in plan.ranks]
 
 
+def test_dense_megatron_plans_with_tensor_parallelism_are_memory_checked(tmp_path, model_file):
+    """A script without --expert-tensor-parallel-size leaves it at tp (Megatron's default); a dense model builds no
+    experts, so the memory check prices the script's layout with no expert groups (it skipped every dense plan with
+    tp > 1 as 'the model has no routed experts')."""
+    d = _plan_dir(tmp_path, model_file, "megatron", tp=2)
+    report = validate([d], Options(model=model_file))
+    assert _rules(report.findings, with_info=True) == set(), "\n".join(map(str, report.findings))
+    plan = _plan(model_file, "megatron", "4xA100", pp=2, tp=2)
+    assert plan.layout.tp == 2
+    assert [round(t) for t in report.memory[0].rank_total_bytes] == [r.memory_bytes["total"] for r in plan.ranks]
+
+
 def test_hand_edited_ds_config_fails_with_a_diff(tmp_path, model_file):
     d = _plan_dir(tmp_path, model_file, "deepspeed")
     cfg = d / "ds_config.json"

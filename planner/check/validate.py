@@ -30,7 +30,7 @@ import json
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -710,6 +710,8 @@ def _memory_megatron(run: _Run, ctx: _Ctx, rel: str, args, world: int | None) ->
     costs = _costs(run, ctx, rel, line, dtype)
     if costs is None:
         return
+    if not any(l.num_experts for l in costs.layers):  # a dense model: Megatron's expert sizes (etp defaults to tp) build nothing
+        layout = replace(layout, ep=1, etp=1)
     blocks = [l.block for l in costs.layers]
     order = list(dict.fromkeys(b for b in blocks if b is not None))
     if len(order) != sum(counts):
