@@ -419,8 +419,8 @@ def test_the_default_group_named_builds_the_default_schedule():
     [
         ("1f1b", 4, 8, 1, 4, "only the interleaved schedule"),
         ("interleaved", 4, 8, 2, 9, "exceeds"),
-        ("interleaved", 4, 8, 2, 2, "deadlocks"),
-        ("interleaved", 4, 10, 2, 4, "last micro-batch group holds m % group = 2"),
+        ("interleaved", 4, 8, 2, 2, "can deadlock"),
+        ("interleaved", 4, 10, 2, 4, "last micro-batch group would hold m % group = 2"),
         ("interleaved", 4, 8, 1, 4, "v >= 2"),
     ],
 )

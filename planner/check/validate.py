@@ -375,7 +375,9 @@ def _check_plan(run: _Run, ctx: _Ctx) -> None:
     if cluster_world is not None and lay.world > cluster_world:
         bad("pp", f"pp {lay.pp} x tp {lay.tp} x cp {lay.cp} x dp {lay.dp} = {lay.world} GPUs, more than the {cluster_world} of the planned cluster.")
     engine = ENGINES[lay.engine]
-    problems = (engine.schedule_problems(lay.schedule, lay.pp, lay.num_microbatches, lay.vp, lay.microbatch_group) if lay.pp > 1 else []) + engine.zero_problems(lay.zero, lay.pp)
+    problems = (
+        engine.schedule_problems(lay.schedule, lay.pp, lay.num_microbatches, lay.vp, lay.microbatch_group) if lay.pp > 1 else []
+    ) + engine.zero_problems(lay.zero, lay.pp)
     problems += engine.recompute_problems(lay.recompute)
     for p in problems:
         bad("layout", f"the layout {lay.short()} breaks an engine rule: {p}.")

@@ -348,8 +348,13 @@ def group_constraints(name: str, p: int, m: int, group: int) -> list[str]:
     if group == m or (group >= p and (last == 0 or last >= p)):
         return []
     if group < p:
-        return [f"a micro-batch group of {group} < p ({p}) deadlocks depth-first interleaving: use a group of at least {p}, or {m} (all)"]
-    return [f"the last micro-batch group holds m % group = {last} < p ({p}) micro-batches, which deadlocks: pick a group that divides m={m} or leaves at least {p}"]
+        return [
+            f"a micro-batch group of {group} < p ({p}) can deadlock depth-first interleaving (Megatron refuses it): use a group of at least {p}, or {m} (all)"
+        ]
+    return [
+        f"the last micro-batch group would hold m % group = {last} < p ({p}) micro-batches, which Megatron refuses (dependency bubbles): "
+        f"pick a group that divides m={m} or leaves at least {p}"
+    ]
 
 
 # ----------------------------------------------------------------------- generators
