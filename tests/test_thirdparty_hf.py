@@ -443,3 +443,15 @@ def test_qwen2_keeps_its_qkv_biases_under_megatron(tmp_path):
     if megatron_lm_path() is not None:
         lm_args, lm_cfg = megatron_lm_config(args.argv(), 2)
         assert lm_args.add_qkv_bias and lm_cfg.add_qkv_bias and not lm_cfg.add_bias_linear
+
+
+def test_a_model_type_with_several_classes_builds_the_first_without_architectures():
+    """Funnel's model type maps to FunnelModel and FunnelBaseModel; with no architectures in the config transformers'
+    own AutoModel.from_config raises (transformers 5.25), and the planner builds the class transformers would choose,
+    the first (parameter count exact)."""
+    doc = _config("funnel")
+    assert "architectures" not in doc
+    config = transformers.AutoConfig.for_model(doc.pop("model_type"), **doc)
+    with torch.device("meta"):
+        model = transformers.FunnelModel(config)
+    assert inspect("funnel")["totals"]["params"] == sum(p.numel() for p in model.parameters())

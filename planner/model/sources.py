@@ -303,12 +303,31 @@ def _cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
 
 
+def _concrete_class(cls: Any, config: Any) -> Any:
+    """The class an Auto* class builds for ``config``; any other class is itself.
+
+    Where a model type maps to several classes (Funnel: FunnelModel and FunnelBaseModel) transformers takes the one the
+    config's ``architectures`` names, else the first (auto_factory._get_model_class); that function raises on a config
+    whose ``architectures`` is None (transformers 5.25: ``AutoModel.from_config`` fails on such a Funnel config), so the
+    same choice is made here with None read as no names.
+    """
+    if not hasattr(cls, "_model_mapping"):
+        return cls
+    mapped = cls._model_mapping[type(config)]
+    if not isinstance(mapped, (tuple, list)):
+        return mapped
+    by_name = {c.__name__: c for c in mapped}
+    return next((by_name[a] for a in getattr(config, "architectures", None) or () if a in by_name), mapped[0])
+
+
 def _hf_contract(spec: str, rest: str, model_args: dict[str, Any]) -> LibraryContract:
     path = _hf_config_path(rest)
     overrides = {k: v for k, v in model_args.items() if k not in HF_RESERVED_ARGS}
     config = hf_config(path, overrides)
     cls = hf_model_class(config, model_args.get("model_class"))
-    concrete = cls._model_mapping[type(config)] if hasattr(cls, "_model_mapping") else cls  # Auto* -> the model's class
+    concrete = _concrete_class(cls, config)
+    if hasattr(cls, "_model_mapping") and isinstance(cls._model_mapping[type(config)], (tuple, list)):
+        cls = concrete  # built directly: the Auto class's own choice among several raises without architectures
     seq = hf_seq_len(config, model_args.get("seq_len"))
     main_input = getattr(concrete, "main_input_name", "input_ids")
     text = _text_config(config)
