@@ -303,10 +303,11 @@ def load_planned_model(plan: dict[str, Any] | str | Path, model_path: str | Path
     dtype = torch_dtype(inputs.get("dtype", "bf16"))
     meta = mf.build_meta(dtype)
     tracer = inputs.get("tracer_used", inputs.get("tracer", "auto"))
-    # two samples: BatchNorm over (N, C) refuses a batch of one in training mode; torch.export graphs are
-    # static, so they are traced at the micro-batch the scripts run
+    # two samples: BatchNorm over (N, C) refuses a batch of one in training mode. torch.export graphs are static and
+    # their sub-block cuts can differ with the batch (Funnel's tail), so one is checked at the batch the plan was traced
+    # at; PlannedModel.for_run traces it again at the micro-batch the scripts run and places the plan's pieces on it
     micro_batch = int(doc["layout"]["micro_batch"])
-    batch = micro_batch if tracer == "export" else 2
+    batch = int(inputs.get("cost_micro_batch") or micro_batch) if tracer == "export" else 2
     options = {"leaf_classes": inputs.get("leaf", []), "tracer": tracer, "sub_block_cuts": inputs.get("sub_block_cuts", True)}
     lg = build_layer_graph(meta, mf.inputs_meta(batch, dtype), None, **options)
     names = [p.name for p in lg.pieces]

@@ -133,6 +133,18 @@ def test_bart_smoke_equals_one_process(bart_plan):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_an_export_plan_whose_cuts_change_with_the_batch_runs_its_planned_pieces(tmp_path):
+    """Funnel's export trace offers fewer sub-block cuts at the scripts' micro-batch (22 pieces at 8) than at the
+    planned one (32 at 1): the run checks the model at the batch the plan was traced at, then places the plan's pieces
+    on the run-time graph; it trains as one process does."""
+    out = plan_two_stages(f"hf:{MODELS / 'hf' / 'funnel.json'}", tmp_path / "plan")
+    doc = json.loads((out / "plan.json").read_text())
+    assert doc["inputs"]["tracer_used"] == "export" and doc["layout"]["micro_batch"] > doc["inputs"]["cost_micro_batch"]
+    smoke = smoke_ok(out)
+    assert smoke["ok"] and smoke["ranks"] == 2 and smoke["max_relative_difference"] <= 1e-5
+
+
 def test_resnet_whose_stage_adds_into_its_received_value_equals_one_process(tmp_path):
     """transformers' ResNet adds the shortcut into the block's output in place (hidden_state += residual): cut there,
     the second stage writes the value it received."""
