@@ -122,12 +122,15 @@ class PlannedModel:
         return max(s for s in range(self.num_stages) if self.bounds[s] <= index)
 
     def tied_parameters(self, model: nn.Module) -> list[tuple[str, list[int]]]:
-        """Parameters used by more than one stage, with those stages: their gradients must be summed across them."""
+        """Trainable parameters used by more than one stage, with those stages: their gradients must be summed across
+        them. A frozen one (RoFormer's sinusoidal position table, requires_grad False) has no gradient to sum; every
+        rank builds it alike from the seed."""
         users: dict[int, tuple[str, set[int]]] = {}
         for s in range(self.num_stages):
             mod = self.stage(model, s)
             for name, p in mod.gm.named_parameters(remove_duplicate=True):
-                users.setdefault(id(p), (name, set()))[1].add(s)
+                if p.requires_grad:
+                    users.setdefault(id(p), (name, set()))[1].add(s)
         return sorted((name, sorted(st)) for name, st in users.values() if len(st) > 1)
 
     def example_batch(self, batch_size: int, seed: int) -> tuple[tuple[torch.Tensor, ...], Any]:
@@ -190,11 +193,12 @@ def align_nodes(a: Sequence[str], b: Sequence[str]) -> dict[int, int]:
     fx numbers the nodes of one op in order (add, add_1, ...), so a node only one trace has (a contiguous() that
     depends on strides, the random ops of a stochastic depth that --no-dropout switches off) shifts the names of
     the later nodes of that op. Names of ops the two graphs have equally many of are matched as they are
-    (anchors, in order in both); between two anchors the nodes are matched by op, in order (the longest common
-    subsequence). Raises ValueError when the anchors are not in the same order in both graphs."""
+    (anchors, in order in both), except the stride-dependent contiguous: the two traces can have equally many of them
+    in other places (BigBird's block-sparse attention); between two anchors the nodes are matched by op, in order (the
+    longest common subsequence). Raises ValueError when the anchors are not in the same order in both graphs."""
     ca, cb = Counter(_NUMBER.sub("", n) for n in a), Counter(_NUMBER.sub("", n) for n in b)
     where = {n: j for j, n in enumerate(b)}
-    anchors = [(i, where[n]) for i, n in enumerate(a) if n in where and ca[_NUMBER.sub("", n)] == cb[_NUMBER.sub("", n)]]
+    anchors = [(i, where[n]) for i, n in enumerate(a) if n in where and ca[_NUMBER.sub("", n)] == cb[_NUMBER.sub("", n)] and not _LAYOUT_NODE.match(n)]
     if any(j1 <= j0 for (_, j0), (_, j1) in zip(anchors, anchors[1:])):
         raise ValueError("the graphs run their nodes in another order")
     out = dict(anchors)
@@ -303,14 +307,20 @@ def load_planned_model(plan: dict[str, Any] | str | Path, model_path: str | Path
     dtype = torch_dtype(inputs.get("dtype", "bf16"))
     meta = mf.build_meta(dtype)
     tracer = inputs.get("tracer_used", inputs.get("tracer", "auto"))
-    # two samples: BatchNorm over (N, C) refuses a batch of one in training mode. torch.export graphs are static and
-    # their sub-block cuts can differ with the batch (Funnel's tail), so one is checked at the batch the plan was traced
-    # at; PlannedModel.for_run traces it again at the micro-batch the scripts run and places the plan's pieces on it
+    # two samples: BatchNorm over (N, C) refuses a batch of one in training mode. torch.export graphs are static: one
+    # is traced at the micro-batch the scripts run, whose graph PlannedModel.for_run aligns with best; where its
+    # sub-block cuts differ from the plan's (Funnel's tail), at the batch the plan was traced at, whose pieces are the
+    # plan's, and for_run places them on the run's graph
     micro_batch = int(doc["layout"]["micro_batch"])
-    batch = int(inputs.get("cost_micro_batch") or micro_batch) if tracer == "export" else 2
+    expected = list(doc["model"]["pieces"])
     options = {"leaf_classes": inputs.get("leaf", []), "tracer": tracer, "sub_block_cuts": inputs.get("sub_block_cuts", True)}
-    lg = build_layer_graph(meta, mf.inputs_meta(batch, dtype), None, **options)
+    lg = build_layer_graph(meta, mf.inputs_meta(micro_batch if tracer == "export" else 2, dtype), None, **options)
     names = [p.name for p in lg.pieces]
-    _check_pieces(names, doc["model"]["pieces"], path.name)
+    planned_batch = int(inputs.get("cost_micro_batch") or micro_batch)
+    if tracer == "export" and names != expected and planned_batch != micro_batch:
+        at_plan = build_layer_graph(meta, mf.inputs_meta(planned_batch, dtype), None, **options)
+        if [p.name for p in at_plan.pieces] == expected:
+            lg, names = at_plan, expected
+    _check_pieces(names, expected, path.name)
     bounds: list[int] = [s["pieces"][0] for s in doc["stages"]] + [doc["stages"][-1]["pieces"][1]]
     return PlannedModel(mf, lg, bounds, names, options, micro_batch)
