@@ -189,6 +189,17 @@ def test_clip_under_a_zero_bubble_schedule_equals_one_process(tmp_path):
     assert doc["ok"] and doc["max_relative_difference"] <= 1e-5 and doc["losses"][0] != doc["losses"][1]
 
 
+#: the model-file contract's functions for a Model taking 8 features (appended to the model files below)
+CONTRACT_8 = """
+
+def build_model():
+    return Model()
+
+
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 8),)
+"""
+
 SCALAR_GAIN = """import torch
 import torch.nn as nn
 
@@ -213,14 +224,8 @@ class Model(nn.Module):
             x = b(x)
         return x
 
-
-def build_model():
-    return Model()
-
-
-def example_inputs(batch_size):
-    return (torch.randn(batch_size, 8),)
 """
+SCALAR_GAIN += CONTRACT_8
 
 
 @pytest.mark.slow
@@ -351,14 +356,8 @@ class Model(nn.Module):
             x = torch.tanh(b(x) + self.table)
         return x
 
-
-def build_model():
-    return Model()
-
-
-def example_inputs(batch_size):
-    return (torch.randn(batch_size, 8),)
 """
+FROZEN_SHARED_TABLE += CONTRACT_8
 
 
 @pytest.mark.slow

@@ -296,8 +296,8 @@ def schedule_constraints(name: str, p: int, m: int, v: int = 1, group: int = 0) 
             least ``p``) and one group of all ``m``. Every such order runs without
             deadlock (tests/test_schedules.py simulates each one up to p = 8,
             m = 24); smaller groups deadlock depth-first interleaving in many cases
-            (p = 16, g = 4: rank 0's first chunk-1 forward waits on a rank that is
-            itself waiting on a backward).
+            (p = 16, m = 32, v = 8, g = 4: rank 0 waits on a chunk-1 forward that
+            rank 15 holds back behind a backward that cannot come).
     Returns:
         Human-readable rule violations, each stating the rule.
     """
