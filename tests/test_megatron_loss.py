@@ -32,7 +32,11 @@ CROSS_ENTROPY = textwrap.dedent(
     with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
         loss = vocab_parallel_cross_entropy(logits * 1.0, torch.randint(0, V, (s, b)))
     loss.sum().backward()
-    print(json.dumps({"kept": [[str(t.dtype), t.numel()] for t in kept], "grad": str(logits.grad.dtype), "n": s * b * V}))
+    print(json.dumps({"kept": [[str(t.dtype), t.numel()] for t in kept], "grad": str(logits.grad.dtype), "n": s * b * V}), flush=True)
+    # torn down before exit: a process group left to the interpreter's exit aborted now and then (gloo's threads,
+    # "terminate called without an active exception")
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
     """
 )
 
