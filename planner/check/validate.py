@@ -646,6 +646,7 @@ def _compare_megatron_plan(run: _Run, rel: str, args, plan) -> None:
 def _memory_megatron(run: _Run, ctx: _Ctx, rel: str, args, world: int | None) -> None:
     from planner.megatron_args import stage_layers
     from planner.solve.plan import Layout
+    from planner.solve.schedules import normalised_group
 
     line = args.launch_line or 1
     if ctx.cluster is None:
@@ -678,8 +679,7 @@ def _memory_megatron(run: _Run, ctx: _Ctx, rel: str, args, world: int | None) ->
     m = gb // (mb * dp)
     dtype = "bf16" if args.has("--bf16") else "fp16" if args.has("--fp16") else "fp32"
     group = args.int("--microbatch-group-size-per-virtual-pipeline-stage") or 0
-    if vp <= 1 or (group == pp and m % pp == 0):  # Megatron's default group is pp, the planner's default (0) then
-        group = 0
+    group = normalised_group("interleaved", pp, m, group) if vp > 1 else 0
     layout = Layout(
         "megatron",
         pp,

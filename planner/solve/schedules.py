@@ -88,6 +88,7 @@ __all__ = [
     "validate_schedule",
     "to_torch_order",
     "interleaved_group_size",
+    "normalised_group",
     "group_constraints",
     "iter_actions",
 ]
@@ -273,6 +274,15 @@ def interleaved_group_size(p: int, m: int) -> int:
     ``microbatch_group_size_per_vp_stage``) and ``m`` when ``m < p``.
     """
     return m // max(1, m // p)
+
+
+def normalised_group(name: str, p: int, m: int, group: int) -> int:
+    """``group`` with the default written as 0: a pinned ``interleaved`` group equal to the one the
+    schedule takes by itself (:func:`interleaved_group_size`, when the rounds tile ``m``) builds the
+    default schedule, so layouts, plans and rendered scripts that differ only in spelling it compare equal."""
+    if group and name == "interleaved" and m % max(1, m // p) == 0 and group == interleaved_group_size(p, m):
+        return 0
+    return group
 
 
 def _as_int(x: object) -> bool:
@@ -640,8 +650,7 @@ def build_schedule(name: str, p: int, m: int, v: int = 1, group: int = 0) -> Sch
 
     Results are cached: the same arguments return the same immutable object.
     """
-    if group and name == "interleaved" and m % max(1, m // p) == 0 and group == interleaved_group_size(p, m):
-        group = 0
+    group = normalised_group(name, p, m, group)
     problems = schedule_constraints(name, p, m, v, group)
     if problems:
         where = f"p={p}, m={m}, v={v}" + (f", group={group}" if group else "")

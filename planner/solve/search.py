@@ -51,7 +51,7 @@ from planner.solve.memory import (
 )
 from planner.solve.plan import Layout, Predicted, ep_overlap_allowed
 from planner.solve.rules import EngineRules, RejectKind
-from planner.solve.schedules import build_schedule, interleaved_group_size
+from planner.solve.schedules import build_schedule, interleaved_group_size, normalised_group
 from planner.solve.simulate import SimResult, StageMemory, StageTimes, simulate
 from planner.solve.timing import (
     PieceTimes,
@@ -613,8 +613,7 @@ def microbatch_groups(sched: str, pp: int, m: int, opts: SearchOptions, engine: 
         return () if pinned else (0,)  # a pinned group plans interleaved layouts only
     if pinned is None:
         return engine.interleaved_groups(pp, m)
-    default = m % max(1, m // pp) == 0 and pinned == interleaved_group_size(pp, m)
-    return (0 if default else pinned,)
+    return (normalised_group(sched, pp, m, pinned),)
 
 
 def model_experts(costs: ModelCosts) -> int:
