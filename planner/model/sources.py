@@ -16,8 +16,9 @@ the same model from the spec recorded in plan.json.
   inputs at the model's default input size.
 * ``torchvision:NAME``: ``torchvision.models.get_model(NAME, weights=None,
   **model_args)``; ``image_size`` sets the input size (default: the model's
-  own ``image_size``, else the crop its default weights were trained at, as
-  Inception v3's 299, else 224); video models take clips of ``frames``
+  own ``image_size``, else the input its default weights' transforms give it:
+  the crop, as Inception v3's 299, or for segmentation the resize, 520; else
+  224); video models take clips of ``frames``
   (default 16, the reference recipe's clip length, or the weights' minimum).
   Detection and optical-flow models, whose training step takes images with
   box targets or image pairs, are refused.
@@ -696,13 +697,16 @@ def _requested_size(model: torch.nn.Module, lib: str, size_arg: Any, crop: Any) 
 
 
 def _weights_input(tv: Any, name: str) -> tuple[Any, int]:
-    """(crop size, minimum frames) of a torchvision model's default weights: the input they were trained at."""
+    """(image size, minimum frames) of a torchvision model's default weights: the input their transforms give the model,
+    the crop of classification and video weights, the resize of segmentation weights (which crop nothing: 520 for
+    DeepLabV3, FCN and LR-ASPP, the size their model cards count GFLOPs at)."""
     try:
         weights = tv.models.get_model_weights(name).DEFAULT
     except (ValueError, AttributeError, KeyError):
         return None, 1
-    crop = getattr(weights.transforms, "keywords", {}).get("crop_size")
-    return crop, int(weights.meta.get("min_temporal_size", 1))
+    keywords = getattr(weights.transforms, "keywords", {})
+    size = keywords.get("crop_size") or keywords.get("resize_size")
+    return size, int(weights.meta.get("min_temporal_size", 1))
 
 
 def _input_size(model: torch.nn.Module, size: Any) -> tuple[int, ...]:
