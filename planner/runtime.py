@@ -67,16 +67,20 @@ class PlannedModel:
         return model.to(dtype=dtype)
 
     def for_run(self, model: nn.Module, device: torch.device | str) -> PlannedModel:
-        """This plan traced on ``model`` as it will train, for a run on ``device`` (fx-traced plans: unchanged).
+        """This plan traced on ``model`` as it will train, for a run on ``device``.
 
-        An export-traced plan is traced again on ``model`` (its weights, dtype and
-        dropout settings; call after casting it and after ``--no-dropout``) at the
-        planned micro-batch with fake inputs (no computation), the graph's device
-        arguments and constants moved from the weights' device to ``device`` and
-        its metadata asserts dropped (autocast changes dtypes the trace saw). The
-        pieces are checked against the plan again (:class:`PlanMismatch`).
+        An export-traced plan, and an fx-traced one whose graph bakes a random
+        op's probability (:func:`bakes_random_ops`: ``F.dropout(x, p=self.drop_rate)``
+        records 0.2 as a constant, where a dropout module is called by name and
+        reads its ``p`` when it runs), is traced again on ``model`` (its weights,
+        dtype and dropout settings; call after casting it and after
+        ``--no-dropout``) at the planned micro-batch with fake inputs (no
+        computation), the graph's device arguments and constants moved from the
+        weights' device to ``device`` and its metadata asserts dropped (autocast
+        changes dtypes the trace saw). The pieces are checked against the plan
+        again (:class:`PlanMismatch`). Other fx-traced plans are returned as they are.
         """
-        if self.layer_graph.tracer != "export":
+        if self.layer_graph.tracer != "export" and not bakes_random_ops(self.layer_graph.gm):
             return self
         device = torch.device(device)
         source = next((t.device for t in model.parameters()), torch.device("cpu"))
@@ -85,7 +89,8 @@ class PlannedModel:
             example = self.model_file.inputs_meta(self.micro_batch)
         with FakeTensorMode(allow_non_fake_inputs=True):
             inputs = tuple(torch.empty(t.shape, dtype=dtype if t.is_floating_point() and dtype is not None else t.dtype, device=source) for t in example)
-            traced = build_layer_graph(model, inputs, None, **self.trace_options)
+            options = self.trace_options | ({"tracer": "fx"} if self.layer_graph.tracer == "fx" else {})
+            traced = build_layer_graph(model, inputs, None, **options)
         lg = impose_pieces(self.layer_graph, traced, self.model_file.path.name)
         retarget(lg, source, device)
         run = dataclasses.replace(self, layer_graph=lg)
@@ -147,6 +152,22 @@ class PlannedModel:
         if self.model_file.has("loss_fn") and target is not None:
             return cast(torch.Tensor, self.model_file.funcs["loss_fn"](output, target))  # the model file's contract: a scalar tensor
         return default_loss(output)
+
+
+#: functions and tensor methods of random ops whose probability or range an fx trace records as a constant
+_RANDOM_OPS = re.compile(r"(dropout|bernoulli|rand|normal_|uniform_|exponential_|geometric_|cauchy_|log_normal_|multinomial)")
+
+
+def bakes_random_ops(gm: fx.GraphModule) -> bool:
+    """Whether an fx graph calls a random op as a function or a tensor method (``F.dropout``, ``x.bernoulli_``, timm's
+    and torchvision's stochastic depth): its arguments were read off the model when it was traced, so a model whose
+    dropout is switched off afterwards (``--no-dropout``) still runs it. Dropout modules, called by name, are not."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and _RANDOM_OPS.search(getattr(node.target, "__name__", "")):
+            return True
+        if node.op == "call_method" and _RANDOM_OPS.search(str(node.target)):
+            return True
+    return False
 
 
 def retarget(lg: LayerGraph, source: torch.device, device: torch.device) -> None:

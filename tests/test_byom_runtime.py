@@ -375,6 +375,66 @@ def test_a_frozen_parameter_read_by_two_stages_is_not_reduced_as_tied(tmp_path):
     assert doc["ok"] and doc["max_relative_difference"] <= 1e-5
 
 
+FUNCTIONAL_DROPOUT_HEAD = """
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Model(nn.Module):
+    \"\"\"A classifier head's dropout as timm writes it (GhostNet, RepGhost): a float on the module, a branch on it and
+    F.dropout, which an fx trace records with p = 0.5 as a constant.\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+        self.drop_rate = 0.5
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        if self.drop_rate > 0.0:
+            x = F.dropout(x, p=self.drop_rate, training=self.training)
+        return x
+
+"""
+FUNCTIONAL_DROPOUT_HEAD += CONTRACT_8
+
+
+def test_no_dropout_reaches_an_fx_graph_that_baked_functional_dropout(tmp_path):
+    """An fx-traced plan is traced again for the run where its graph holds a random op: the dropout probability is a
+    constant of the planning trace, so --no-dropout did not reach it and the pipeline ran dropout where the one-process
+    reference did not (timm's GhostNet and RepGhost: smoke 2.9e-3 and 9.8e-4 off). A graph without one is kept."""
+    (tmp_path / "m.py").write_text(FUNCTIONAL_DROPOUT_HEAD)
+    plan = plan_two_stages(str(tmp_path / "m.py"), tmp_path / "plan", "torch", "--schedule", "1f1b")
+    planned = load_planned_model(plan)
+    assert planned.layer_graph.tracer == "fx"
+
+    def dropout_ps(gm):
+        return [n.kwargs.get("p", n.args[1] if len(n.args) > 1 else None) for n in gm.graph.nodes if "dropout" in str(n.target)]
+
+    assert dropout_ps(planned.layer_graph.gm) == [0.5]
+    model = build_model(planned, seed=0, no_dropout=True)
+    run = planned.for_run(model, "cpu")
+    assert dropout_ps(run.layer_graph.gm) == [] and run.piece_names == planned.piece_names
+    inputs, _ = planned.example_batch(2, seed=1)
+    staged = inputs[0]
+    for s in range(run.num_stages):
+        staged = run.stage(model, s)(staged)
+        staged = staged[0] if isinstance(staged, tuple) else staged
+    assert torch.equal(staged, model(*inputs))
+    (tmp_path / "plain.py").write_text(FUNCTIONAL_DROPOUT_HEAD.replace("self.drop_rate = 0.5", "self.drop_rate = 0.0"))
+    plain = load_planned_model(plan_two_stages(str(tmp_path / "plain.py"), tmp_path / "plain", "torch", "--schedule", "1f1b"))
+    assert plain.for_run(build_model(plain, seed=0, no_dropout=True), "cpu") is plain
+
+
+@pytest.mark.slow
+def test_functional_dropout_of_an_fx_plan_smoke_equals_one_process(tmp_path):
+    (tmp_path / "m.py").write_text(FUNCTIONAL_DROPOUT_HEAD)
+    doc = smoke_ok(plan_two_stages(str(tmp_path / "m.py"), tmp_path / "plan", "torch", "--schedule", "1f1b"))
+    assert doc["ok"] and doc["max_relative_difference"] <= 1e-5
+
+
 def test_a_stage_writing_its_input_in_place_runs_on_a_copy_and_sends_contiguous_gradients(tmp_path):
     """torch.distributed.pipelining hands a stage its received values as leaves that require grad: an in-place op on
     one (x.relu_(), ResNet's hidden += residual) raises, and a gradient with transposed strides cannot be received
