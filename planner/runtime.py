@@ -55,6 +55,10 @@ class PlannedModel:
     piece_names: list[str]
     trace_options: dict[str, Any] = field(default_factory=dict)  # leaf_classes, tracer, sub_block_cuts
     micro_batch: int = 1
+    #: the micro-batch an fx plan was traced at (its costs' batch): fx graphs hold the batch symbolically, but which
+    #: shape values the tracer fixes as constants (and so where pieces may be cut) is read off a trace at this batch
+    #: and at twice it, as at planning
+    trace_batch: int = 2
 
     @property
     def num_stages(self) -> int:
@@ -85,12 +89,17 @@ class PlannedModel:
         device = torch.device(device)
         source = next((t.device for t in model.parameters()), torch.device("cpu"))
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        fx_plan = self.layer_graph.tracer == "fx"
+        batches = (self.trace_batch, 2 * self.trace_batch) if fx_plan else (self.micro_batch,)
         with torch.random.fork_rng(devices=[]):
-            example = self.model_file.inputs_meta(self.micro_batch)
+            examples = [self.model_file.inputs_meta(b) for b in batches]
         with FakeTensorMode(allow_non_fake_inputs=True):
-            inputs = tuple(torch.empty(t.shape, dtype=dtype if t.is_floating_point() and dtype is not None else t.dtype, device=source) for t in example)
-            options = self.trace_options | ({"tracer": "fx"} if self.layer_graph.tracer == "fx" else {})
-            traced = build_layer_graph(model, inputs, None, **options)
+            inputs = [
+                tuple(torch.empty(t.shape, dtype=dtype if t.is_floating_point() and dtype is not None else t.dtype, device=source) for t in example)
+                for example in examples
+            ]
+            options = self.trace_options | ({"tracer": "fx"} if fx_plan else {})
+            traced = build_layer_graph(model, inputs[0], inputs[1] if fx_plan else None, **options)
         lg = impose_pieces(self.layer_graph, traced, self.model_file.path.name)
         retarget(lg, source, device)
         run = dataclasses.replace(self, layer_graph=lg)
@@ -328,20 +337,25 @@ def load_planned_model(plan: dict[str, Any] | str | Path, model_path: str | Path
     dtype = torch_dtype(inputs.get("dtype", "bf16"))
     meta = mf.build_meta(dtype)
     tracer = inputs.get("tracer_used", inputs.get("tracer", "auto"))
-    # two samples: BatchNorm over (N, C) refuses a batch of one in training mode. torch.export graphs are static: one
-    # is traced at the micro-batch the scripts run, whose graph PlannedModel.for_run aligns with best; where its
-    # sub-block cuts differ from the plan's (Funnel's tail), at the batch the plan was traced at, whose pieces are the
-    # plan's, and for_run places them on the run's graph
+    # An fx graph is traced as at planning: at the batch its costs were traced at (two samples or more where the model
+    # has BatchNorm, which refuses one in training mode) and at twice it, which tells the shape values fixed as
+    # constants (a stage cannot receive a Python value; without them CSPNeXt's, XCiT's, FastViT's and LCNetV2's pieces
+    # differed from the plan's). torch.export graphs are static: one is traced at the micro-batch the scripts run,
+    # whose graph PlannedModel.for_run aligns with best; where its sub-block cuts differ from the plan's (Funnel's
+    # tail), at the batch the plan was traced at, whose pieces are the plan's, and for_run places them on the run's graph
     micro_batch = int(doc["layout"]["micro_batch"])
+    planned_batch = int(doc["model"].get("cost_micro_batch") or inputs.get("cost_micro_batch") or micro_batch)
     expected = list(doc["model"]["pieces"])
     options = {"leaf_classes": inputs.get("leaf", []), "tracer": tracer, "sub_block_cuts": inputs.get("sub_block_cuts", True)}
-    lg = build_layer_graph(meta, mf.inputs_meta(micro_batch if tracer == "export" else 2, dtype), None, **options)
+    if tracer == "export":
+        lg = build_layer_graph(meta, mf.inputs_meta(micro_batch, dtype), None, **options)
+    else:
+        lg = build_layer_graph(meta, mf.inputs_meta(planned_batch, dtype), mf.inputs_meta(2 * planned_batch, dtype), **options)
     names = [p.name for p in lg.pieces]
-    planned_batch = int(inputs.get("cost_micro_batch") or micro_batch)
     if tracer == "export" and names != expected and planned_batch != micro_batch:
         at_plan = build_layer_graph(meta, mf.inputs_meta(planned_batch, dtype), None, **options)
         if [p.name for p in at_plan.pieces] == expected:
             lg, names = at_plan, expected
     _check_pieces(names, expected, path.name)
     bounds: list[int] = [s["pieces"][0] for s in doc["stages"]] + [doc["stages"][-1]["pieces"][1]]
-    return PlannedModel(mf, lg, bounds, names, options, micro_batch)
+    return PlannedModel(mf, lg, bounds, names, options, micro_batch, planned_batch)

@@ -435,6 +435,66 @@ def test_functional_dropout_of_an_fx_plan_smoke_equals_one_process(tmp_path):
     assert doc["ok"] and doc["max_relative_difference"] <= 1e-5
 
 
+SIZE_PASSED_TO_BLOCKS = """
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, h, w):
+        b, n, c = x.shape
+        y = self.lin(x).transpose(1, 2).reshape(b, c, h, w)
+        return x + torch.tanh(y).flatten(2).transpose(1, 2)
+
+
+class Model(nn.Module):
+    \"\"\"The input's height and width read once and passed to every block, as timm's XCiT, FastViT and CSPNeXt do.\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(4)])
+
+    def forward(self, img):
+        h, w = img.shape[-2:]
+        x = img.flatten(2).transpose(1, 2)
+        for blk in self.blocks:
+            x = blk(x, h, w)
+        return x
+
+
+def build_model():
+    return Model()
+
+
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 8, 4, 4),)
+"""
+
+
+def test_an_fx_plan_is_traced_again_with_its_shape_constants_fixed(tmp_path):
+    """The planner fixes shape values that do not change with the batch (the input's height and width, passed to every
+    block) as constants, read off traces at the costs' batch and twice it, so that pieces can be cut between blocks.
+    The scripts traced fx plans at one batch only: the values stayed in the graph, joined every block into one piece,
+    and the run stopped with PlanMismatch (XCiT: 11 pieces against the plan's 46)."""
+    (tmp_path / "m.py").write_text(SIZE_PASSED_TO_BLOCKS)
+    plan = plan_two_stages(str(tmp_path / "m.py"), tmp_path / "plan", "torch", "--schedule", "1f1b")
+    doc = json.loads((plan / "plan.json").read_text())
+    assert len(doc["model"]["pieces"]) >= 4
+    planned = load_planned_model(plan)
+    assert planned.piece_names == doc["model"]["pieces"]
+    model = build_model(planned, seed=0, no_dropout=True)
+    inputs, _ = planned.example_batch(2, seed=1)
+    staged = inputs[0]
+    for s in range(planned.num_stages):
+        staged = planned.stage(model, s)(staged)
+        staged = staged[0] if isinstance(staged, tuple) else staged
+    assert torch.equal(staged, model(*inputs))
+
+
 def test_a_stage_writing_its_input_in_place_runs_on_a_copy_and_sends_contiguous_gradients(tmp_path):
     """torch.distributed.pipelining hands a stage its received values as leaves that require grad: an in-place op on
     one (x.relu_(), ResNet's hidden += residual) raises, and a gradient with transposed strides cannot be received
