@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from planner.cli import app
@@ -100,6 +101,18 @@ def test_a_tensor_made_on_the_cpu_gets_the_device_advice(tracer):
     out = _error(run("inspect", MODELS / "cpu_tensor.py", "--tracer", tracer))
     assert "device=x.device" in out
     assert "torch.where" not in out and "not in tracing or the meta device" not in out
+
+
+def test_a_parameter_a_factory_made_on_the_cpu_is_planned_on_meta_with_a_note():
+    """torch.normal(mean, std, size=...) ignores the meta device context (DiffLlama's lambda vectors): the tensor is
+    moved to meta and said in the notes; the model was refused before."""
+    with torch.device("meta"):
+        assert torch.normal(0, 0.1, size=(2,)).device.type == "cpu"  # the premise: this factory ignores the context
+    r = run("inspect", MODELS / "normal_init.py", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["totals"]["params"] == 2 * (8 * 8 + 8) + 8
+    assert any("created 1 tensor(s) of 32 bytes outside the meta device (e.g. 'gain' on cpu)" in n for n in doc["notes"])
 
 
 def test_a_model_with_no_trainable_parameters_is_refused():

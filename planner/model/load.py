@@ -116,12 +116,20 @@ class ModelFile:
                 f"{self.name}: build_model() returned {type(model).__name__}, not a torch.nn.Module.",
                 "Return the model object from build_model().",
             )
-        real = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.device.type != "meta"]
+        real = [(n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type != "meta"]
         if real:
-            raise UsageError(
-                f"{self.name}: build_model() created tensors outside the meta device (e.g. {real[0]!r}).",
-                "Create parameters and buffers without an explicit device=... so that the planner's meta device applies.",
+            # some factories ignore the device context (torch.normal(mean, std, size=...): transformers' DiffLlama draws
+            # its lambda vectors so); the planner needs only their shapes. They were allocated already, so moving them
+            # costs nothing more, where refusing would leave a library model that cannot be edited unplannable
+            size = sum(t.numel() * t.element_size() for _, t in real)
+            note = (
+                f"build_model() created {len(real)} tensor(s) of {size:,} bytes outside the meta device "
+                f"(e.g. {real[0][0]!r} on {real[0][1].device}); the planner moved them to the meta device. A model that "
+                "creates its weights with an explicit device=... allocates them for real before planning."
             )
+            if note not in self.notes:
+                self.notes.append(note)
+            model = model.to("meta")
         if not any(p.numel() for p in model.parameters() if p.requires_grad):
             raise UsageError(
                 f"{self.name}: the model built has no trainable parameters "
