@@ -313,14 +313,20 @@ def human_count(x: float) -> str:
     return f"{x:.0f}"
 
 
+def shortfall(need_bytes: float | None, capacity_bytes: float | None) -> str:
+    """How many bytes ``need_bytes`` exceeds ``capacity_bytes`` by, for a message: GiB to one decimal from 0.1 GiB,
+    whole MiB (at least 1) below it, where GiB would read "0.0 GiB short"."""
+    short = (need_bytes or 0.0) - (capacity_bytes or 0.0)
+    return f"{short / GiB:.1f} GiB" if short >= 0.1 * GiB else f"{max(1, round(short / 2**20))} MiB"
+
+
 def _nothing_fits(costs: ModelCosts, cluster: Cluster, req: PlanRequest, result: SearchResult) -> tuple[str, str]:
     """The message and the smallest change that would fit, for an InfeasibleError."""
     mem_rejects = sorted((r for r in result.rejected if r.kind.is_memory and r.need_bytes is not None), key=lambda r: (r.overflow, r.lower_bound))
     closest = ""
     if mem_rejects:
         r = mem_rejects[0]
-        short = ((r.need_bytes or 0.0) - (r.capacity_bytes or 0.0)) / GiB
-        closest = f" The closest layout, {r.layout.short()}, is {short:.1f} GiB short per GPU: {r.reason}."
+        closest = f" The closest layout, {r.layout.short()}, is {shortfall(r.need_bytes, r.capacity_bytes)} short per GPU: {r.reason}."
     elif result.rejected:
         closest = f" For example {result.rejected[0].layout.short()}: {result.rejected[0].reason}."
     if not mem_rejects:

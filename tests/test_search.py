@@ -135,6 +135,15 @@ def test_stage_memory_components_add_up(llama7b):
 # ----------------------------------------------------------------- nothing fits
 
 
+def test_a_shortfall_under_a_tenth_of_a_gib_is_said_in_mib():
+    from planner.planning import shortfall
+
+    assert shortfall(6.8 * 2**30 + 12 * 2**20, 6.8 * 2**30) == "12 MiB"  # was "0.0 GiB short"
+    assert shortfall(2**30 + 1000, 2**30) == "1 MiB"
+    assert shortfall(3.25 * 2**30, 0.5 * 2**30) == "2.8 GiB"
+    assert shortfall(0.1 * 2**30, None) == "0.1 GiB"
+
+
 def test_nothing_fits_names_the_smallest_change():
     req = PlanRequest(model_file=str(EX / "llama.py"), model_args={"preset": "llama-70b"}, gpus="8xA100", engine="deepspeed")
     with pytest.raises(InfeasibleError) as e:
