@@ -495,6 +495,70 @@ def test_an_fx_plan_is_traced_again_with_its_shape_constants_fixed(tmp_path):
     assert torch.equal(staged, model(*inputs))
 
 
+SHARED_BIAS_TABLE_IN_A_LEAF = """
+import torch
+import torch.nn as nn
+
+
+class Heads(nn.Module):
+    \"\"\"Cascaded heads, each adding its row of one bias table (EfficientViT's attention biases).\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.heads = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.biases = nn.Parameter(torch.linspace(-1, 1, 16).reshape(2, 8))
+
+    def forward(self, x):
+        feat, outs = x, []
+        for i, head in enumerate(self.heads):
+            feat = (head(feat) + self.biases[i]).softmax(-1)
+            outs.append(feat)
+        return torch.stack(outs).sum(0)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mixer = Heads()
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return x + self.mixer(self.norm(x))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(4)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def build_model():
+    return Model()
+
+
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 8),)
+"""
+
+
+@pytest.mark.slow
+def test_a_weight_pass_whose_parameter_groups_share_graph_nodes_keeps_the_graph(tmp_path):
+    """Under a zero-bubble schedule torch computes the weight gradients one parameter group at a time and freed the
+    autograd graph after each; a bias table whose rows two cascaded heads add, inside a module the tracer keeps whole
+    (a block's child, so the stage cannot see that the table is read alone), puts shared nodes in two groups, and the
+    second group's pass stopped with "Trying to backward through the graph a second time" (timm's EfficientViT-MSRA
+    and CoaT). The weight pass now keeps the graph until it ends: the losses equal one process."""
+    (tmp_path / "m.py").write_text(SHARED_BIAS_TABLE_IN_A_LEAF)
+    plan = plan_two_stages(str(tmp_path / "m.py"), tmp_path / "plan", "torch", "--schedule", "zbv")
+    doc = smoke_ok(plan)
+    assert doc["ok"] and doc["max_relative_difference"] <= 1e-5
+
+
 def test_a_stage_writing_its_input_in_place_runs_on_a_copy_and_sends_contiguous_gradients(tmp_path):
     """torch.distributed.pipelining hands a stage its received values as leaves that require grad: an in-place op on
     one (x.relu_(), ResNet's hidden += residual) raises, and a gradient with transposed strides cannot be received

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.pipelining._backward import stage_backward_weight
 from torch.utils.checkpoint import checkpoint
 
 from planner.runners.contract import PlanChanged, contract_parser, read_plan  # noqa: F401 (the rendered script calls rt.read_plan)
@@ -357,6 +358,17 @@ class PlannedStage(PipelineStage):
         if getattr(submodule, "weights_off_path", None) and kwargs.get("dw_builder") is None:
             kwargs["dw_builder"] = _no_weight_pass
         super().__init__(submodule, *args, **kwargs)
+
+    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict[str, Any], last_backward: bool = False) -> Any:
+        """torch's weight pass, keeping the autograd graph until the pass ends. torch computes the weight gradients one
+        parameter group at a time and frees the graph after each; where two groups' paths to their weights share
+        nodes (EfficientViT's attention biases, CoaT's shared position encodings, both under zero-bubble schedules)
+        the second group then found the first's saved tensors freed ("Trying to backward through the graph a second
+        time"). The graph goes with the pass's parameter groups once it returns. (No DDP here: the gradients are
+        reduced by GradientSync.)"""
+        if backward_type == "weight" and not isinstance(self.submod, torch.nn.parallel.DistributedDataParallel):
+            return stage_backward_weight(self.submod.parameters(), bwd_kwargs["param_groups"], retain_graph=True), None
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
     def _to_tensor(self, arg: Any) -> torch.Tensor:
         t = super()._to_tensor(arg)
