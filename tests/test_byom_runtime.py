@@ -559,6 +559,32 @@ def test_a_weight_pass_whose_parameter_groups_share_graph_nodes_keeps_the_graph(
     assert doc["ok"] and doc["max_relative_difference"] <= 1e-5
 
 
+def test_an_input_written_in_place_through_an_alias_is_copied():
+    """MobileOne's disabled squeeze-excitation is an nn.Identity: the received value passed through it and was written
+    by the next ReLU(inplace=True), which torch refuses on the stage's input ("Output 0 of _ContiguousGrad is a view
+    and is being modified inplace"). Writes through an identity module or a view method count as writes to the input;
+    a write to a new tensor computed from it does not."""
+
+    class Through(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.se, self.act = torch.nn.Identity(), torch.nn.ReLU(inplace=True)
+
+        def forward(self, a, b, c):
+            self.act(self.se(a))  # through nn.Identity
+            b.view(-1)[:2].mul_(2)  # through two views
+            (c + 1).relu_()  # a new tensor
+            return a + b + c
+
+    gm = torch.fx.symbolic_trace(Through())
+    assert rt.written_placeholders(gm) == {0, 1}
+    a, b, c = (torch.randn(2, 3, requires_grad=True) for _ in range(3))
+    with pytest.raises(RuntimeError, match="modified inplace"):  # the premise: what torch does without the copy
+        gm(*(rt._received(t, False) for t in (a, b, c)))
+    out = gm(*(rt._received(t, i in rt.written_placeholders(gm)) for i, t in enumerate((a, b, c))))
+    assert torch.equal(out, Through()(a.detach().clone(), b.detach().clone(), c.detach().clone()))
+
+
 def test_a_stage_writing_its_input_in_place_runs_on_a_copy_and_sends_contiguous_gradients(tmp_path):
     """torch.distributed.pipelining hands a stage its received values as leaves that require grad: an in-place op on
     one (x.relu_(), ResNet's hidden += residual) raises, and a gradient with transposed strides cannot be received

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import operator
 import os
 import sys
 import time
@@ -269,12 +270,45 @@ def _no_weight_pass() -> Callable[[], None]:
     return lambda: None
 
 
+#: tensor methods and functions whose result shares the memory of their first argument (a view or the tensor itself)
+_VIEW_METHODS = frozenset(
+    "view view_as reshape reshape_as flatten unflatten transpose permute squeeze unsqueeze expand expand_as narrow select "
+    "t T mT swapaxes swapdims movedim unfold chunk split unbind tensor_split __getitem__ contiguous detach as_strided "
+    "diagonal real imag".split()
+)
+_VIEW_FUNCTIONS = frozenset(
+    (torch.flatten, torch.reshape, torch.transpose, torch.permute, torch.squeeze, torch.unsqueeze, torch.narrow, torch.select,
+     torch.t, torch.chunk, torch.split, torch.unbind, torch.tensor_split, torch.movedim, torch.swapaxes, torch.swapdims,
+     torch.detach, torch.diagonal, operator.getitem)
+)  # fmt: skip
+
+
+def _aliases_first_argument(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """Whether ``node``'s result may share memory with its first argument: an aten view (a return the schema aliases
+    without writing), a view method or function, or a module that returns its input (nn.Identity: MobileOne's disabled
+    squeeze-excitation) or a view of it (nn.Flatten, nn.Unflatten)."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return any(r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
+    if node.op == "call_method":
+        return str(target) in _VIEW_METHODS
+    if node.op == "call_function":
+        return target in _VIEW_FUNCTIONS
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(str(target)), (nn.Identity, nn.Flatten, nn.Unflatten))
+    return False
+
+
 def written_placeholders(gm: torch.fx.GraphModule) -> frozenset[int]:
-    """Positions of the inputs of ``gm`` an operator writes in place: an aten overload whose schema marks the
-    argument written (``add_``, ``relu_``), an in-place tensor method, or ``inplace=True``."""
+    """Positions of the inputs of ``gm`` an operator writes in place, directly or through a view or alias of them
+    (nn.Identity, ``x.view(...)``): an aten overload whose schema marks the argument written (``add_``, ``relu_``), an
+    in-place tensor method, or ``inplace=True``."""
     places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    alias_of: dict[torch.fx.Node, int] = {p: i for i, p in enumerate(places)}
     out: set[int] = set()
     for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
         written: list[Any] = []
         target = node.target
         if isinstance(target, torch._ops.OpOverload):
@@ -285,7 +319,10 @@ def written_placeholders(gm: torch.fx.GraphModule) -> frozenset[int]:
             written.append(node.args[0])
         elif node.kwargs.get("inplace") is True or (node.op == "call_module" and getattr(gm.get_submodule(str(target)), "inplace", False) is True):
             written.append(node.args[0] if node.args else None)
-        out.update(places.index(w) for w in written if w in places)
+        out.update(alias_of[w] for w in written if isinstance(w, torch.fx.Node) and w in alias_of)
+        first = node.args[0] if node.args else None
+        if isinstance(first, torch.fx.Node) and first in alias_of and _aliases_first_argument(gm, node):
+            alias_of[node] = alias_of[first]
     return frozenset(out)
 
 
