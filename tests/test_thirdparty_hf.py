@@ -455,3 +455,16 @@ def test_a_model_type_with_several_classes_builds_the_first_without_architecture
     with torch.device("meta"):
         model = transformers.FunnelModel(config)
     assert inspect("funnel")["totals"]["params"] == sum(p.numel() for p in model.parameters())
+
+
+def test_a_config_with_a_text_encoder_and_a_decoder_reads_the_decoders_positions():
+    """MusicGen's config holds a text encoder and a decoder: transformers' get_text_config() raises as ambiguous, and
+    the planner stopped with "importing ... failed ... this is a planner bug". The decoder's config is the text one."""
+    from transformers import AutoConfig
+
+    from planner.model.sources import hf_seq_len
+
+    config = AutoConfig.for_model("musicgen", decoder={"max_position_embeddings": 640})
+    with pytest.raises(ValueError, match="ambiguous"):
+        config.get_text_config()
+    assert hf_seq_len(config, None) == 640

@@ -285,7 +285,14 @@ def _positional(params: list[str], wanted: dict[str, torch.Tensor]) -> tuple[tor
 
 
 def _text_config(config: Any) -> Any:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    """The config of the model's text part: the config itself, its ``text_config``, or where it has a text encoder
+    and a decoder (MusicGen), whose plain ``get_text_config()`` raises as ambiguous, the decoder's."""
+    if not hasattr(config, "get_text_config"):
+        return config
+    try:
+        return config.get_text_config()
+    except ValueError:
+        return config.get_text_config(decoder=True)
 
 
 def _logits(output: Any) -> torch.Tensor:
