@@ -76,7 +76,8 @@ class PlannedModel:
         An export-traced plan, and an fx-traced one whose graph bakes a random
         op's probability (:func:`bakes_random_ops`: ``F.dropout(x, p=self.drop_rate)``
         records 0.2 as a constant, where a dropout module is called by name and
-        reads its ``p`` when it runs), is traced again on ``model`` (its weights,
+        reads its ``p`` when it runs) or holds tensor constants of the meta
+        model (:func:`meta_constants`: torchvision's MaxViT), is traced again on ``model`` (its weights,
         dtype and dropout settings; call after casting it and after
         ``--no-dropout``) at the planned micro-batch with fake inputs (no
         computation), the graph's device arguments and constants moved from the
@@ -84,7 +85,8 @@ class PlannedModel:
         changes dtypes the trace saw). The pieces are checked against the plan
         again (:class:`PlanMismatch`). Other fx-traced plans are returned as they are.
         """
-        if self.layer_graph.tracer != "export" and not bakes_random_ops(self.layer_graph.gm):
+        gm = self.layer_graph.gm
+        if self.layer_graph.tracer != "export" and not bakes_random_ops(gm) and not meta_constants(gm, model):
             return self
         device = torch.device(device)
         source = next((t.device for t in model.parameters()), torch.device("cpu"))
@@ -93,13 +95,17 @@ class PlannedModel:
         batches = (self.trace_batch, 2 * self.trace_batch) if fx_plan else (self.micro_batch,)
         with torch.random.fork_rng(devices=[]):
             examples = [self.model_file.inputs_meta(b) for b in batches]
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
             inputs = [
                 tuple(torch.empty(t.shape, dtype=dtype if t.is_floating_point() and dtype is not None else t.dtype, device=source) for t in example)
                 for example in examples
             ]
-            options = self.trace_options | ({"tracer": "fx"} if fx_plan else {})
-            traced = build_layer_graph(model, inputs[0], inputs[1] if fx_plan else None, **options)
+        if fx_plan:  # traced symbolically on the real model (its constants real: MaxViT's), shapes run in fake mode
+            traced = build_layer_graph(model, inputs[0], inputs[1], **(self.trace_options | {"tracer": "fx"}), fake_mode=mode)
+        else:
+            with mode:
+                traced = build_layer_graph(model, inputs[0], None, **self.trace_options)
         lg = impose_pieces(self.layer_graph, traced, self.model_file.path.name)
         retarget(lg, source, device)
         run = dataclasses.replace(self, layer_graph=lg)
@@ -177,6 +183,25 @@ def bakes_random_ops(gm: fx.GraphModule) -> bool:
         if node.op == "call_method" and _RANDOM_OPS.search(str(node.target)):
             return True
     return False
+
+
+def meta_constants(gm: fx.GraphModule, model: nn.Module) -> list[str]:
+    """The tensors an fx graph traced on the meta model holds as constants of its own (``_tensor_constant0``: a tensor
+    the tracer met that is no parameter or buffer of the model, as MaxViT's and Swin V2's relative position indices),
+    which ``model`` has no path to: they have no data, and a stage holding them cannot be moved or run."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        obj: Any = model
+        for part in str(node.target).split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        value = getattr(gm, str(node.target), None) if obj is None else None
+        if isinstance(value, torch.Tensor) and value.device.type == "meta":
+            out.append(str(node.target))
+    return out
 
 
 def retarget(lg: LayerGraph, source: torch.device, device: torch.device) -> None:

@@ -585,6 +585,68 @@ def test_an_input_written_in_place_through_an_alias_is_copied():
     assert torch.equal(out, Through()(a.detach().clone(), b.detach().clone(), c.detach().clone()))
 
 
+RELATIVE_BIAS_INDEX = """
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    \"\"\"A relative positional bias read through an index buffer, as MaxViT's: the planner's trace holds the index as a
+    constant of the graph, taken from the model it traced.\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.table = nn.Parameter(torch.linspace(-1, 1, 15))
+        self.register_buffer("index", torch.arange(8)[:, None] - torch.arange(8)[None, :] + 7)
+
+    def forward(self, x):
+        bias = self.table[self.index.view(-1)].view(8, 8)  # MaxViT's relative positional bias
+        return x + torch.tanh(self.lin(x) @ bias)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(4)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+"""
+RELATIVE_BIAS_INDEX += CONTRACT_8
+
+
+def test_an_fx_plan_holding_constants_of_the_meta_model_is_traced_again_on_the_real_one(tmp_path):
+    """The plan's graph was traced on the meta model: a tensor constant it holds has no data, and a stage holding it
+    could not be moved ("Cannot copy out of meta tensor": torchvision's MaxViT, timm's Swin V2 CR). The scripts trace
+    such a plan again on the real model, symbolically (so the constants are the model's own) with the shapes run in
+    fake mode; the stages equal the model."""
+    (tmp_path / "m.py").write_text(RELATIVE_BIAS_INDEX)
+    planned = load_planned_model(plan_two_stages(str(tmp_path / "m.py"), tmp_path / "plan", "torch", "--schedule", "1f1b"))
+    assert planned.layer_graph.tracer == "fx"
+    model = build_model(planned, seed=0, no_dropout=True)
+    from planner.runtime import meta_constants
+
+    assert meta_constants(planned.layer_graph.gm, model)
+    with pytest.raises(NotImplementedError, match="meta tensor"):  # the planning graph's stage, as the scripts ran it
+        planned.stage(model, planned.num_stages - 1).to("cpu")
+    run = planned.for_run(model, "cpu")
+    assert not meta_constants(run.layer_graph.gm, model) and run.piece_names == planned.piece_names
+    stages = [run.stage(model, s) for s in range(run.num_stages)]
+    for stage in stages:
+        stage.to("cpu")  # raised for the meta constant
+        assert all(t.device.type == "cpu" for t in stage.buffers())
+    inputs, _ = planned.example_batch(2, seed=1)
+    staged = inputs[0]
+    for stage in stages:
+        staged = stage(staged)
+        staged = staged[0] if isinstance(staged, tuple) else staged
+    assert torch.equal(staged, model(*inputs))
+
+
 def test_a_stage_writing_its_input_in_place_runs_on_a_copy_and_sends_contiguous_gradients(tmp_path):
     """torch.distributed.pipelining hands a stage its received values as leaves that require grad: an in-place op on
     one (x.relu_(), ResNet's hidden += residual) raises, and a gradient with transposed strides cannot be received

@@ -20,6 +20,7 @@ training scripts all use one split.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import traceback
@@ -491,11 +492,15 @@ def build_layer_graph(
     leaf_classes: Iterable[str] = (),
     tracer: str = "auto",
     sub_block_cuts: bool = True,
+    fake_mode: Any = None,
 ) -> LayerGraph:
     """Trace ``model`` (on meta) and split it into pieces with their cut points.
 
     ``inputs_2x`` (the same inputs at twice the micro-batch) identifies which
-    dimension of each crossing tensor is the batch dimension.
+    dimension of each crossing tensor is the batch dimension. ``fake_mode`` (a
+    FakeTensorMode the inputs were made in) runs the shapes through the fx graph
+    in it, and the symbolic trace outside it: a model with real weights is traced
+    so, and the tensors its forward creates as constants stay real.
     """
     leaf_classes = set(leaf_classes)
     blocks = find_blocks(model, leaf_classes)
@@ -527,8 +532,10 @@ def build_layer_graph(
 
     consts: dict[fx.Node, Any] = {}
     consts2: dict[fx.Node, Any] = {}
+    shapes = fake_mode if fake_mode is not None else contextlib.nullcontext()
     try:
-        metas = _propagate(gm, inputs, consts)
+        with shapes:
+            metas = _propagate(gm, inputs, consts)
     except Exception as e:
         raise _meta_error(e, model) from e
     batch_dims: dict[fx.Node, int | None] = {}
@@ -537,7 +544,8 @@ def build_layer_graph(
             by_name = {n.name: m for n, m in _propagate(_export_trace(model, inputs_2x), inputs_2x).items()}
             metas2: Mapping[fx.Node, ValueMeta | None] = {n: by_name.get(n.name) for n in metas}
         else:
-            metas2 = _propagate(gm, inputs_2x, consts2)
+            with shapes:
+                metas2 = _propagate(gm, inputs_2x, consts2)
         for node, m in metas.items():
             m2 = metas2.get(node)
             dim = None
