@@ -42,6 +42,16 @@ def smoke_ok(plan: Path) -> dict:
     return json.loads((plan / "smoke.json").read_text())
 
 
+def stages_equal_the_model(planned, stages, model) -> bool:
+    """The stage modules run one after another on a batch of two equal the model's own forward, to the bit."""
+    inputs, _ = planned.example_batch(2, seed=1)
+    staged = inputs[0]
+    for stage in stages:
+        staged = stage(staged)
+        staged = staged[0] if isinstance(staged, tuple) else staged
+    return torch.equal(staged, model(*inputs))
+
+
 def plan_dir(tmp_path: Path, model: str, engine: str = "torch", *pins: str) -> Path:
     return plan_two_stages(str(MODELS / model), tmp_path / f"{Path(model).stem}-{engine}", engine, *pins)
 
@@ -200,6 +210,22 @@ def example_inputs(batch_size):
     return (torch.randn(batch_size, 8),)
 """
 
+#: four Blocks in a row, with CONTRACT_8: the tail of the model files whose Block is what a test is about
+FOUR_BLOCKS_8 = """
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(4)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+"""
+FOUR_BLOCKS_8 += CONTRACT_8
+
 SCALAR_GAIN = """import torch
 import torch.nn as nn
 
@@ -214,18 +240,8 @@ class Block(nn.Module):
         return x + self.gain * torch.tanh(self.lin(x))
 
 
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block() for _ in range(4)])
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
-
 """
-SCALAR_GAIN += CONTRACT_8
+SCALAR_GAIN += FOUR_BLOCKS_8
 
 
 @pytest.mark.slow
@@ -417,12 +433,7 @@ def test_no_dropout_reaches_an_fx_graph_that_baked_functional_dropout(tmp_path):
     model = build_model(planned, seed=0, no_dropout=True)
     run = planned.for_run(model, "cpu")
     assert dropout_ps(run.layer_graph.gm) == [] and run.piece_names == planned.piece_names
-    inputs, _ = planned.example_batch(2, seed=1)
-    staged = inputs[0]
-    for s in range(run.num_stages):
-        staged = run.stage(model, s)(staged)
-        staged = staged[0] if isinstance(staged, tuple) else staged
-    assert torch.equal(staged, model(*inputs))
+    assert stages_equal_the_model(planned, [run.stage(model, s) for s in range(run.num_stages)], model)
     (tmp_path / "plain.py").write_text(FUNCTIONAL_DROPOUT_HEAD.replace("self.drop_rate = 0.5", "self.drop_rate = 0.0"))
     plain = load_planned_model(plan_two_stages(str(tmp_path / "plain.py"), tmp_path / "plain", "torch", "--schedule", "1f1b"))
     assert plain.for_run(build_model(plain, seed=0, no_dropout=True), "cpu") is plain
@@ -487,12 +498,7 @@ def test_an_fx_plan_is_traced_again_with_its_shape_constants_fixed(tmp_path):
     planned = load_planned_model(plan)
     assert planned.piece_names == doc["model"]["pieces"]
     model = build_model(planned, seed=0, no_dropout=True)
-    inputs, _ = planned.example_batch(2, seed=1)
-    staged = inputs[0]
-    for s in range(planned.num_stages):
-        staged = planned.stage(model, s)(staged)
-        staged = staged[0] if isinstance(staged, tuple) else staged
-    assert torch.equal(staged, model(*inputs))
+    assert stages_equal_the_model(planned, [planned.stage(model, s) for s in range(planned.num_stages)], model)
 
 
 SHARED_BIAS_TABLE_IN_A_LEAF = """
@@ -525,25 +531,8 @@ class Block(nn.Module):
     def forward(self, x):
         return x + self.mixer(self.norm(x))
 
-
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block() for _ in range(4)])
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
-def build_model():
-    return Model()
-
-
-def example_inputs(batch_size):
-    return (torch.randn(batch_size, 8),)
 """
+SHARED_BIAS_TABLE_IN_A_LEAF += FOUR_BLOCKS_8
 
 
 @pytest.mark.slow
@@ -605,18 +594,8 @@ class Block(nn.Module):
         return x + torch.tanh(self.lin(x) @ bias)
 
 
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block() for _ in range(4)])
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
-
 """
-RELATIVE_BIAS_INDEX += CONTRACT_8
+RELATIVE_BIAS_INDEX += FOUR_BLOCKS_8
 
 
 def test_an_fx_plan_holding_constants_of_the_meta_model_is_traced_again_on_the_real_one(tmp_path):
@@ -639,12 +618,7 @@ def test_an_fx_plan_holding_constants_of_the_meta_model_is_traced_again_on_the_r
     for stage in stages:
         stage.to("cpu")  # raised for the meta constant
         assert all(t.device.type == "cpu" for t in stage.buffers())
-    inputs, _ = planned.example_batch(2, seed=1)
-    staged = inputs[0]
-    for stage in stages:
-        staged = stage(staged)
-        staged = staged[0] if isinstance(staged, tuple) else staged
-    assert torch.equal(staged, model(*inputs))
+    assert stages_equal_the_model(planned, stages, model)
 
 
 def test_a_stage_writing_its_input_in_place_runs_on_a_copy_and_sends_contiguous_gradients(tmp_path):
