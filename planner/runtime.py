@@ -79,8 +79,9 @@ class PlannedModel:
         reads its ``p`` when it runs) or holds tensor constants of the meta
         model (:func:`meta_constants`: torchvision's MaxViT), is traced again on ``model`` (its weights,
         dtype and dropout settings; call after casting it and after
-        ``--no-dropout``) at the planned micro-batch with fake inputs (no
-        computation), the graph's device arguments and constants moved from the
+        ``--no-dropout``) at the planned micro-batch (an fx plan: at the batch it
+        was traced at and twice it, symbolically, its shapes run in fake mode)
+        with fake inputs (no computation), the graph's device arguments and constants moved from the
         weights' device to ``device`` and its metadata asserts dropped (autocast
         changes dtypes the trace saw). The pieces are checked against the plan
         again (:class:`PlanMismatch`). Other fx-traced plans are returned as they are.
