@@ -621,6 +621,50 @@ def test_an_fx_plan_holding_constants_of_the_meta_model_is_traced_again_on_the_r
     assert stages_equal_the_model(planned, stages, model)
 
 
+LAZY_BUFFER_IN_A_LEAF = """
+import torch
+import torch.nn as nn
+
+
+class Lazy(nn.Module):
+    \"\"\"Computes a table on its first call and assigns it to its buffer, as ConViT's attention does with its relative
+    position indices; a block's child, so it runs as it is.\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("table", torch.zeros(1), persistent=False)
+
+    def forward(self, x):
+        if self.table.shape[0] != x.shape[-1]:
+            self.table = torch.linspace(0.5, 1.5, x.shape[-1], device=x.device)
+        return self.lin(x) * self.table
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mixer = Lazy()
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return x + torch.tanh(self.mixer(self.norm(x)))
+
+"""
+LAZY_BUFFER_IN_A_LEAF += FOUR_BLOCKS_8
+
+
+@pytest.mark.slow
+def test_a_buffer_the_model_replaces_on_its_first_call_is_put_back_after_the_shape_inference(tmp_path):
+    """torch runs each stage once to learn its shapes; the planner puts the buffers back afterwards. It wrote the old
+    values into the new tensor where the model had replaced one (the initial one-element zeros broadcast into the
+    computed table), so the table stayed zero and was never computed again (timm's ConViT: 4.7e-4 off one process). The
+    original tensor is put back, and the first step computes the table as one process does."""
+    (tmp_path / "m.py").write_text(LAZY_BUFFER_IN_A_LEAF)
+    doc = smoke_ok(plan_two_stages(str(tmp_path / "m.py"), tmp_path / "plan", "torch", "--schedule", "1f1b"))
+    assert doc["ok"] and doc["max_relative_difference"] <= 1e-5
+
+
 def test_a_stage_writing_its_input_in_place_runs_on_a_copy_and_sends_contiguous_gradients(tmp_path):
     """torch.distributed.pipelining hands a stage its received values as leaves that require grad: an in-place op on
     one (x.relu_(), ResNet's hidden += residual) raises, and a gradient with transposed strides cannot be received
