@@ -468,3 +468,17 @@ def test_a_config_with_a_text_encoder_and_a_decoder_reads_the_decoders_positions
     with pytest.raises(ValueError, match="ambiguous"):
         config.get_text_config()
     assert hf_seq_len(config, None) == 640
+
+
+def test_layerdrop_is_turned_off_and_said_so():
+    """M2M100 defaults to encoder_layerdrop = decoder_layerdrop = 0.05: in training each layer is skipped when a random
+    draw falls under it, a branch on a tensor value no tracer follows (it was refused with exit 2). The planner turns it
+    off on the modules that read it, says so, and plans every layer; the scripts build the model the same way."""
+    assert _config("m2m_100")["encoder_layerdrop"] == 0.05
+    doc = inspect("m2m_100")
+    assert any(n.startswith("LayerDrop turned off (model.encoder.layerdrop=0.05, model.decoder.layerdrop=0.05)") for n in doc["notes"])
+    model = load_model_file(f"hf:{HF / 'm2m_100.json'}").build_meta(torch.float32)
+    assert model.model.encoder.layerdrop == 0.0 and model.model.decoder.layerdrop == 0.0
+    names = [l["name"] for l in doc["layers"]]
+    for stack in ("encoder", "decoder"):  # every layer is costed
+        assert all(any(n.startswith(f"model.{stack}.layers.{i}") for n in names) for i in range(_config("m2m_100")[f"{stack}_layers"]))

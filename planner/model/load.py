@@ -169,15 +169,23 @@ class ModelFile:
 
 
 def training_switches(model: torch.nn.Module) -> list[str]:
-    """Turn off inference-only switches on ``model`` in place; one note per switch turned off.
+    """Turn off, on ``model`` in place, what a pipeline of static stage graphs cannot run; one note per kind.
 
-    transformers models default to ``config.use_cache=True``: the forward then
-    returns a KV cache object, which training never reads and torch.export cannot
-    return.
+    * transformers models default to ``config.use_cache=True``: the forward then returns a KV cache object, which
+      training never reads and torch.export cannot return.
+    * LayerDrop (a float attribute named ``layerdrop`` > 0 on a module, copied from the config's
+      ``encoder_layerdrop`` / ``decoder_layerdrop``: M2M100 defaults to 0.05) skips a whole layer when a random draw
+      falls under it: a branch on a tensor value, which no tracer follows and no stage graph can take. Every layer
+      runs instead, which is what the plan costs (the most a step can take), and what the scripts train.
     """
     notes: list[str] = []
     seen: set[int] = set()
+    dropped: dict[str, float] = {}
     for path, module in model.named_modules():
+        for name, value in list(vars(module).items()):
+            if name == "layerdrop" and type(value) is float and value > 0:
+                setattr(module, name, 0.0)
+                dropped[f"{path}.{name}" if path else name] = value
         config = getattr(module, "config", None)
         if config is None or id(config) in seen:
             continue
@@ -186,6 +194,12 @@ def training_switches(model: torch.nn.Module) -> list[str]:
             config.use_cache = False
             where = f"{path}.config" if path else "config"
             notes.append(f"{where}.use_cache set to False: the KV cache is for inference, training does not use it")
+    if dropped:
+        listed = ", ".join(f"{k}={v:g}" for k, v in list(dropped.items())[:4]) + (", ..." if len(dropped) > 4 else "")
+        notes.append(
+            f"LayerDrop turned off ({listed}): skipping a layer on a random draw is a branch no pipeline stage graph can "
+            "take; every layer runs, as planned and as the scripts train"
+        )
     return notes
 
 
