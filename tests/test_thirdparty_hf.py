@@ -482,3 +482,22 @@ def test_layerdrop_is_turned_off_and_said_so():
     names = [l["name"] for l in doc["layers"]]
     for stack in ("encoder", "decoder"):  # every layer is costed
         assert all(any(n.startswith(f"model.{stack}.layers.{i}") for n in names) for i in range(_config("m2m_100")[f"{stack}_layers"]))
+
+
+def test_a_type_without_a_base_model_class_takes_its_task_class():
+    """PP-LCNet and ShieldGemma 2 have no AutoModel class: without architectures the planner asked AutoModel, which
+    raised KeyError, reported as "a planner bug". The first task class transformers has for the type is built."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto import modeling_auto
+
+    from planner.model.sources import hf_model_class
+
+    for model_type, auto_class in (("pp_lcnet", "AutoModelForImageClassification"), ("shieldgemma2", "AutoModelForImageClassification")):
+        assert model_type not in modeling_auto.MODEL_MAPPING_NAMES
+        assert hf_model_class(AutoConfig.for_model(model_type)) is getattr(transformers, auto_class)
+    # PP-LCNet's classifier returns its last hidden state, no logits: its loss is the default one (it raised KeyError)
+    doc = inspect("pp_lcnet")
+    with torch.device("meta"):
+        model = transformers.PPLCNetForImageClassification(transformers.PPLCNetConfig.from_json_file(HF / "pp_lcnet.json"))
+    assert doc["totals"]["params"] == sum(p.numel() for p in model.parameters())

@@ -206,7 +206,22 @@ def hf_model_class(config: Any, name: str | None = None) -> Any:
         return transformers.AutoModel
     if mt in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and mt not in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         return transformers.AutoModelForCausalLM
-    return transformers.AutoModel
+    if mt in auto.MODEL_MAPPING_NAMES:
+        return transformers.AutoModel
+    # a type with no base model class (PP-LCNet, ShieldGemma 2): the first task class transformers has for it
+    tasks = {
+        "IMAGE_CLASSIFICATION": "AutoModelForImageClassification",
+        "MASKED_LM": "AutoModelForMaskedLM",
+        "SEQUENCE_CLASSIFICATION": "AutoModelForSequenceClassification",
+        "IMAGE_TEXT_TO_TEXT": "AutoModelForImageTextToText",
+    }
+    for task, auto_class in tasks.items():
+        if mt in getattr(auto, f"MODEL_FOR_{task}_MAPPING_NAMES", {}):
+            return getattr(transformers, auto_class)
+    raise UsageError(
+        f"transformers has no model class for model type {mt!r} without a task: the config names no architectures.",
+        "Name the class with --model-arg model_class=..., or give the config the architectures of a released checkpoint.",
+    )
 
 
 #: model types whose position ids count from the padding index + 1 (transformers' create_position_ids_from_input_ids):
@@ -295,19 +310,24 @@ def _text_config(config: Any) -> Any:
         return config.get_text_config(decoder=True)
 
 
-def _logits(output: Any) -> torch.Tensor:
+def _logits(output: Any) -> torch.Tensor | None:
+    """The output's logits; None for a model output without them (a ModelOutput is a dict)."""
     if isinstance(output, torch.Tensor):
         return output
     if hasattr(output, "logits"):
         return output.logits
     if isinstance(output, dict):
-        return output["logits"]
+        return output.get("logits")
     return output[0]
 
 
 def _cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of the output's logits (any leading shape) against integer targets, in fp32."""
+    """Mean cross-entropy of the output's logits (any leading shape) against integer targets, in fp32; the default
+    loss of a model file without loss_fn where the output has no logits (transformers 5.25's PP-LCNet image classifier
+    returns its last hidden state only)."""
     logits = _logits(output)
+    if logits is None:
+        return default_loss(output)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
 
 
