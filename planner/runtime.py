@@ -37,7 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from planner.model.analyze import torch_dtype
 from planner.model.load import ModelFile, load_model_file
 from planner.model.losses import default_loss
-from planner.model.trace import LayerGraph, Piece, PiecesModule, _free_nodes, build_layer_graph
+from planner.model.trace import LayerGraph, Piece, PiecesModule, _free_nodes, _get_path, build_layer_graph
 from planner.model_ref import resolve_ref
 
 
@@ -194,12 +194,11 @@ def meta_constants(gm: fx.GraphModule, model: nn.Module) -> list[str]:
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue
-        obj: Any = model
-        for part in str(node.target).split("."):
-            obj = getattr(obj, part, None)
-            if obj is None:
-                break
-        value = getattr(gm, str(node.target), None) if obj is None else None
+        try:
+            _get_path(model, str(node.target))
+            continue  # the model's own parameter, buffer or attribute: the stage reads the real one
+        except AttributeError:
+            value = getattr(gm, str(node.target), None)
         if isinstance(value, torch.Tensor) and value.device.type == "meta":
             out.append(str(node.target))
     return out
