@@ -128,6 +128,45 @@ def test_timeout_names_the_phase(tmp_path, where, phase):
     assert time.monotonic() - t0 < 20
 
 
+SCAN_MODEL = """
+import torch
+import torch.nn as nn
+
+
+class Scan(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        state = torch.zeros_like(x[:, 0])
+        for t in range(x.shape[1]):
+            state = self.a * state + x[:, t]  # THE-STEP
+        return state
+
+
+def build_model():
+    return Scan()
+
+
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 10**9, 8),)
+"""
+
+
+def test_a_trace_timeout_names_the_line_it_was_at(tmp_path):
+    """issue: HF Mamba's reference scan (a Python loop over the tokens) outlasted the limit with "may hang or be very
+    slow; fix it": the message now names the model's line the trace was at and says why a loop traces slowly."""
+    m = tmp_path / "scan.py"
+    m.write_text(SCAN_MODEL)
+    line = SCAN_MODEL.splitlines().index(next(s for s in SCAN_MODEL.splitlines() if "THE-STEP" in s)) + 1
+    code, _, err = cli("inspect", m, "--tracer", "export", "--timeout", "3")
+    assert code == 2, err
+    assert "did not finish tracing within 3 s" in err
+    assert f"It was at scan.py line {line} (forward): state = self.a * state + x[:, t]" in err
+    assert "Python loop" in err and "--timeout SECONDS (0: no limit)" in err and "Traceback" not in err
+
+
 def test_timeout_value_checked(tmp_path):
     m = model_file(tmp_path)
     for bad in ("-1", "nan", "inf"):

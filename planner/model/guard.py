@@ -22,10 +22,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import sysconfig
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -68,6 +71,8 @@ class Guard:
     _timer: threading.Timer | None = field(default=None, repr=False)
     _armed: bool = field(default=False, repr=False)
     _previous: _Handler = field(default=None, repr=False)
+    #: the model's line the main thread was running when the limit passed (None: not known)
+    _at: str | None = field(default=None, repr=False)
 
     def describe(self) -> str:
         return PHASE_WORDS.get(self.phase, self.phase)
@@ -86,11 +91,19 @@ class Guard:
         return report
 
     def timeout_error(self) -> UsageError:
-        return UsageError(
-            f"{self.what} did not finish {self.describe()} within {self.timeout_s:g} s.",
-            "The model file (its import, build_model(), example_inputs() or forward) may hang or be very slow; "
-            "fix it, or raise the limit with --timeout SECONDS.",
-        )
+        at = f" It was at {self._at} when the limit passed." if self._at else ""
+        if self.phase == "trace" and self._at:
+            hint = (
+                "Tracing records every operator the forward runs: a Python loop in it (over the tokens of the sequence, "
+                "or over chunks of it) records each of its steps, so the trace grows with the loop's length. Raise the "
+                "limit with --timeout SECONDS (0: no limit), or fix the model file if that line never ends."
+            )
+        else:
+            hint = (
+                "The model file (its import, build_model(), example_inputs() or forward) may hang or be very slow; "
+                "fix it, or raise the limit with --timeout SECONDS."
+            )
+        return UsageError(f"{self.what} did not finish {self.describe()} within {self.timeout_s:g} s.{at}", hint)
 
     def arm(self) -> None:
         if self.timeout_s is None or self.timeout_s <= 0:
@@ -115,6 +128,7 @@ class Guard:
 
     def _on_alarm(self, signum: int, frame: FrameType | None) -> None:
         if self._armed:
+            self._at = model_line(traceback.extract_stack(frame)) if frame is not None else None
             raise UserCodeTimeout()
 
     def _watchdog(self) -> None:
@@ -135,6 +149,27 @@ _REAL_EXIT = os._exit
 def _one_line(text: str, limit: int = 500) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _not_the_model(filename: str) -> bool:
+    """Whether a frame of ``filename`` is torch's, the planner's, typer's, Python's standard library's or '<...>'."""
+    import torch
+    import typer
+
+    own = tuple(str(Path(f).parent) + os.sep for f in (torch.__file__ or "", typer.__file__ or "", Path(__file__).parent))
+    stdlib = tuple(sysconfig.get_path(k) + os.sep for k in ("stdlib", "platstdlib"))
+    packages = tuple(sysconfig.get_path(k) + os.sep for k in ("purelib", "platlib"))
+    return filename.startswith(("<", *own)) or (filename.startswith(stdlib) and not filename.startswith(packages))
+
+
+def model_line(frames: traceback.StackSummary) -> str | None:
+    """'file.py line N (function): code' of the innermost frame that is not :func:`_not_the_model`'s: the line of the
+    model (its file, or the library that defines it) a stack was running; None if there is none."""
+    own = [f for f in frames if not _not_the_model(f.filename)]
+    if not own:
+        return None
+    f = own[-1]
+    return f"{Path(f.filename).name} line {f.lineno} ({f.name}): {_one_line(f.line or '', 160)}"
 
 
 def _can_alarm() -> bool:

@@ -195,9 +195,23 @@ def _quiet_torch_logs() -> Iterator[None]:
         logger.setLevel(old)
 
 
+@contextmanager
+def _no_stack_traces() -> Iterator[None]:
+    """torch.export records the Python stack of every node it creates (a fifth of its time on a long graph, and the
+    source text of every frame in the generated code); the planner reads no node's stack, so none is recorded."""
+    import torch.fx.config as fx_config
+
+    saved = fx_config.do_not_emit_stack_traces
+    fx_config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        fx_config.do_not_emit_stack_traces = saved
+
+
 def _export_trace(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.GraphModule:
     try:
-        with _quiet_torch_logs():
+        with _quiet_torch_logs(), _no_stack_traces():
             ep = torch.export.export(model, inputs, strict=False)
     except Exception as e:
         raise TraceFailure(None, _where(e), e) from e
