@@ -346,24 +346,48 @@ def _nothing_fits(costs: ModelCosts, cluster: Cluster, req: PlanRequest, result:
             hints.append("--micro-batch 1 would fit")
     if req.mem_target < 1.0 and _fits(costs, cluster, replace(req, mem_target=1.0)):
         hints.append("--mem-target 1.0 would fit (no headroom: risky)")
-    if cluster.homogeneous and len(cluster.groups) == 1:
-        g = cluster.groups[0]
-        for k in (2, 4, 8, 16, 32):
-            # the resolved group (a custom profile, --gpus-per-node and --inter-node-gbps included), on k times the nodes
-            spec = f"{g.nodes * k}x{g.gpus_per_node}x{g.device.key}"
-            if g.size * k > MAX_WORLD_SIZE:
-                break
-            bigger = Cluster(groups=(replace(g, nodes=g.nodes * k),), spec=spec, notes=cluster.notes)
-            loose = replace(req, pp=None, dp=None, global_batch=None if req.global_batch is None else req.global_batch)
-            if _fits(costs, bigger, loose):
-                hints.append(f"{bigger.world_size} GPUs ({spec}) would fit")
-                break
-    hint = (
-        ("Smallest change that fits: " + "; ".join(hints) + ".") if hints else "Try more GPUs, --recompute full, --micro-batch 1, or a device with more memory."
-    )
-    if req.engine != "megatron" and costs.architecture:
-        hint += " Megatron (--engine megatron) adds tensor parallelism, which divides weights and activations."
+    more = _smallest_fitting_cluster(costs, cluster, req)
+    if more:
+        hints.append(f"{more[1]} would fit")
+    experts = any(l.num_experts for l in costs.layers)
+    megatron = req.engine != "megatron" and costs.architecture is not None
+    if not hints and megatron and experts:
+        # DeepSpeed's and torch's pipelines have no expert parallelism: every GPU of a stage holds all its experts
+        more = _smallest_fitting_cluster(costs, cluster, replace(req, engine="megatron"), start=1)
+        if more:
+            on = "" if more[0] == 1 else f" on {more[1]}"
+            hints.append(f"--engine megatron (expert parallelism shards the experts){on} would fit")
+    if hints:
+        hint = "Smallest change that fits: " + "; ".join(hints) + "."
+    else:
+        # the search already tried full recomputation and micro-batch 1 unless they were pinned to something else
+        untried = [o for o, pinned in (("--recompute full", req.recompute), ("--micro-batch 1", req.micro_batch)) if pinned not in (None, "full", 1)]
+        hint = "Try more GPUs, " + ", ".join([*untried, "or a device with more memory."]) if untried else "Try more GPUs or a device with more memory."
+    if megatron and not any("--engine megatron" in h for h in hints):
+        adds = (
+            "tensor and expert parallelism, which divide weights, activations and the experts"
+            if experts
+            else "tensor parallelism, which divides weights and activations"
+        )
+        hint += f" Megatron (--engine megatron) adds {adds}."
     return msg, hint
+
+
+def _smallest_fitting_cluster(costs: ModelCosts, cluster: Cluster, req: PlanRequest, start: int = 2) -> tuple[int, str] | None:
+    """(k, 'N GPUs (spec)') of the smallest k of ``start``, 2 x ``start`` ... 32 such that k times the nodes of a
+    one-group ``cluster`` fit a layout (the resolved group: a custom profile, --gpus-per-node and --inter-node-gbps
+    included), with the pipeline and data-parallel degrees left to the search; None if none does or the cluster is mixed."""
+    if not (cluster.homogeneous and len(cluster.groups) == 1):
+        return None
+    g = cluster.groups[0]
+    k = start
+    while k <= 32 and g.size * k <= MAX_WORLD_SIZE:
+        spec = f"{g.nodes * k}x{g.gpus_per_node}x{g.device.key}"
+        bigger = Cluster(groups=(replace(g, nodes=g.nodes * k),), spec=spec, notes=cluster.notes)
+        if _fits(costs, bigger, replace(req, pp=None, dp=None)):
+            return k, f"{bigger.world_size} GPUs ({spec})"
+        k *= 2
+    return None
 
 
 def _fits(costs: ModelCosts, cluster: Cluster, req: PlanRequest) -> bool:

@@ -286,3 +286,22 @@ def test_extrapolated_step_matches_the_full_simulation(monkeypatch, name, v):
             full = simulate(build_schedule(name, p, m, v), times, mem, timeline=False)
             assert got.step_time == pytest.approx(full.step_time, rel=0.01), (seed, p)
             assert got.busy == pytest.approx(full.busy, rel=0.01), (seed, p)
+
+
+def test_nothing_fits_on_deepspeed_names_megatron_for_experts():
+    """issue: an MoE model that no DeepSpeed layout fits at any size (a stage holds all of a layer's experts: DeepSeek-V3
+    on 64 H100) was told "Try more GPUs, --recompute full, --micro-batch 1", all of which the search had tried; the
+    advice now names Megatron's expert parallelism where it fits, and that holds when planned for real."""
+    req = PlanRequest(
+        model_file=str(EX / "moe.py"),
+        model_args={"preset": "deepseek-v3", "n_layers": "5", "seq_len": "1024"},
+        gpus="8xH100",
+        engine="deepspeed",
+    )
+    with pytest.raises(InfeasibleError) as e:
+        plan_model(req)
+    text = str(e.value)
+    assert "Smallest change that fits: --engine megatron (expert parallelism shards the experts) would fit." in text, text
+    assert "--recompute full" not in text.split("Smallest change")[1] and "--micro-batch 1" not in text.split("Smallest change")[1]
+    plan = plan_model(replace(req, engine="megatron"))[0]
+    assert plan.layout.ep > 1
