@@ -158,6 +158,12 @@ def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | Non
     }
     if measured and result.best.layout.tp > 1:
         profile_notes.append(f"the measured times apply to tp = 1; this tp = {result.best.layout.tp} layout is timed analytically")
+    experts = max((l.num_experts for l in analysis.costs.layers), default=0)
+    if experts and not engine.expert_parallel:
+        profile_notes.append(
+            f"{engine.name} runs no expert parallelism: every GPU of a stage holds all {experts} experts of each of its MoE "
+            "layers and their optimizer state; --engine megatron shards them over an expert-parallel group (--ep)"
+        )
     plan = build_plan(analysis.costs, cluster, req, result, extra, notes=list(analysis.costs.notes) + profile_notes)
     return plan, analysis, result
 
@@ -285,8 +291,17 @@ def expert_summary(costs: ModelCosts, ev: Evaluation) -> dict[str, Any]:
         "expert_data_parallel": lay.tp * lay.cp * lay.dp // (lay.ep * lay.etp),
         "params_per_gpu": worst["params"],
         "bytes_per_gpu": {k: worst[k] for k in ("weights", "grads", "optimizer")},
-        "dispatch": "alltoall over the ep group, exposed (no --overlap-moe-expert-parallel-comm)",
+        "dispatch": expert_dispatch(lay),
     }
+
+
+def expert_dispatch(lay: Layout) -> str:
+    """How the plan's MoE layers move tokens, for plan.json and the summary."""
+    if lay.ep == 1:
+        return "none: ep 1, each GPU runs every expert of its layers on its own tokens (no all-to-all)"
+    if lay.ep_comm_overlap:
+        return "alltoall over the ep group, hidden behind another micro-batch's compute (--overlap-moe-expert-parallel-comm)"
+    return "alltoall over the ep group, exposed (no --overlap-moe-expert-parallel-comm)"
 
 
 def informative_rejections(rejected: list[Rejection], k: int) -> list[Rejection]:

@@ -1,6 +1,8 @@
 """Expert parallelism: experts found by structure, their memory and time in closed form, the all-to-all, the
 (ep, etp) search against a brute force, Megatron's expert groups, and the --ep / --etp pins."""
 
+import dataclasses
+import json
 import math
 
 import pytest
@@ -340,6 +342,7 @@ def test_plan_and_report_state_ep_and_the_expert_memory(tmp_path):
     assert ex["bytes_per_gpu"] == {"weights": 2 * per_gpu, "grads": 4 * per_gpu, "optimizer": 12 * per_gpu / 2}
     report = (out / "report.md").read_text()
     assert "split over ep 4 x etp 1 (expert data parallel 2)" in report and "36.9k expert parameters" in report
+    assert "token dispatch: alltoall over the ep group, exposed (no --overlap-moe-expert-parallel-comm)." in report
     chosen = Layout("megatron", 1, 1, 8, 1, 1, 1, 8, "1f1b", "none", 1, ep=8)
     assert "ep 4 (chosen 8)" in layout_differences(Layout("megatron", 1, 1, 8, 1, 1, 1, 8, "1f1b", "none", 1, ep=4), chosen)
 
@@ -367,3 +370,19 @@ def test_tp_collectives_only_where_moe_pieces_have_shared_experts():
                 assert b - a == pytest.approx(1e-3 if shared else 0.0, abs=1e-15), (preset, l.name)
             elif l.kind == "attention":
                 assert b - a == pytest.approx(1e-3, abs=1e-15)
+
+
+def test_expert_dispatch_says_what_the_layout_does():
+    """issue: every MoE plan said "token dispatch: alltoall over the ep group, exposed", also at ep 1 (DeepSpeed's
+    and torch's only choice: no all-to-all at all) and with --overlap-moe-expert-parallel-comm (hidden)."""
+    from planner.planning import expert_dispatch
+
+    base = Layout("megatron", 2, 1, 4, 2, 1, 8, 32, "interleaved", "none", 1, ep=4)
+    assert expert_dispatch(base) == "alltoall over the ep group, exposed (no --overlap-moe-expert-parallel-comm)"
+    assert expert_dispatch(dataclasses.replace(base, ep_comm_overlap=True)).startswith("alltoall over the ep group, hidden")
+    assert expert_dispatch(dataclasses.replace(base, ep=1)).startswith("none: ep 1")
+    out = runner.invoke(app, ["plan", str(EXAMPLES / "moe.py"), "--model-arg", "preset=deepseek-tiny", "--gpus", "8xH100", "--engine", "deepspeed", "--json"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.stdout)
+    assert doc["assumptions"]["experts"]["dispatch"].startswith("none: ep 1")
+    assert any(n.startswith("deepspeed runs no expert parallelism: every GPU of a stage holds all 8 experts") for n in doc["notes"])
