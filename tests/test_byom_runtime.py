@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -773,6 +775,25 @@ def test_failing_rank_is_the_real_exception_not_the_closed_connection():
     rank, err = sm.failing_rank({0: GLOO_CLOSED, 1: "error (rank 1): PlanMismatch: changed"}, {})
     assert rank == 1 and err.startswith("error (rank 1): PlanMismatch")
     assert sm.failing_rank({0: "step 1/2 loss 4.5"}, {}) == (-1, None)
+
+
+def test_failing_rank_of_a_worker_killed_by_a_signal_is_torchrun_s_root_cause(tmp_path):
+    """issue: a rank that died by SIGSEGV inside torch (timm cpubone_nano under ZBV) left no Python error, and smoke said
+    "failing rank (unknown)" with torchrun's log as "rank -1". The root cause torchrun prints names it: here, from a
+    real torchrun whose rank 1 kills itself with SIGSEGV while rank 0 waits."""
+    script = tmp_path / "crash.py"
+    script.write_text("import os, signal, time\nif os.environ['RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGSEGV)\ntime.sleep(60)\n")
+    p = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(sm._free_port()), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert p.returncode != 0
+    rank, err = sm.failing_rank({0: "", 1: "", -1: p.stdout + p.stderr}, {})
+    assert rank == 1 and err == "killed by SIGSEGV without a Python error (torchrun's root cause: exit code -11)", (rank, err, p.stderr[-2000:])
+    assert sm.torchrun_root_cause("torchrun summary") == (-1, None)
 
 
 def test_reference_runs_with_the_ranks_thread_count(tmp_path):

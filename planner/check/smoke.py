@@ -25,6 +25,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -254,9 +255,28 @@ def failing_rank(logs: dict[int, str], finished_at: dict[int, float]) -> tuple[i
         secondary = any(k in err.lower() for k in SECONDARY_ERRORS)
         found.append((secondary, finished_at.get(rank, 0.0), rank, err))
     if not found:
-        return -1, None
+        return torchrun_root_cause(logs.get(-1, ""))
     _, _, rank, err = min(found)
     return rank, err
+
+
+#: the "Root Cause (first observed failure)" entry torch.distributed.elastic prints when a worker fails
+_ROOT_CAUSE = re.compile(
+    r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)[^\n]*?(?:\((SIG[A-Z]+)\))?\s*$",
+    re.S | re.M,
+)
+
+
+def torchrun_root_cause(text: str) -> tuple[int, str | None]:
+    """(rank, why) of the worker torchrun names as the root cause of a failure, for a worker that died without a
+    Python error (a signal: a crash in native code, or the kernel's OOM killer); (-1, None) if torchrun names none."""
+    m = _ROOT_CAUSE.search(text)
+    if m is None:
+        return -1, None
+    rank, code, signal_name = int(m[1]), int(m[2]), m[3]
+    if code < 0:
+        return rank, f"killed by {signal_name or f'signal {-code}'} without a Python error (torchrun's root cause: exit code {code})"
+    return rank, f"exited {code} without a Python error in its log (torchrun's root cause)"
 
 
 def _descendants(pid: int) -> list[int]:
@@ -478,7 +498,7 @@ def _run(
         detail = f"torchrun exited {code}; failing rank {r if r >= 0 else '(unknown)'}"
         if err:
             detail += f": {err}"
-        detail += f"\n--- rank {r} log (tail) ---\n{_tail(logs.get(r, logs.get(-1, '(no output)')))}"
+        detail += f"\n--- rank {r} log (tail) ---\n{_tail(logs.get(r) or logs.get(-1) or '(no output)')}"
         result.checks.append(Check("ranks exit 0 within the timeout", False, detail))
     else:
         result.checks.append(Check("ranks exit 0 within the timeout", True, f"{ranks_used} ranks finished in {result.wall_s:.1f} s"))
