@@ -793,7 +793,57 @@ def test_failing_rank_of_a_worker_killed_by_a_signal_is_torchrun_s_root_cause(tm
     assert p.returncode != 0
     rank, err = sm.failing_rank({0: "", 1: "", -1: p.stdout + p.stderr}, {})
     assert rank == 1 and err == "killed by SIGSEGV without a Python error (torchrun's root cause: exit code -11)", (rank, err, p.stderr[-2000:])
+    # the surviving rank's "connection reset by peer" is what the crash caused, not the cause
+    assert sm.failing_rank({0: GLOO_CLOSED, 1: "", -1: p.stdout + p.stderr}, {}) == (1, err)
     assert sm.torchrun_root_cause("torchrun summary") == (-1, None)
+
+
+CRASHES_ON_RANK_1 = """
+import os
+import signal
+
+import torch
+import torch.nn as nn
+
+
+class Crash(nn.Module):
+    def forward(self, x):
+        if os.environ.get("RANK") == "1":
+            os.kill(os.getpid(), signal.SIGSEGV)  # a crash in native code, as a torch kernel's
+        return x * 1.0
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), Crash()) for _ in range(4)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def build_model():
+    return Model()
+
+
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 8),)
+"""
+
+
+def test_smoke_names_a_rank_killed_by_a_signal_and_its_python_stack(tmp_path):
+    """A rank that crashes in native code leaves no Python error: smoke names it from torchrun's root cause, and the
+    ranks run with Python's fault handler, so its log shows the Python stack it crashed in (the model's line here)."""
+    (tmp_path / "m.py").write_text(CRASHES_ON_RANK_1)
+    plan = plan_two_stages(str(tmp_path / "m.py"), tmp_path / "plan", "torch", "--schedule", "1f1b", "--leaf", "Crash")
+    r = runner.invoke(app, ["smoke", str(plan), "--steps", "1"])
+    assert r.exit_code == 1, r.output
+    check = next(c for c in json.loads((plan / "smoke.json").read_text())["checks"] if not c["ok"])
+    assert "failing rank 1: killed by SIGSEGV without a Python error" in check["detail"], check["detail"]
+    fault = check["detail"].split("--- rank 1 crashed in (Python's fault handler, innermost call first) ---\n")[1].splitlines()
+    assert fault[0] == "Fatal Python error: Segmentation fault" and fault[1].strip().endswith('m.py", line 12 in forward'), fault
 
 
 def test_reference_runs_with_the_ranks_thread_count(tmp_path):

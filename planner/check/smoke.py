@@ -216,6 +216,23 @@ def _log_times(log_dir: Path) -> dict[int, float]:
     return out
 
 
+def _fault_stack(text: str, lines: int = 15) -> str | None:
+    """The Python stack faulthandler wrote into a rank's log when the rank crashed in native code (innermost call
+    first: the head of it, not the log's tail, says where), its first ``lines`` frames; None if there is none."""
+    plain = [ln.split("]: ", 1)[1] if ln.startswith("[rank") and "]: " in ln else ln for ln in text.splitlines()]
+    start = next((i for i, ln in enumerate(plain) if ln.startswith("Fatal Python error")), None)
+    if start is None:
+        return None
+    # faulthandler writes every thread's stack; the one that crashed is the "Current thread"
+    current = next((i for i in range(start, len(plain)) if plain[i].startswith("Current thread")), start)
+    frames = []
+    for ln in plain[current + 1 :]:
+        if not ln.strip().startswith("File "):
+            break
+        frames.append(ln)
+    return "\n".join([plain[start], *frames[:lines]])
+
+
 def _tail(text: str, lines: int = 15) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
@@ -242,8 +259,9 @@ def failing_rank(logs: dict[int, str], finished_at: dict[int, float]) -> tuple[i
     A rank that failed because another one died first reports a closed or
     reset connection (gloo, NCCL) or a termination signal; those are passed
     over for a real exception. Among real exceptions the earliest log wins (the
-    time its log was last written, ``finished_at``), then the lowest rank.
-    Returns (-1, None) when no rank log holds an error.
+    time its log was last written, ``finished_at``), then the lowest rank. Without
+    a real exception, the worker torchrun names as the root cause (one killed by
+    a signal raises none); (-1, None) when there is none either.
     """
     found = []
     for rank, text in logs.items():
@@ -254,8 +272,11 @@ def failing_rank(logs: dict[int, str], finished_at: dict[int, float]) -> tuple[i
             continue
         secondary = any(k in err.lower() for k in SECONDARY_ERRORS)
         found.append((secondary, finished_at.get(rank, 0.0), rank, err))
-    if not found:
-        return torchrun_root_cause(logs.get(-1, ""))
+    if not found or all(secondary for secondary, *_ in found):
+        # no rank raised a real error: one that died by a signal left none, and torchrun names it
+        rank, err = torchrun_root_cause(logs.get(-1, ""))
+        if rank >= 0 or not found:
+            return rank, err
     _, _, rank, err = min(found)
     return rank, err
 
@@ -459,7 +480,8 @@ def _run(
         layout=lay.to_dict(),
         predicted={"step_time_s": small.predicted.step_time_s, "ranks": [r.to_dict() for r in small.ranks]},
     )
-    env = {}
+    # a rank that crashes in native code (SIGSEGV, SIGABRT) dumps its Python stack into its log
+    env = {"PYTHONFAULTHANDLER": "1"}
     if engine == "deepspeed" and device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
     args = [
@@ -498,7 +520,13 @@ def _run(
         detail = f"torchrun exited {code}; failing rank {r if r >= 0 else '(unknown)'}"
         if err:
             detail += f": {err}"
-        detail += f"\n--- rank {r} log (tail) ---\n{_tail(logs.get(r) or logs.get(-1) or '(no output)')}"
+        fault = _fault_stack(logs.get(r, ""))
+        if fault:
+            detail += f"\n--- rank {r} crashed in (Python's fault handler, innermost call first) ---\n{fault}"
+        elif logs.get(r):
+            detail += f"\n--- rank {r} log (tail) ---\n{_tail(logs[r])}"
+        else:
+            detail += f"\n--- torchrun log (tail) ---\n{_tail(logs.get(-1) or '(no output)')}"
         result.checks.append(Check("ranks exit 0 within the timeout", False, detail))
     else:
         result.checks.append(Check("ranks exit 0 within the timeout", True, f"{ranks_used} ranks finished in {result.wall_s:.1f} s"))
