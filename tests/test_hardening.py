@@ -850,3 +850,18 @@ def test_hardware_profile_paths_are_recorded_relative_to_the_plan_directory(tmp_
     code, out, err = cli("validate", tmp_path / "plans" / "a", "--model", tmp_path / "model.py", cwd=elsewhere)
     assert code == 0, out + err
     assert "unknown device" not in out + err
+
+
+def test_the_line_a_limit_names_is_never_the_planner_s_own():
+    """issue: RWKV's costing (planner code) outlasted the limit and the message named the console script ("It was at
+    planner line 6 (<module>): sys.exit(main())"); frames of torch, the planner and its console script are skipped."""
+    import sysconfig
+    import traceback
+
+    from planner.model import guard
+
+    script = os.path.join(sysconfig.get_path("scripts"), "planner")
+    frames = traceback.StackSummary.from_list([(script, 6, "<module>", "sys.exit(main())"), (guard.__file__, 10, "f", "x")])
+    assert guard.model_line(frames) is None
+    frames = traceback.StackSummary.from_list([(script, 6, "<module>", "x"), ("/src/m.py", 3, "forward", "y = f(x)"), (guard.__file__, 1, "g", "")])
+    assert guard.model_line(frames) == "m.py line 3 (forward): y = f(x)"

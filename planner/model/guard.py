@@ -152,11 +152,13 @@ def _one_line(text: str, limit: int = 500) -> str:
 
 
 def _not_the_model(filename: str) -> bool:
-    """Whether a frame of ``filename`` is torch's, the planner's, typer's, Python's standard library's or '<...>'."""
+    """Whether a frame of ``filename`` is torch's, the planner's (its console script included), typer's, Python's
+    standard library's or '<...>'."""
     import torch
     import typer
 
     own = tuple(str(Path(f).parent) + os.sep for f in (torch.__file__ or "", typer.__file__ or "", Path(__file__).parent))
+    own += (sysconfig.get_path("scripts") + os.sep,)
     stdlib = tuple(sysconfig.get_path(k) + os.sep for k in ("stdlib", "platstdlib"))
     packages = tuple(sysconfig.get_path(k) + os.sep for k in ("purelib", "platlib"))
     return filename.startswith(("<", *own)) or (filename.startswith(stdlib) and not filename.startswith(packages))
