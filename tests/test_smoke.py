@@ -53,6 +53,100 @@ def test_scale_down_is_explicit_and_recorded(tmp_path):
     assert "data-parallel replicas 2 -> 1" in r.output
 
 
+UPCAST_NORM_MODEL = """
+import torch
+import torch.nn as nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        h = x.to(torch.float32)  # Llama's norm: fp32 inside, whatever the model's dtype
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = RMSNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(32) for _ in range(4)])
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 32),)
+"""
+
+
+def test_scaled_down_bf16_plan_keeps_its_stage_boundaries(tmp_path):
+    """issue: a bf16 plan for GPUs (an HF Llama or SmolLM3 on 8 A100) with more data-parallel replicas than the smoke's
+    ranks was re-planned in fp32, whose trace has more pieces (the norm's fp32 upcast splits only an fp32 trace), so the
+    plan's pinned stage boundaries failed: "stage boundaries [0, 5, 9, 14, 19] do not split 27 pieces". The scaled plan
+    is traced in the plan's dtype, as the committed scripts are, and its ranks run in fp32."""
+    m = tmp_path / "m.py"
+    m.write_text(UPCAST_NORM_MODEL)
+    pieces = {}
+    for dtype in ("bf16", "fp32"):
+        r = runner.invoke(app, ["inspect", str(m), "--dtype", dtype, "--tracer", "export", "--json"])
+        assert r.exit_code == 0, r.output
+        pieces[dtype] = len(json.loads(r.stdout)["layers"])
+    assert pieces["fp32"] > pieces["bf16"]  # the premise: the two traces cut differently (as HF's export graphs do)
+    d = tmp_path / "plan"
+    pins = ["--pp", "2", "--dp", "4", "--schedule", "1f1b", "--engine", "torch", "--tracer", "export"]
+    r = runner.invoke(app, ["plan", str(m), "--gpus", "8xA100", "--out", str(d), "--quiet", *pins])
+    assert r.exit_code == 0, r.output
+    r, doc = smoke(d, "--ranks", "2")
+    assert r.exit_code == 0, r.output
+    assert (doc["layout"]["pp"], doc["layout"]["dp"]) == (2, 1)
+    assert any("precision bf16 -> fp32" in n for n in doc["scale_down"])
+    assert doc["max_relative_difference"] <= 1e-5
+
+
+def test_export_pieces_hold_operations_and_a_weightless_stage_trains(tmp_path):
+    """issue: torch.export's dtype check of a norm's ``.to(float32)`` (no users, no computation) made a piece of its
+    own (every HF Llama layer had two: "input_layernorm" and "post_attention_layernorm", with 0 FLOPs and 0 parameters,
+    the norms running in the next piece). A bf16 trace now has no such piece. A stage can still hold no weights (an fp32
+    trace cuts a norm between its statistics and its weight): the torch scripts ran AdamW over no parameters and
+    failed ("optimizer got an empty parameter list"); such a rank now has nothing to step, and trains."""
+    m = tmp_path / "m.py"
+    m.write_text(UPCAST_NORM_MODEL)
+    r = runner.invoke(app, ["inspect", str(m), "--dtype", "bf16", "--tracer", "export", "--json"])
+    layers = json.loads(r.stdout)["layers"]
+    assert [l["name"] for l in layers] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]
+    assert all(l["flops_fwd"] > 0 for l in layers)
+    d = tmp_path / "plan"
+    pins = ["--pp", "2", "--schedule", "1f1b", "--engine", "torch", "--tracer", "export", "--dtype", "fp32"]
+    r = runner.invoke(app, ["plan", str(m), "--gpus", "2xA100", "--out", str(d), "--quiet", *pins])
+    assert r.exit_code == 0, r.output
+    stages = json.loads((d / "plan.json").read_text())["stages"]
+    assert stages[0]["params"] == 0, stages  # the premise: the split puts the first norm's statistics alone on rank 0
+    r, doc = smoke(d)
+    assert r.exit_code == 0, r.output
+    assert doc["max_relative_difference"] <= 1e-5
+
+
 def _inject(d: Path, script: str, code: str) -> None:
     """Insert ``code`` into a rendered training script right after its imports (a deliberately broken plan)."""
     path = d / script

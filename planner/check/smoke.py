@@ -148,10 +148,13 @@ def scaled_request(plan: Plan, plan_dir: Path, ranks: int, device: str, model_ar
     gb = lay.micro_batch * lay.num_microbatches * dp
     if gb != lay.global_batch:
         notes.append(f"global batch {lay.global_batch} -> {gb} (same micro-batch {lay.micro_batch} x {lay.num_microbatches} micro-batches per replica)")
+    # The scaled plan is traced in the plan's dtype and its ranks run in fp32 on CPU (the scripts' --precision, as for
+    # the committed files): the tracer's sub-block cuts depend on byte counts (RMSNorm's fp32 upcast splits only an
+    # fp32 trace), so a trace in fp32 has other pieces, and the plan's stage boundaries would not fit them.
     dtype = plan.inputs.get("dtype", "bf16")
     if device == "cpu" and dtype != "fp32":
         notes.append(f"precision {dtype} -> fp32 (CPU; exact comparison with the single-process run)")
-        dtype = "fp32"
+        dtype = "bf16" if dtype == "fp8" else dtype  # FP8 GEMMs are a GPU's; their plan traces in bf16
     args = dict(inputs.get("model_args") or {})
     if model_args:
         notes.append("model arguments " + ", ".join(f"{k}={args.get(k, '(default)')} -> {v}" for k, v in sorted(model_args.items())))
@@ -177,7 +180,7 @@ def scaled_request(plan: Plan, plan_dir: Path, ranks: int, device: str, model_ar
         pp=pp,
         tp=1,
         dp=dp,
-        fp8=lay.fp8 and dtype != "fp32",
+        fp8=lay.fp8 and device != "cpu",
     )
     return req, notes
 

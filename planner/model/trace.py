@@ -966,6 +966,15 @@ def _free_last_use(u: fx.Node, pos: dict[fx.Node, int], out_node: fx.Node, free:
     return uses
 
 
+#: operators torch.export records that check the traced values and compute nothing
+_CHECK_OPS = (torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default)
+
+
+def _is_check(node: fx.Node) -> bool:
+    """Whether ``node`` is a check with no users (:data:`_CHECK_OPS`)."""
+    return node.op == "call_function" and node.target in _CHECK_OPS and not node.users
+
+
 def _block_parts(
     nodes: list[fx.Node],
     block: str,
@@ -981,7 +990,10 @@ def _block_parts(
     crossing there are tensors no larger in total than the block's input.
     """
     limit = crossing_bytes(pos[nodes[0]])
-    kids = [_child_of(n, block) for n in nodes]
+    # a check torch.export records (the dtype assert of a ``.to()``) runs no child: a part of checks alone would be a
+    # piece with no operation (every HF Llama layer had two, "input_layernorm" and "post_attention_layernorm", whose
+    # norms ran in the next piece) and a stage of such pieces none at all
+    kids = [None if _is_check(n) else _child_of(n, block) for n in nodes]
     child_after = [False] * (len(nodes) + 1)
     for i in range(len(nodes) - 1, -1, -1):
         child_after[i] = child_after[i + 1] or kids[i] is not None
