@@ -160,9 +160,11 @@ def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | Non
         profile_notes.append(f"the measured times apply to tp = 1; this tp = {result.best.layout.tp} layout is timed analytically")
     experts = max((l.num_experts for l in analysis.costs.layers), default=0)
     if experts and not engine.expert_parallel:
+        # Megatron builds the model from flags: only where a shape was derived for it (architecture()) can it plan this one
+        megatron = "; --engine megatron shards them over an expert-parallel group (--ep)" if analysis.costs.architecture else ""
         profile_notes.append(
             f"{engine.name} runs no expert parallelism: every GPU of a stage holds all {experts} experts of each of its MoE "
-            "layers and their optimizer state; --engine megatron shards them over an expert-parallel group (--ep)"
+            f"layers and their optimizer state{megatron}"
         )
     plan = build_plan(analysis.costs, cluster, req, result, extra, notes=list(analysis.costs.notes) + profile_notes)
     return plan, analysis, result

@@ -385,4 +385,16 @@ def test_expert_dispatch_says_what_the_layout_does():
     assert out.exit_code == 0, out.output
     doc = json.loads(out.stdout)
     assert doc["assumptions"]["experts"]["dispatch"].startswith("none: ep 1")
-    assert any(n.startswith("deepspeed runs no expert parallelism: every GPU of a stage holds all 8 experts") for n in doc["notes"])
+    note = next(n for n in doc["notes"] if n.startswith("deepspeed runs no expert parallelism: every GPU of a stage holds all 8 experts"))
+    assert note.endswith("--engine megatron shards them over an expert-parallel group (--ep)")
+
+
+def test_the_no_expert_parallelism_note_names_megatron_only_where_it_can_build_the_model(tmp_path):
+    """Megatron builds its model from flags: for an MoE model without a derived shape (no architecture(); transformers'
+    gpt-oss, GLM-4.5) the note does not send the user to an engine that refuses it."""
+    m = tmp_path / "moe_no_arch.py"
+    m.write_text(f"import sys\nsys.path.insert(0, {str(EXAMPLES)!r})\nfrom moe import build_model, example_inputs  # noqa: F401\n")
+    out = runner.invoke(app, ["plan", str(m), "--model-arg", "preset=deepseek-tiny", "--gpus", "8xH100", "--engine", "deepspeed", "--json"])
+    assert out.exit_code == 0, out.output
+    note = next(n for n in json.loads(out.stdout)["notes"] if n.startswith("deepspeed runs no expert parallelism"))
+    assert "megatron" not in note
