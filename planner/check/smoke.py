@@ -4,14 +4,16 @@ The run keeps the plan's structure: engine, schedule, virtual stages, micro-batc
 size and micro-batch count, and (when the ranks allow) the pipeline depth and the
 exact stage boundaries. What has to shrink is shrunk explicitly, printed and
 recorded in smoke.json: fewer data-parallel replicas first, then fewer pipeline
-stages (the planner then re-splits the pieces), an fp32 copy of the plan on CPU
-(exact comparison), and model arguments given with --model-arg (a smaller hidden
-size or sequence). The scaled plan is rendered with the same renderer into
-DIR/smoke/ and launched with torchrun on this machine (gloo on CPU, NCCL on GPUs).
+stages (the planner then re-splits the pieces), fp32 ranks on CPU (exact
+comparison; the plan keeps its own dtype, whose trace its stage boundaries
+index), and model arguments given with --model-arg (a smaller hidden size or
+sequence). The scaled plan is rendered with the same renderer into DIR/smoke/
+and launched with torchrun on this machine (gloo on CPU, NCCL on GPUs).
 
 Checks: every rank exits 0 within the timeout (on a timeout or a crash the whole
 process group is killed, and the failing rank and the tail of its log are
-shown); every loss is finite; the losses equal a single-process, non-pipelined
+shown; a rank killed by a signal is named from torchrun's root cause, with the
+stack Python's fault handler wrote for it); every loss is finite; the losses equal a single-process, non-pipelined
 run of the same model, seed and data (planner.runners.reference) within a
 relative tolerance (1e-5 in fp32): the proof that the partition and the schedule
 compute the same thing. On GPUs, each rank's measured peak memory and step time
