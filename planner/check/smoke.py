@@ -13,10 +13,10 @@ and launched with torchrun on this machine (gloo on CPU, NCCL on GPUs).
 Checks: every rank exits 0 within the timeout (on a timeout or a crash the whole
 process group is killed, and the failing rank and the tail of its log are
 shown; a rank killed by a signal is named from torchrun's root cause, with the
-stack Python's fault handler wrote for it); every loss is finite; the losses equal a single-process, non-pipelined
-run of the same model, seed and data (planner.runners.reference) within a
-relative tolerance (1e-5 in fp32): the proof that the partition and the schedule
-compute the same thing. On GPUs, each rank's measured peak memory and step time
+stack Python's fault handler wrote for it); every loss is finite; the losses
+equal a single-process, non-pipelined run of the same model, seed and data
+(planner.runners.reference) within a relative tolerance (1e-5 in fp32): the
+proof that the partition and the schedule compute the same thing. On GPUs, each rank's measured peak memory and step time
 are compared with the plan's prediction.
 """
 
