@@ -265,3 +265,26 @@ def test_export_records_no_stack_traces():
     assert [(n.op, str(n.target)) for n in gm.graph.nodes if n.op != "call_module"] == [
         (n.op, str(n.target)) for n in with_traces.graph.nodes if n.op != "call_module"
     ]
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_idle_modules_are_the_modules_no_graph_node_reads(tracer):
+    """The modules whose parameters the traced graph never reads, largest first in module order (not their children):
+    torch.export's graph fetches every parameter, so only fetches with users count."""
+    from planner.model.trace import build_layer_graph, idle_modules
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = torch.nn.Linear(4, 4)
+            self.tower = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+            self.proj = torch.nn.Linear(4, 3, bias=False)
+
+        def forward(self, x, image=None):
+            return self.used(x) if image is None else self.proj(self.tower(image))
+
+    with torch.device("meta"):
+        net = Net()
+    x, x2 = torch.randn(2, 4, device="meta"), torch.randn(4, 4, device="meta")
+    lg = build_layer_graph(net, (x,), (x2,), tracer=tracer)
+    assert idle_modules(net, lg.gm) == [("tower", 4 * 8 + 8 + 8 * 4 + 4), ("proj", 12)]

@@ -246,7 +246,15 @@ def test_a_vision_language_decoder_says_its_vision_tower_is_idle(tmp_path):
     path.write_text(json.dumps(doc))
     r = runner.invoke(app, ["inspect", f"hf:{path}", "--json"])
     assert r.exit_code == 0, r.output
-    assert any("its vision tower's parameters are counted, its compute is not" in n for n in json.loads(r.stdout)["notes"])
+    out = json.loads(r.stdout)
+    assert any("planned on token ids only (no images): its vision tower does not run" in n for n in out["notes"])
+    # issue: the note said the vision tower's parameters were counted; no piece holds them, and the count left them out
+    model = transformers.AutoModel.from_config(transformers.AutoConfig.for_model(**doc))  # LlavaModel, as planned
+    tower = sum(p.numel() for p in model.vision_tower.parameters())
+    projector = sum(p.numel() for p in model.multi_modal_projector.parameters())
+    idle = next(n for n in out["notes"] if "parameters are in no piece" in n)
+    assert idle.startswith(f"{tower + projector:,} parameters are in no piece: forward() does not read vision_tower ({tower:,}), ")
+    assert out["totals"]["params"] == sum(p.numel() for p in model.parameters()) - tower - projector
 
 
 @pytest.mark.parametrize("name", DECODERS)

@@ -14,7 +14,7 @@ from torch import nn
 from planner.errors import UsageError
 from planner.model.cost import cost_layers
 from planner.model.load import ModelFile, load_model_file
-from planner.model.trace import LayerGraph, build_layer_graph
+from planner.model.trace import LayerGraph, build_layer_graph, idle_modules
 from planner.records import ModelCosts
 
 BATCH_STATS_MIN = 2  # the smallest micro-batch a BatchNorm layer trains on (one value per channel is refused)
@@ -85,6 +85,13 @@ def analyze(
         if progress:
             progress("trace", 0, 1)
         lg = build_layer_graph(model, inputs, inputs2, leaf_classes=leaf or (), tracer=tracer, sub_block_cuts=sub_block_cuts)
+        idle = idle_modules(model, lg.gm)
+        if idle:
+            listed = ", ".join(f"{path} ({n:,})" for path, n in idle[:4]) + (f" and {len(idle) - 4} more" if len(idle) > 4 else "")
+            notes.append(
+                f"{sum(n for _, n in idle):,} parameters are in no piece: forward() does not read {listed} on these "
+                "inputs, so they are not planned (in no stage's memory or parameter count) and the scripts do not train them"
+            )
         lg.notes = list(mf.notes) + notes + lg.notes
         seq = infer_seq_len(arch, inputs)
         step = "costing"

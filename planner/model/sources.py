@@ -381,7 +381,7 @@ def _hf_contract(spec: str, rest: str, model_args: dict[str, Any]) -> LibraryCon
     paired_image = main_input == "input_ids" and "pixel_values" in params and vision is not None and not image_tokens
     notes = []
     if vision is not None and image_tokens:
-        notes.append(f"{cls_name} planned on token ids only: its vision tower's parameters are counted, its compute is not (no images)")
+        notes.append(f"{cls_name} planned on token ids only (no images): its vision tower does not run")
 
     def build_model(**_: Any) -> torch.nn.Module:
         model = cls.from_config(hf_config(path, overrides)) if hasattr(cls, "from_config") else cls(hf_config(path, overrides))

@@ -423,6 +423,30 @@ def _attr_source(traced: nn.Module, graph: fx.Graph, root: nn.Module | None) -> 
     return found
 
 
+def idle_modules(model: nn.Module, gm: fx.GraphModule) -> list[tuple[str, int]]:
+    """(module path, parameters) of the largest modules of ``model`` none of whose parameters the traced graph ``gm``
+    reads (a vision tower when only token ids are given), in module order: the parameters no piece holds."""
+    used: set[int] = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.users:  # torch.export's graph fetches every parameter, used or not
+            value = _get_path(gm, str(node.target))
+            if isinstance(value, torch.Tensor):
+                used.add(id(value))
+        elif node.op == "call_module":
+            used.update(id(t) for t in gm.get_submodule(str(node.target)).parameters())
+    out: list[tuple[str, int]] = []
+    for path, mod in model.named_modules():
+        params = list(mod.parameters())
+        if not params or any(id(t) in used for t in params):
+            continue
+        if any(path.startswith(prefix + ".") for prefix, _ in out if prefix):
+            continue  # inside a module already listed
+        if not path:
+            return [("(the whole model)", sum(t.numel() for t in params))]
+        out.append((path, sum(t.numel() for t in {id(t): t for t in params}.values())))
+    return out
+
+
 def _get_path(mod: nn.Module, path: str) -> Any:
     obj: Any = mod
     for part in path.split("."):
