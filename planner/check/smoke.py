@@ -221,10 +221,15 @@ def _log_times(log_dir: Path) -> dict[int, float]:
     return out
 
 
+def _unprefixed(text: str) -> list[str]:
+    """A rank log's lines without the ``[rankN]: `` prefix torchrun's --redirects put on them."""
+    return [ln.split("]: ", 1)[1] if ln.startswith("[rank") and "]: " in ln else ln for ln in text.splitlines()]
+
+
 def _fault_stack(text: str, lines: int = 15) -> str | None:
     """The Python stack faulthandler wrote into a rank's log when the rank crashed in native code (innermost call
     first: the head of it, not the log's tail, says where), its first ``lines`` frames; None if there is none."""
-    plain = [ln.split("]: ", 1)[1] if ln.startswith("[rank") and "]: " in ln else ln for ln in text.splitlines()]
+    plain = _unprefixed(text)
     start = next((i for i, ln in enumerate(plain) if ln.startswith("Fatal Python error")), None)
     if start is None:
         return None
@@ -244,7 +249,7 @@ def _tail(text: str, lines: int = 15) -> str:
 
 def _error_of(text: str) -> str | None:
     """The error a rank's log ends with: the last exception line of a traceback, or the scripts' ``error (rank N): ...``."""
-    lines = [ln.split("]: ", 1)[1] if ln.startswith("[rank") and "]: " in ln else ln for ln in text.splitlines()]
+    lines = _unprefixed(text)
     for i in range(len(lines) - 1, -1, -1):
         ln = lines[i].strip()
         if ln.startswith("error (rank"):

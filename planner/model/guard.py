@@ -19,6 +19,7 @@ already calls; a phase outside :data:`USER_PHASES` (the search, measurements) st
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -151,9 +152,10 @@ def _one_line(text: str, limit: int = 500) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _not_the_model(filename: str) -> bool:
-    """Whether a frame of ``filename`` is torch's, the planner's (its console script included), typer's, Python's
-    standard library's or '<...>'."""
+@functools.cache
+def _not_model_prefixes() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(torch's, typer's, the planner's and its console script's directories; the standard library's; the installed
+    packages') path prefixes, for :func:`_not_the_model`."""
     import torch
     import typer
 
@@ -161,6 +163,13 @@ def _not_the_model(filename: str) -> bool:
     own += (sysconfig.get_path("scripts") + os.sep,)
     stdlib = tuple(sysconfig.get_path(k) + os.sep for k in ("stdlib", "platstdlib"))
     packages = tuple(sysconfig.get_path(k) + os.sep for k in ("purelib", "platlib"))
+    return own, stdlib, packages
+
+
+def _not_the_model(filename: str) -> bool:
+    """Whether a frame of ``filename`` is torch's, the planner's (its console script included), typer's, Python's
+    standard library's or '<...>'."""
+    own, stdlib, packages = _not_model_prefixes()
     return filename.startswith(("<", *own)) or (filename.startswith(stdlib) and not filename.startswith(packages))
 
 
