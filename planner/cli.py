@@ -528,6 +528,8 @@ def smoke(
     )
     for note in result.scale_down:
         out.print(f"  scaled down: {note}")
+    if result.loss:
+        out.print(f"  loss trained: {result.loss}")
     for c in result.checks:
         first, *rest = c.detail.splitlines() or [""]
         out.print(_styled("green" if c.ok else "red", "ok  " if c.ok else "FAIL", f" {c.name}: {first}"))

@@ -249,6 +249,8 @@ def build_plan(costs: ModelCosts, cluster: Cluster, req: PlanRequest, result: Se
         "architecture": costs.architecture,
         "tied": [g.to_dict() for g in costs.tied],
     }
+    if costs.loss is not None:
+        model["loss"] = costs.loss.to_dict()
     inputs = req.to_inputs()
     inputs.update(extra_inputs)
     inputs["global_batch"] = result.global_batch

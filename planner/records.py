@@ -216,6 +216,24 @@ _SCALED = (
 
 
 @dataclass(frozen=True)
+class TrainedLoss:
+    """The loss a plan trains (planner.model.losses.choose_loss): ``source`` is ``loss_fn``, ``model output`` or
+    ``default``; ``text`` one line for plan.json, the rendered README and the smoke; ``where`` the output's field that
+    holds the loss for ``model output`` (``loss``, ``[1]``)."""
+
+    source: str
+    text: str
+    where: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        return {"source": self.source, "text": self.text, "where": self.where}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainedLoss:
+        return cls(str(d["source"]), str(d.get("text", "")), str(d.get("where", "")))
+
+
+@dataclass(frozen=True)
 class ModelCosts:
     """Per-layer costs of a model for one micro-batch, plus its cut points.
 
@@ -232,6 +250,7 @@ class ModelCosts:
     tied: tuple[TiedGroup, ...] = ()
     architecture: dict[str, Any] | None = None
     notes: tuple[str, ...] = ()
+    loss: TrainedLoss | None = None  # the loss the last piece was costed with, which the scripts train
 
     def __post_init__(self) -> None:
         if len(self.cuts) != len(self.layers) + 1:

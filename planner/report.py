@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from planner.engines import get_engine
 from planner.report_svg import COMPONENT_COLOURS, COMPONENTS, memory_bars, memory_svg, timeline_svg
 from planner.solve.plan import Layout, Plan, Predicted, StagePlan, load_plan
 from planner.solve.schedules import SCHEDULE_INFO
@@ -297,6 +298,7 @@ def print_summary(console: Console, plan: Plan, result: SearchResult | None = No
         f"MFU {pr.mfu:.1%}, bubble {pr.bubble_fraction:.1%}",
         highlight=False,
     )
+    console.print(Text(f"loss trained: {trained_loss_text(plan)}", style="dim"))
     console.print(Text(f"compute times: {_time_sources_text(plan)}", style="dim"))
     console.print(Text("memory and communication: analytical", style="dim"))
     considered: int | None
@@ -315,6 +317,13 @@ def print_summary(console: Console, plan: Plan, result: SearchResult | None = No
         console.print(alts)
     for note in plan.notes:
         console.print(Text(f"note: {note}", style="yellow"))
+
+
+def trained_loss_text(plan: Plan) -> str:
+    """Which loss the plan's scripts train: the engine's own where it builds the model, else plan.json's model.loss."""
+    loss = plan.model.get("loss")
+    recorded = str(loss["text"]) if isinstance(loss, dict) and loss.get("text") else "not recorded (a plan made by an older planner)"
+    return get_engine(plan.layout.engine).trained_loss(recorded)
 
 
 def explain(console: Console, plan_dir: str | Path) -> Plan:

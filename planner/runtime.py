@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -36,9 +36,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from planner.model.analyze import torch_dtype
 from planner.model.load import ModelFile, load_model_file
-from planner.model.losses import default_loss
+from planner.model.losses import choose_loss, loss_function
 from planner.model.trace import LayerGraph, Piece, PiecesModule, _free_nodes, _get_path, build_layer_graph
 from planner.model_ref import resolve_ref
+from planner.records import TrainedLoss
 
 
 class PlanMismatch(RuntimeError):
@@ -59,6 +60,8 @@ class PlannedModel:
     #: shape values the tracer fixes as constants (and so where pieces may be cut) is read off a trace at this batch
     #: and at twice it, as at planning
     trace_batch: int = 2
+    #: the loss plan.json says is trained (None in a plan made before it was recorded: chosen on the first output)
+    trained_loss: TrainedLoss | None = None
 
     @property
     def num_stages(self) -> int:
@@ -157,17 +160,16 @@ class PlannedModel:
     def example_batch(self, batch_size: int, seed: int) -> tuple[tuple[torch.Tensor, ...], Any]:
         """Deterministic (inputs, target) of ``batch_size`` samples from the model file's example functions."""
         seed_everything(seed)
-        inputs = self.model_file.call("example_inputs", batch_size)
-        if isinstance(inputs, torch.Tensor):
-            inputs = (inputs,)
+        inputs = self.model_file.example_inputs(batch_size)
         target = self.model_file.call("example_target", batch_size) if self.model_file.has("example_target") else None
         return tuple(inputs), target
 
     def loss(self, output: Any, target: Any) -> torch.Tensor:
-        """The model file's loss_fn, or the default loss (planner.model.losses) when it has none."""
-        if self.model_file.has("loss_fn") and target is not None:
-            return cast(torch.Tensor, self.model_file.funcs["loss_fn"](output, target))  # the model file's contract: a scalar tensor
-        return default_loss(output)
+        """The loss plan.json says is trained (planner.model.losses.choose_loss): the model file's loss_fn, the loss
+        the model returns, or the default loss."""
+        if self.trained_loss is None:
+            self.trained_loss = choose_loss(self.model_file, output)
+        return loss_function(self.model_file, self.trained_loss, target)(output)
 
 
 #: functions and tensor methods of random ops whose probability or range an fx trace records as a constant
@@ -372,6 +374,8 @@ def load_planned_model(plan: dict[str, Any] | str | Path, model_path: str | Path
     planned_batch = int(doc["model"].get("cost_micro_batch") or inputs.get("cost_micro_batch") or micro_batch)
     expected = list(doc["model"]["pieces"])
     options = {"leaf_classes": inputs.get("leaf", []), "tracer": tracer, "sub_block_cuts": inputs.get("sub_block_cuts", True)}
+    mf.inputs_meta(planned_batch, dtype)  # tells whether the inputs are keyword ones (ModelFile.input_names)
+    options["input_names"] = mf.input_names
     if tracer == "export":
         lg = build_layer_graph(meta, mf.inputs_meta(micro_batch, dtype), None, **options)
     else:
@@ -383,4 +387,6 @@ def load_planned_model(plan: dict[str, Any] | str | Path, model_path: str | Path
             lg, names = at_plan, expected
     _check_pieces(names, expected, path.name)
     bounds: list[int] = [s["pieces"][0] for s in doc["stages"]] + [doc["stages"][-1]["pieces"][1]]
-    return PlannedModel(mf, lg, bounds, names, options, micro_batch, planned_batch)
+    recorded = doc["model"].get("loss")
+    trained = TrainedLoss.from_dict(recorded) if isinstance(recorded, dict) and "source" in recorded else None
+    return PlannedModel(mf, lg, bounds, names, options, micro_batch, planned_batch, trained)

@@ -8,6 +8,7 @@ input), which is why the default regresses onto a ramp instead.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,118 @@ def test_an_encoder_without_a_head_smokes_on_a_loss_of_order_one(tmp_path):
     assert doc["max_relative_difference"] <= 1e-5
     first, second = doc["losses"]
     assert 0.5 < first < 3.0 and second < first
+
+
+# --------------------------------------------------------------------------- which loss is trained
+
+MODELS = Path(__file__).parent / "models"
+
+
+def _model_file(tmp_path, body: str):
+    from planner.model.load import load_model_file
+
+    f = tmp_path / "m.py"
+    f.write_text("import torch\n" + body)
+    return load_model_file(f)
+
+
+def test_the_loss_an_output_carries_is_found_where_libraries_put_it():
+    from transformers.modeling_outputs import CausalLMOutput
+
+    from planner.model.losses import output_loss
+
+    loss, logits = torch.tensor(2.5), torch.randn(2, 3)
+    assert output_loss((logits, loss)) == ("[1]", loss)  # nanoGPT's (logits, loss)
+    assert output_loss({"logits": logits, "loss": loss}) == ("loss", loss)
+    assert output_loss(CausalLMOutput(loss=loss, logits=logits)) == ("loss", loss)
+    assert output_loss(CausalLMOutput(logits=logits)) is None  # transformers without labels: no loss
+    assert output_loss((logits, None)) is None  # nanoGPT without targets
+    assert output_loss((torch.tensor(1.0), torch.tensor(2.0))) is None  # two scalars: which one is ambiguous
+    assert output_loss(logits) is None
+
+
+def test_the_choice_prefers_loss_fn_then_the_models_own_loss_then_says_it_is_the_default(tmp_path):
+    from planner.errors import UsageError
+    from planner.model.losses import choose_loss, loss_function
+
+    out = (torch.randn(2, 3), torch.tensor(1.5))
+    both = _model_file(tmp_path, "def build_model(): pass\ndef example_inputs(b): pass\ndef loss_fn(o, t): return o[1] * 2\n")
+    choice = choose_loss(both, out)
+    assert choice.source == "loss_fn" and "None" in choice.text  # no example_target: the targets are inputs
+    assert loss_function(both, choice, None)(out).item() == 3.0
+    own = _model_file(tmp_path, "def build_model(): pass\ndef example_inputs(b): pass\n")
+    choice = choose_loss(own, out)
+    assert (choice.source, choice.where) == ("model output", "[1]")
+    assert loss_function(own, choice, None)(out).item() == 1.5
+    assert choose_loss(own, torch.randn(2, 3)).source == "default"
+    assert "default" in choose_loss(own, torch.randn(2, 3)).text
+    targets_only = _model_file(tmp_path, "def build_model(): pass\ndef example_inputs(b): pass\ndef example_target(b): pass\n")
+    with pytest.raises(UsageError, match="example_target\\(\\) but no loss_fn"):
+        choose_loss(targets_only, torch.randn(2, 3))
+
+
+def _own_first_step_loss(plan_dir: Path, call) -> float:
+    """The first step's loss computed without the planner's loss code: the model file's model, built from the smoke's
+    seed, run on the smoke's global batch cut into the plan's micro-batches, ``call`` reading the model's own loss."""
+    from planner.runners.reference import BatchLayout, global_batch, microbatches
+    from planner.runtime import load_planned_model, seed_everything
+
+    doc = json.loads((plan_dir / "plan.json").read_text())
+    planned = load_planned_model(plan_dir)
+    layout = BatchLayout.from_plan(doc)
+    seed_everything(0)
+    model = planned.model_file.call("build_model").float()
+    model.train()
+    inputs, target = global_batch(planned, layout, 0, 0)
+    losses = [float(call(model, mb).detach()) for mb, _ in microbatches(inputs, target, layout)]
+    return sum(losses) / len(losses)
+
+
+@pytest.mark.parametrize("engine", ["torch", "deepspeed"])
+def test_a_nanogpt_file_trains_the_models_own_cross_entropy(tmp_path, engine):
+    """nanoGPT's file: example_inputs gives (idx, targets), forward returns (logits, loss), loss_fn returns output[1]
+    and there is no example_target. The smoke's first loss is the model's own cross-entropy (about ln 96 = 4.56 at
+    initialisation), not the default loss (31 on this model), in the rendered scripts and the single process alike."""
+    out = tmp_path / "plan"
+    r = runner.invoke(app, ["plan", str(MODELS / "nanogpt_style.py"), "--gpus", "2xcpu", "--engine", engine, "--pp", "2", "--out", str(out), "--quiet"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((out / "plan.json").read_text())
+    assert doc["model"]["loss"]["source"] == "loss_fn"
+    assert "loss_fn(output, None)" in (out / "README.md").read_text()
+    r = runner.invoke(app, ["smoke", str(out), "--steps", "1"])
+    assert r.exit_code == 0, r.output
+    assert "loss trained: the model file's loss_fn" in r.output
+    first = json.loads((out / "smoke.json").read_text())["losses"][0]
+    own = _own_first_step_loss(out, lambda model, mb: model(*mb)[1])
+    assert first == pytest.approx(own, rel=0.01)
+    assert abs(first - math.log(96)) < 0.1
+
+
+def test_a_transformers_causal_lm_given_labels_trains_its_own_loss(tmp_path):
+    """A file that builds LlamaForCausalLM and gives labels as a keyword input (no loss_fn): the loss the ModelOutput
+    carries (transformers' shifted next-token cross-entropy) is trained."""
+    out = tmp_path / "plan"
+    r = runner.invoke(app, ["plan", str(MODELS / "hf_labels.py"), "--gpus", "2xcpu", "--engine", "torch", "--pp", "2", "--out", str(out), "--quiet"])
+    assert r.exit_code == 0, r.output
+    loss = json.loads((out / "plan.json").read_text())["model"]["loss"]
+    assert (loss["source"], loss["where"]) == ("model output", "loss")
+    r = runner.invoke(app, ["smoke", str(out), "--steps", "1"])
+    assert r.exit_code == 0, r.output
+    first = json.loads((out / "smoke.json").read_text())["losses"][0]
+    own = _own_first_step_loss(out, lambda model, mb: model(input_ids=mb[0], labels=mb[1]).loss)
+    assert first == pytest.approx(own, rel=0.01)
+
+
+def test_a_default_loss_is_said_and_targets_without_a_loss_are_refused(tmp_path):
+    body = "import torch.nn as nn\ndef build_model(): return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))\ndef example_inputs(b): return (torch.randn(b, 8),)\n"
+    (tmp_path / "plain.py").write_text("import torch\n" + body)
+    out = tmp_path / "plan"
+    r = runner.invoke(app, ["plan", str(tmp_path / "plain.py"), "--gpus", "2xcpu", "--engine", "torch", "--pp", "2", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "loss trained: the planner's default loss" in r.output
+    assert json.loads((out / "plan.json").read_text())["model"]["loss"]["source"] == "default"
+    assert "the planner's default loss" in (out / "README.md").read_text()
+    (tmp_path / "targets.py").write_text("import torch\n" + body + "def example_target(b): return torch.randint(0, 4, (b,))\n")
+    r = runner.invoke(app, ["plan", str(tmp_path / "targets.py"), "--gpus", "2xcpu", "--engine", "torch", "--out", str(tmp_path / "p2")])
+    assert r.exit_code == 2, r.output
+    assert "loss_fn(output, target)" in r.output and "Traceback" not in r.output

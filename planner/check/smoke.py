@@ -44,6 +44,7 @@ from typing import Any
 from planner.errors import InfeasibleError, UsageError
 from planner.fileio import dumps_json, write_text_atomic
 from planner.model_ref import ref_exists, resolve_recorded, resolve_ref
+from planner.report import trained_loss_text
 from planner.solve.plan import Plan, load_plan
 
 SCRIPTS = {"deepspeed": "train_deepspeed.py", "torch": "train_pipeline.py"}
@@ -91,6 +92,8 @@ class SmokeResult:
     environment: dict[str, Any] = field(default_factory=dict)  # device_name, world_size, versions, threads
     predicted: dict[str, Any] = field(default_factory=dict)
     trained: bool = True
+    #: which loss the run trained (the engine's own, or the loss plan.json records for the model file)
+    loss: str = ""
     wall_s: float = 0.0
     kept: str | None = None  # where the scaled plan and its logs were kept (--keep)
 
@@ -487,6 +490,7 @@ def _run(
         ranks=ranks_used,
         steps=steps,
         scale_down=notes,
+        loss=trained_loss_text(small),
         layout=lay.to_dict(),
         predicted={"step_time_s": small.predicted.step_time_s, "ranks": [r.to_dict() for r in small.ranks]},
     )

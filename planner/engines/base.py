@@ -78,6 +78,13 @@ class Engine(ABC):
     #: through the loss (torch.distributed.pipelining, DeepSpeed). False where the loss is computed inside the model and
     #: the last stage sends nothing (Megatron's GPTModel); its working set is then the engine's (``layer_activations``)
     model_io_buffers: bool = True
+    #: the loss the engine trains where it builds the model itself from flags (Megatron, torchtitan); "" where it runs
+    #: the model file's model and trains the loss the plan records (planner.model.losses.choose_loss)
+    own_loss: str = ""
+
+    def trained_loss(self, recorded: str) -> str:
+        """One line on the loss this engine's scripts train, given the loss the plan recorded for the model file."""
+        return self.own_loss or recorded
 
     # ------------------------------------------------------------------ memory and time
 

@@ -325,6 +325,7 @@ class MegatronEngine(Engine):
     #: and megatron/core/distributed/{distributed_data_parallel,param_and_grad_buffer}.py, core_v0.16.1 and core_r0.8.0)
     zeroes_grad_buffer = True
     model_io_buffers = False
+    own_loss = "Megatron's own GPT cross-entropy of the next token (pretrain_gpt.py builds the model from flags; the model file's loss does not run)"
     overlaps = ("tp-comm-overlap", "overlap-grad-reduce", "overlap-param-gather", "overlap-moe-expert-parallel-comm")
     precision_options = True
     fp8 = True

@@ -66,6 +66,7 @@ class TorchtitanEngine(TorchEngine):
     zero_levels = (0, 3)
     sub_block_cuts = False
     recompute_modes = ("none", "full")
+    own_loss = "torchtitan's own cross-entropy of the next token (torchtitan builds the model from its model registry; the model file's loss does not run)"
 
     def state_recipe(self, precision: str, zero: int, optimizer: str = "adam", layout: Layout | None = None) -> StateRecipe:
         if precision not in ("bf16", "fp32"):  # torchtitan's mixed_precision_param is bfloat16 or float32

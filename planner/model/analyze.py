@@ -84,7 +84,7 @@ def analyze(
     try:
         if progress:
             progress("trace", 0, 1)
-        lg = build_layer_graph(model, inputs, inputs2, leaf_classes=leaf or (), tracer=tracer, sub_block_cuts=sub_block_cuts)
+        lg = build_layer_graph(model, inputs, inputs2, leaf_classes=leaf or (), tracer=tracer, sub_block_cuts=sub_block_cuts, input_names=mf.input_names)
         idle = idle_modules(model, lg.gm)
         if idle:
             listed = ", ".join(f"{path} ({n:,})" for path, n in idle[:4]) + (f" and {len(idle) - 4} more" if len(idle) > 4 else "")

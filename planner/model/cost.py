@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from planner.errors import UsageError
 from planner.model.experts import expert_parameters, router_parameters
 from planner.model.flops import REGISTRY, flop_counter, uncounted_compute
-from planner.model.losses import default_loss, floating_outputs, tensor_leaves
+from planner.model.losses import choose_loss, default_loss, floating_outputs, loss_function, tensor_leaves
 from planner.model.trace import LayerGraph, dtype_name
 from planner.records import Cut, Layer, ModelCosts, TiedGroup
 
@@ -389,16 +389,24 @@ def _signature(module: nn.Module, inputs: tuple[torch.Tensor, ...], block: str |
     return (piece_structure(module, block), ins)
 
 
-def _loss_closure(model_file, batch_size: int) -> Callable[[Any], torch.Tensor]:
-    target = None
-    if model_file is not None and model_file.has("example_target"):
-        with torch.device("meta"):
-            target = model_file.call("example_target", batch_size)
-        target = torch.utils._pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, target)
-    if model_file is not None and model_file.has("loss_fn") and target is not None:
-        fn = model_file.funcs["loss_fn"]
-        return lambda out: fn(out, target)
-    return default_loss
+class _LastPieceLoss:
+    """The last piece's loss on the meta device: which loss (choose_loss, decided on the piece's first output) and the
+    scalar it gives; ``choice`` is read after costing."""
+
+    def __init__(self, model_file, batch_size: int):
+        self.model_file, self.choice = model_file, None
+        self.target = None
+        if model_file is not None and model_file.has("example_target"):
+            with torch.device("meta"):
+                target = model_file.call("example_target", batch_size)
+            self.target = torch.utils._pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, target)
+
+    def __call__(self, output: Any) -> torch.Tensor:
+        if self.model_file is None:
+            return default_loss(output)
+        if self.choice is None:
+            self.choice = choose_loss(self.model_file, output)
+        return loss_function(self.model_file, self.choice, self.target)(output)
 
 
 def cost_layers(
@@ -413,8 +421,8 @@ def cost_layers(
 ) -> ModelCosts:
     """Cost every piece of ``lg`` for one micro-batch; identical pieces are costed once.
 
-    The loss (``loss_fn`` of the model file, else planner.model.losses.default_loss) is
-    costed with the last piece, which is where it runs in a pipeline.
+    The loss (planner.model.losses.choose_loss: the model file's ``loss_fn``, the loss the model returns, else the
+    default loss) is costed with the last piece, which is where it runs in a pipeline, and recorded in the costs.
     """
     layers: list[Layer] = []
     cache: dict[tuple[Any, ...], tuple[PieceCost, Any]] = {}
@@ -431,7 +439,7 @@ def cost_layers(
     param_info: dict[int, tuple[str, int]] = {}
     experts = expert_parameters(lg.model)
     routers = router_parameters(lg.model)
-    loss = _loss_closure(model_file, micro_batch)
+    loss = _LastPieceLoss(model_file, micro_batch)
     for i, piece in enumerate(lg.pieces):
         mod = lg.stage_module(i, i + 1)
         args = tuple(values[v] for v in lg.boundaries[i])
@@ -518,6 +526,7 @@ def cost_layers(
         seq_len=seq_len,
         tied=tied,
         architecture=architecture,
+        loss=loss.choice,
         notes=tuple(lg.notes)
         + tuple(
             f"{op} (in {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) has no FLOP formula: its arithmetic is "

@@ -23,7 +23,7 @@ import importlib.util
 import inspect
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -68,6 +68,10 @@ class ModelFile:
     funcs: dict[str, Callable[..., Any]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     spec: str | None = None  # the model spec as given (a file path, or hf:/timm:/torchvision:...)
+    #: forward()'s parameter names of the model last built (keyword inputs are put in this order)
+    forward_params: tuple[str, ...] = ()
+    #: the forward() parameters example_inputs() gives by name (it returned a dict), in forward()'s order; () positional
+    input_names: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -100,6 +104,10 @@ class ModelFile:
                 "Fix the model file or the --model-arg values; the model-file contract is in the README.",
             ) from e
         if name == "build_model" and isinstance(result, torch.nn.Module):
+            try:
+                self.forward_params = tuple(inspect.signature(result.forward).parameters)
+            except (TypeError, ValueError):
+                self.forward_params = ()
             for note in training_switches(result):
                 if note not in self.notes:
                     self.notes.append(note)
@@ -140,17 +148,36 @@ class ModelFile:
         model.train()
         return model
 
+    def example_inputs(self, batch_size: int) -> tuple[torch.Tensor, ...]:
+        """``example_inputs(batch_size)`` as a tuple of tensors: positional, or a dict of keyword inputs put in forward()'s
+        order (:attr:`input_names` says which; build the model first, which tells forward()'s parameters)."""
+        inputs = self.call("example_inputs", batch_size)
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        if isinstance(inputs, Mapping) and inputs and all(isinstance(k, str) for k in inputs):
+            unknown = [k for k in inputs if k not in self.forward_params]
+            if unknown and self.forward_params and "kwargs" not in self.forward_params:
+                raise UsageError(
+                    f"{self.name}: example_inputs() names {', '.join(map(repr, unknown))}, which forward() does not take "
+                    f"(it takes {', '.join(self.forward_params)}).",
+                    "Name the inputs as forward()'s parameters are named.",
+                )
+            order = {name: i for i, name in enumerate(self.forward_params)}
+            self.input_names = tuple(sorted(inputs, key=lambda k: order.get(k, len(order))))
+            inputs = tuple(inputs[k] for k in self.input_names)
+        else:
+            self.input_names = ()
+        if not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in inputs):
+            raise UsageError(
+                f"{self.name}: example_inputs() must return a tensor, a tuple of tensors or a dict of tensors by forward() parameter name.",
+                "Return e.g. (torch.randint(0, vocab, (batch_size, seq_len)),), or {'input_ids': ids, 'labels': ids}.",
+            )
+        return tuple(inputs)
+
     def inputs_meta(self, batch_size: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
         """One micro-batch of example inputs on the meta device (floating inputs cast to ``dtype``)."""
         with torch.device("meta"):
-            inputs = self.call("example_inputs", batch_size)
-        if isinstance(inputs, torch.Tensor):
-            inputs = (inputs,)
-        if not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in inputs):
-            raise UsageError(
-                f"{self.name}: example_inputs() must return a tensor or a tuple of tensors.",
-                "Return e.g. (torch.randint(0, vocab, (batch_size, seq_len)),).",
-            )
+            inputs = self.example_inputs(batch_size)
         inputs = tuple(t if t.device.type == "meta" else t.to("meta") for t in inputs)
         empty = [(i, tuple(t.shape)) for i, t in enumerate(inputs) if t.numel() == 0]
         if empty:

@@ -48,7 +48,7 @@ from planner.model.analyze import analyze, torch_dtype
 from planner.model.cost import piece_structure
 from planner.model.device import Timer, calibrate_device, check_device, device_memory, device_name, hardware_key_for, summarize, sync
 from planner.model.load import load_model_file
-from planner.model.losses import default_loss, tensor_leaves
+from planner.model.losses import choose_loss, loss_function, tensor_leaves
 
 PROFILE_SCHEMA = 1
 PROFILE_KIND = "planner-profile"
@@ -242,13 +242,19 @@ def _time_runs(runs: list[_PieceRun], device: str, warmup: int, repeats: int, wa
 
 
 def _loss_for(mf, batch: int, device: str, dtype: torch.dtype) -> Callable[[Any], torch.Tensor]:
-    """The last piece's loss: the model file's loss_fn on example_target, else the default loss (as in costing)."""
-    if mf.has("loss_fn") and mf.has("example_target"):
+    """The last piece's loss, chosen as in costing (planner.model.losses.choose_loss) on its first output."""
+    target = None
+    if mf.has("example_target"):
         with torch.device(device):
             target = _on_device(mf.call("example_target", batch), device, dtype)
-        fn = mf.funcs["loss_fn"]
-        return lambda out: fn(out, target)
-    return default_loss
+    chosen: list[Any] = []
+
+    def loss(out: Any) -> torch.Tensor:
+        if not chosen:
+            chosen.append(loss_function(mf, choose_loss(mf, out), target))
+        return chosen[0](out)
+
+    return loss
 
 
 # --------------------------------------------------------------------------- profile
@@ -302,8 +308,7 @@ def profile_model(
         torch.manual_seed(seed)
         model = _build_real(mf, device, tdtype, low_memory=fp32_weights > 0.5 * free)
         with torch.device(device):
-            raw_inputs = mf.call("example_inputs", micro_batch)
-        raw_inputs = (raw_inputs,) if isinstance(raw_inputs, torch.Tensor) else tuple(raw_inputs)
+            raw_inputs = mf.example_inputs(micro_batch)
         inputs = _on_device(raw_inputs, device, tdtype)
         loss = _loss_for(mf, micro_batch, device, tdtype)
         pieces = _measure_all(lg, model, inputs, loss, sigs, costs, device, warmup, repeats, warmup_s, progress)

@@ -322,7 +322,7 @@ def _logits(output: Any) -> torch.Tensor | None:
 
 
 def _cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of the output's logits (any leading shape) against integer targets, in fp32; the default
+    """Cross-entropy of the logits against random integer targets, in fp32 (for an output without logits, the planner's default loss); the default
     loss of a model file without loss_fn where the output has no logits (transformers 5.25's PP-LCNet image classifier
     returns its last hidden state only)."""
     logits = _logits(output)
@@ -706,6 +706,7 @@ def _vision_contract(spec: str, name: str, model_args: dict[str, Any], lib: str)
         return torch.randint(0, state["classes"] or 2, (batch_size,))
 
     def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of the class logits against random labels, or for dense outputs (segmentation, detection) the planner's default loss (a mean squared error against a ramp)."""
         if isinstance(output, torch.Tensor) and output.dim() == 2:
             return F.cross_entropy(output.float(), target)
         return default_loss(output)  # dense outputs (segmentation): as for a model file without loss_fn

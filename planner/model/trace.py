@@ -24,7 +24,7 @@ import contextlib
 import inspect
 import logging
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,21 +123,24 @@ def _where(exc: BaseException) -> str:
     return f"{Path(f.filename).name} line {f.lineno}: {(f.line or '').strip()}"
 
 
-def _defaults_beyond(model: nn.Module, n_inputs: int) -> dict[str, Any]:
-    """forward()'s parameters after the ``n_inputs`` given ones, with their defaults (``attn_mask=None``)."""
+def _defaults_beyond(model: nn.Module, n_inputs: int, names: tuple[str, ...] = ()) -> dict[str, Any]:
+    """forward()'s parameters the inputs do not give, with their defaults (``attn_mask=None``): those after the
+    ``n_inputs`` positional ones, or with keyword inputs ``names`` every one not named."""
     try:
         params = list(inspect.signature(model.forward).parameters.values())
     except (TypeError, ValueError):
         return {}
     named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    return {p.name: p.default for p in named[n_inputs:] if p.default is not inspect.Parameter.empty}
+    rest = [p for p in named if p.name not in names] if names else named[n_inputs:]
+    return {p.name: p.default for p in rest if p.default is not inspect.Parameter.empty}
 
 
-def _bind_defaults(graph: fx.Graph, defaults: dict[str, Any], n_inputs: int) -> None:
+def _bind_defaults(graph: fx.Graph, defaults: dict[str, Any], n_inputs: int, names: tuple[str, ...] = ()) -> None:
     """Replace the placeholders of arguments the inputs do not give by their default values (fx specialises them)."""
-    for ph in [n for n in graph.nodes if n.op == "placeholder"][n_inputs:]:
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for ph in placeholders if names else placeholders[n_inputs:]:
         name = str(ph.target).rstrip("_1234567890") if str(ph.target) not in defaults else str(ph.target)
-        if name not in defaults:
+        if name not in defaults or str(ph.target) in names:
             continue
         value = defaults[name]
         for user in list(ph.users):
@@ -146,12 +149,15 @@ def _bind_defaults(graph: fx.Graph, defaults: dict[str, Any], n_inputs: int) -> 
         graph.erase_node(ph)
 
 
-def _fx_trace(model: nn.Module, blocks: list[str], leaf_classes: set[str], n_inputs: int | None = None) -> tuple[fx.GraphModule, list[str]]:
+def _fx_trace(
+    model: nn.Module, blocks: list[str], leaf_classes: set[str], n_inputs: int | None = None, names: tuple[str, ...] = ()
+) -> tuple[fx.GraphModule, list[str]]:
     """Trace with fx; blocks whose class cannot be traced into are kept whole (returned as notes).
 
-    forward() arguments beyond the ``n_inputs`` the example inputs give are traced at their defaults.
+    forward() arguments the example inputs do not give (beyond the ``n_inputs`` positional ones, or not among the
+    keyword inputs ``names``) are traced at their defaults.
     """
-    defaults = _defaults_beyond(model, n_inputs) if n_inputs is not None else {}
+    defaults = _defaults_beyond(model, n_inputs, names) if n_inputs is not None else {}
     opaque: set[str] = set()
     notes: list[str] = []
     block_set = set(blocks)
@@ -172,7 +178,7 @@ def _fx_trace(model: nn.Module, blocks: list[str], leaf_classes: set[str], n_inp
             )
             continue
         if defaults:
-            _bind_defaults(graph, defaults, n_inputs or 0)
+            _bind_defaults(graph, defaults, n_inputs or 0, names)
         return fx.GraphModule(model, graph), notes
     raise AssertionError("unreachable")
 
@@ -209,10 +215,12 @@ def _no_stack_traces() -> Iterator[None]:
         fx_config.do_not_emit_stack_traces = saved
 
 
-def _export_trace(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.GraphModule:
+def _export_trace(model: nn.Module, inputs: tuple[torch.Tensor, ...], names: tuple[str, ...] = ()) -> fx.GraphModule:
+    """torch.export's graph of ``model`` on ``inputs`` (positional, or keyword arguments ``names`` in forward()'s order)."""
+    args, kwargs = ((), dict(zip(names, inputs))) if names else (inputs, None)
     try:
         with _quiet_torch_logs(), _no_stack_traces():
-            ep = torch.export.export(model, inputs, strict=False)
+            ep = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:
         raise TraceFailure(None, _where(e), e) from e
     gm = ep.module()
@@ -531,8 +539,12 @@ def build_layer_graph(
     tracer: str = "auto",
     sub_block_cuts: bool = True,
     fake_mode: Any = None,
+    input_names: Sequence[str] = (),
 ) -> LayerGraph:
     """Trace ``model`` (on meta) and split it into pieces with their cut points.
+
+    ``input_names``: the forward() parameters ``inputs`` are given as (keyword inputs, in forward()'s order); empty
+    for positional ones. The graph's placeholders are the inputs in that order either way.
 
     ``inputs_2x`` (the same inputs at twice the micro-batch) identifies which
     dimension of each crossing tensor is the batch dimension. ``fake_mode`` (a
@@ -541,6 +553,7 @@ def build_layer_graph(
     so, and the tensors its forward creates as constants stay real.
     """
     leaf_classes = set(leaf_classes)
+    names = tuple(input_names)
     blocks = find_blocks(model, leaf_classes)
     notes: list[str] = []
     fx_error: TraceFailure | None = None
@@ -548,7 +561,7 @@ def build_layer_graph(
     used = tracer
     if tracer in ("auto", "fx"):
         try:
-            gm, notes = _fx_trace(model, blocks, leaf_classes, len(inputs))
+            gm, notes = _fx_trace(model, blocks, leaf_classes, len(inputs), names)
             used = "fx"
         except TraceFailure as e:
             fx_error = e
@@ -558,12 +571,12 @@ def build_layer_graph(
         try:
             # a static graph: it runs at the traced micro-batch size only (costs scale linearly from it;
             # the training scripts re-trace at the planned micro-batch)
-            gm = _export_trace(model, inputs)
+            gm = _export_trace(model, inputs, names)
             used = "export"
             if fx_error is not None:
                 notes.append(f"torch.fx could not trace the model ({_failure_text(fx_error)}); traced with torch.export instead")
         except TraceFailure as e:
-            eager = _eager_failure(model, inputs)
+            eager = _eager_failure(model, inputs, names)
             if eager is not None and type(eager) is type(e.cause) and _where(eager) == e.where:
                 raise _run_error(eager, model) from eager  # it fails the same way when simply run: no tracer option helps
             raise _trace_error(fx_error, e, model) from e.cause
@@ -579,7 +592,7 @@ def build_layer_graph(
     batch_dims: dict[fx.Node, int | None] = {}
     if inputs_2x is not None:
         if used == "export":  # a static graph: trace again at twice the batch and match nodes by name
-            by_name = {n.name: m for n, m in _propagate(_export_trace(model, inputs_2x), inputs_2x).items()}
+            by_name = {n.name: m for n, m in _propagate(_export_trace(model, inputs_2x, names), inputs_2x).items()}
             metas2: Mapping[fx.Node, ValueMeta | None] = {n: by_name.get(n.name) for n in metas}
         else:
             with shapes:
@@ -738,11 +751,16 @@ def _model_code_error(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and not isinstance(e, NotImplementedError) and any(k in first for k in SHAPE_ERROR_TEXTS)
 
 
-def _eager_failure(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> BaseException | None:
+def call_model(model: nn.Module, inputs: Sequence[Any], names: Sequence[str] = ()) -> Any:
+    """``model`` run on ``inputs``: positional, or keyword arguments ``names`` (ModelFile.input_names)."""
+    return model(**dict(zip(names, inputs))) if names else model(*inputs)
+
+
+def _eager_failure(model: nn.Module, inputs: tuple[torch.Tensor, ...], names: tuple[str, ...] = ()) -> BaseException | None:
     """The exception the model raises when its forward simply runs on ``inputs`` (meta tensors, no tracer), or None."""
     try:
         with torch.no_grad(), _quiet_torch_logs():
-            model(*inputs)
+            call_model(model, inputs, names)
     except Exception as e:
         return e
     return None

@@ -33,6 +33,7 @@ from planner.engines.deepspeed import ENGINE, precision_config
 from planner.errors import UsageError
 from planner.fileio import dumps_json
 from planner.render.launch import cluster_shape, deepspeed_script, hostfile, model_path_for, slurm_script, torchrun_script
+from planner.report import trained_loss_text
 from planner.runners.contract import planned_layout
 from planner.solve.plan import Plan
 from planner.templating import one_line, render_template
@@ -124,6 +125,7 @@ def render_deepspeed(plan: Plan, command: str, out_dir: Path | None = None) -> d
         stage_lines=_stage_lines(plan),
         tied=[one_line(f"{t['name']} (pieces {', '.join(map(str, t['layers']))})") for t in plan.model.get("tied", [])],
         model_path=model_path,
+        trained_loss=one_line(trained_loss_text(plan)),
         planned=list(planned_layout(plan.to_dict()).items()),
         nodes=nodes,
         nprocs=nprocs,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from planner.errors import UsageError
 from planner.render.launch import cluster_shape, model_path_for, slurm_script, torchrun_script
+from planner.report import trained_loss_text
 from planner.runners.contract import planned_layout
 from planner.solve.plan import Plan
 from planner.solve.schedules import SCHEDULE_INFO
@@ -77,6 +78,7 @@ def render_torch(plan: Plan, command: str, out_dir: Path | None = None) -> dict[
         recompute_note=_recompute_note(plan),
         stage_lines=_stage_lines(plan),
         model_path=model_path,
+        trained_loss=one_line(trained_loss_text(plan)),
         planned=list(planned_layout(plan.to_dict()).items()),
         nodes=nodes,
         nprocs=nprocs,

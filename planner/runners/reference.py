@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from planner.model.trace import call_model
 from planner.runners.contract import PRECISIONS  # noqa: F401 (the scripts' --precision choices)
 from planner.runtime import PlannedModel
 
@@ -234,7 +235,7 @@ def reference_losses(
                 mb_inputs = tuple(t.to(dev) for t in mb_inputs)
                 mb_target = mb_target.to(dev) if isinstance(mb_target, torch.Tensor) else mb_target
                 with autocast(precision, dev):
-                    output = model(*mb_inputs)
+                    output = call_model(model, mb_inputs, planned.model_file.input_names)
                 loss = planned.loss(output, mb_target)
                 (loss * (scaler.scale / count)).backward()
                 total += float(loss.detach())
