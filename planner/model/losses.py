@@ -73,7 +73,8 @@ def choose_loss(model_file: Any, output: Any) -> TrainedLoss:
     if model_file.has("loss_fn"):
         if getattr(model_file, "module", True) is None:  # a library spec (hf:, timm:, torchvision:): the planner wrote it
             doc = (model_file.funcs["loss_fn"].__doc__ or "its loss").strip().split(";")[0].split(". ")[0].replace("\n", " ").rstrip(".")
-            return TrainedLoss("loss_fn", f"the loss {model_file.name} is planned with: {doc[0].lower() + doc[1:]}")
+            prefix = str(model_file.name).partition(":")[0]
+            return TrainedLoss("loss_fn", f"the loss the planner gives {prefix}: models: {doc[0].lower() + doc[1:]}")
         if model_file.has("example_target"):
             return TrainedLoss("loss_fn", "the model file's loss_fn(output, target), target from example_target()")
         return TrainedLoss("loss_fn", "the model file's loss_fn(output, None): the model takes its targets as inputs")
