@@ -650,6 +650,11 @@ def validate(
     pp: Optional[int] = typer.Option(None, "--pp", help="Pipeline stages of a lone DeepSpeed config (set in its training script)."),
     fmt: str = typer.Option("text", "--format", help="text | json | github (workflow annotations)"),
     strict: bool = typer.Option(False, "--strict", help="Fail on warnings too."),
+    run_scripts: bool = typer.Option(
+        False,
+        "--run-scripts",
+        help="Run launch scripts the planner did not render (or that were edited since) under bash with stub launchers, in a sandbox where the platform has one; without it they are read statically and nothing of them runs.",
+    ),
     timeout: float = Timeout,
 ) -> None:
     """Check committed configs: engine rules, batch arithmetic, unknown keys, memory fit and drift from a fresh render."""
@@ -662,7 +667,7 @@ def validate(
         limit = _timeout(timeout)
         args = _model_args(model_arg) if model_arg else None
         with _user_code(model or Path("the model file"), limit, initial_phase="model"):
-            code, text = validate_paths(paths, gpus=gpus, model=model, strict=strict, fmt=fmt, pp=pp, model_args=args)
+            code, text = validate_paths(paths, gpus=gpus, model=model, strict=strict, fmt=fmt, pp=pp, model_args=args, run_scripts=run_scripts)
     sys.stdout.write(text)  # plain: messages contain [brackets] that rich would read as markup
     raise typer.Exit(code)
 

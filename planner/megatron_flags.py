@@ -80,6 +80,8 @@ class MegatronArgs:
     words: tuple[str, ...] = ()  # every argument after the training script
     problems: tuple[Flag, ...] = ()  # (flag, argparse's message as its only value)
     stopped: str | None = None
+    #: how a launch script was read (planner.check.launch_capture.Capture.how): run, or "read" statically
+    how: str = ""
 
     @property
     def world_size(self) -> int | None:

@@ -26,3 +26,56 @@ def llama7b():
 @pytest.fixture(scope="session")
 def gpt2xl():
     return costs_of("gpt2", "gpt2-xl")
+
+
+#: a small residual MLP model file, ``{prelude}`` and ``{build}`` filled in by the tests (hardening, plan directories)
+TINY_MODEL = """
+import torch
+import torch.nn as nn
+{prelude}
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.relu(self.fc(x))
+
+
+class Net(nn.Module):
+    def __init__(self, d, n):
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block(d) for _ in range(n)])
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def build_model(dim=64, layers=4, note=""):
+    {build}
+    return Net(dim, layers)
+
+
+def example_inputs(batch_size, dim=64, note=""):
+    return (torch.randn(batch_size, dim),)
+"""
+
+
+def model_file(tmp: Path, name: str = "model.py", prelude: str = "", build: str = "pass") -> Path:
+    tmp.mkdir(parents=True, exist_ok=True)
+    p = tmp / name
+    p.write_text(TINY_MODEL.format(prelude=prelude, build=build))
+    return p
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tmp_path_factory):
+    """One real plan of the tiny model (deepspeed, 2 GPUs) and its model file."""
+    from planner.planning import PlanRequest, plan_model
+
+    d = tmp_path_factory.mktemp("model")
+    m = model_file(d)
+    plan, _, _ = plan_model(PlanRequest(model_file=str(m), model_args={}, gpus="2xA100", engine="deepspeed", pp=2))
+    return plan, m

@@ -23,49 +23,10 @@ from typer.testing import CliRunner
 from planner import fileio
 from planner.cli import app
 from planner.errors import UsageError
+from tests.conftest import model_file
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
-
-TINY_MODEL = """
-import torch
-import torch.nn as nn
-{prelude}
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.fc = nn.Linear(d, d)
-
-    def forward(self, x):
-        return x + torch.relu(self.fc(x))
-
-
-class Net(nn.Module):
-    def __init__(self, d, n):
-        super().__init__()
-        self.blocks = nn.Sequential(*[Block(d) for _ in range(n)])
-        self.head = nn.Linear(d, 4)
-
-    def forward(self, x):
-        return self.head(self.blocks(x))
-
-
-def build_model(dim=64, layers=4, note=""):
-    {build}
-    return Net(dim, layers)
-
-
-def example_inputs(batch_size, dim=64, note=""):
-    return (torch.randn(batch_size, dim),)
-"""
-
-
-def model_file(tmp: Path, name: str = "model.py", prelude: str = "", build: str = "pass") -> Path:
-    tmp.mkdir(parents=True, exist_ok=True)
-    p = tmp / name
-    p.write_text(TINY_MODEL.format(prelude=prelude, build=build))
-    return p
 
 
 def cli(*args: str, cwd: Path | None = None):
@@ -266,17 +227,6 @@ def test_model_exception_message_printed_literally(tmp_path):
 # ----------------------------------------------------------------------------- 2. plan directories
 
 
-@pytest.fixture(scope="module")
-def tiny_plan(tmp_path_factory):
-    """One real plan of the tiny model (deepspeed, 2 GPUs) and its model file."""
-    from planner.planning import PlanRequest, plan_model
-
-    d = tmp_path_factory.mktemp("model")
-    m = model_file(d)
-    plan, _, _ = plan_model(PlanRequest(model_file=str(m), model_args={}, gpus="2xA100", engine="deepspeed", pp=2))
-    return plan, m
-
-
 def snapshot(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
@@ -305,18 +255,27 @@ def test_replanning_keeps_user_files(tmp_path, tiny_plan):
 
 
 def test_files_the_planner_no_longer_renders_are_removed_others_kept(tmp_path, tiny_plan):
+    """A file the manifest lists with the hash of its bytes is the planner's: removed when no longer rendered. One
+    listed without a hash, or whose bytes changed since, is not: kept and named."""
+    import hashlib
+
     from planner.render import write_plan_dir
 
     plan, _ = tiny_plan
     out = tmp_path / "plan"
     write_plan_dir(out, plan)
     manifest = json.loads((out / ".planner").read_text())
-    manifest["files"].append("old_script.sh")
+    for name, text in (("old_script.sh", "# ours once\n"), ("edited.sh", "# ours, then edited\n"), ("unhashed.sh", "# listed only\n")):
+        (out / name).write_text(text)
+        manifest["files"].append(name)
+    manifest["sha256"]["old_script.sh"] = hashlib.sha256(b"# ours once\n").hexdigest()
+    manifest["sha256"]["edited.sh"] = hashlib.sha256(b"# ours\n").hexdigest()
     (out / ".planner").write_text(json.dumps(manifest))
-    (out / "old_script.sh").write_text("# ours once\n")
     (out / "user.sh").write_text("# theirs\n")
-    write_plan_dir(out, plan)
+    notes = write_plan_dir(out, plan)
     assert not (out / "old_script.sh").exists() and (out / "user.sh").read_text() == "# theirs\n"
+    assert (out / "edited.sh").read_text() == "# ours, then edited\n" and (out / "unhashed.sh").is_file()
+    assert any("edited.sh (changed since" in n for n in notes) and any("unhashed.sh (listed by an older planner" in n for n in notes)
 
 
 def test_foreign_files_are_not_shadowed_without_force(tmp_path, tiny_plan):
@@ -461,8 +420,9 @@ def test_next_run_names_and_recovers_leftovers(tmp_path, tiny_plan):
     assert len(notes) == 1 and "rolled back" in notes[0] and ".planner.old." in notes[0]
 
 
-def test_legacy_swap_leftovers_are_recovered(tmp_path, tiny_plan):
-    """The whole-directory swap of earlier versions: a crash between its two renames left no plan directory."""
+def test_legacy_swap_leftovers_are_named_and_never_touched(tmp_path, tiny_plan):
+    """The whole-directory swap of planner <= 0.x left ``.NAME.old.*`` / ``.NAME.tmp.*`` beside the plan directory:
+    they are outside it, so they are named and left as they are (they may be anyone's)."""
     from planner.render import write_plan_dir
 
     plan, _ = tiny_plan
@@ -471,10 +431,12 @@ def test_legacy_swap_leftovers_are_recovered(tmp_path, tiny_plan):
     (out / "mine.txt").write_text("user data")
     os.replace(out, tmp_path / ".plan.old.abc123")
     (tmp_path / ".plan.tmp.def456").mkdir()
+    (tmp_path / ".plan.tmp.def456" / "theirs.txt").write_text("x")
     notes = write_plan_dir(out, plan)
-    assert any("restored" in n for n in notes) and any(".plan.tmp.def456" in n for n in notes)
-    assert (out / "mine.txt").read_text() == "user data"
-    assert not list(tmp_path.glob(".plan.*"))
+    assert any(".plan.old.abc123" in n for n in notes) and any(".plan.tmp.def456" in n for n in notes)
+    assert (tmp_path / ".plan.old.abc123" / "mine.txt").read_text() == "user data"
+    assert (tmp_path / ".plan.tmp.def456" / "theirs.txt").read_text() == "x"
+    assert (out / "plan.json").is_file()
 
 
 @pytest.mark.parametrize("make", ["file", "parent_file"])
@@ -814,8 +776,9 @@ def test_watchdog_ends_a_hang_outside_python(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
-def test_directory_with_the_old_bare_marker_is_upgraded(tmp_path, tiny_plan):
-    """A plan directory written before the manifest (bare `.planner`): its rendered files are replaced, others kept."""
+def test_directory_with_the_old_bare_marker_is_upgraded_with_force(tmp_path, tiny_plan):
+    """A plan directory written before the manifest (bare `.planner`): nothing says which files are the planner's, so
+    replacing them takes --force; other files are kept either way."""
     from planner.render import render_files, write_plan_dir
 
     plan, _ = tiny_plan
@@ -825,7 +788,10 @@ def test_directory_with_the_old_bare_marker_is_upgraded(tmp_path, tiny_plan):
         (out / rel).write_text(text)
     (out / ".planner").write_text("planner 0.1.0\n")
     (out / "notes.md").write_text("mine")
-    write_plan_dir(out, plan)
+    with pytest.raises(UsageError, match="--force"):
+        write_plan_dir(out, plan)
+    assert "planner plan old command" in (out / "launch_torchrun.sh").read_text()
+    write_plan_dir(out, plan, force=True)
     assert (out / "notes.md").read_text() == "mine"
     assert "notes.md" not in json.loads((out / ".planner").read_text())["files"]
     assert "planner plan old command" not in (out / "launch_torchrun.sh").read_text()

@@ -8,12 +8,14 @@ import os
 import random
 import re
 import shutil
+import subprocess
 from functools import cache
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from typer.testing import CliRunner
 
 from planner.check import deepspeed_engine
 from planner.check.deepspeed_engine import (
@@ -38,17 +40,19 @@ from planner.check.validate import (
     validate,
     validate_paths,
 )
+from planner.cli import app
 from planner.errors import PlannerError, UsageError
 from planner.model_ref import resolve_ref
 
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures" / "validate"
+runner = CliRunner()
 CASES: dict = json.loads((FIX / "cases.json").read_text())["cases"]
 
 
-def _options(o: dict) -> Options:
+def _options(o: dict, run_scripts: bool = False) -> Options:
     model = str(ROOT / o["model"]) if o.get("model") else None
-    return Options(gpus=o.get("gpus"), model=model, model_args=o.get("model_args"), pp=o.get("pp"))
+    return Options(gpus=o.get("gpus"), model=model, model_args=o.get("model_args"), pp=o.get("pp"), run_scripts=run_scripts)
 
 
 def _rules(findings, with_info: bool = False) -> set[str]:
@@ -73,7 +77,7 @@ def ds_mode(request, monkeypatch):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_corpus_case_reports_exactly_its_rules(name, ds_mode):
     case = CASES[name]
-    report = validate([FIX / name], _options(case["options"]))
+    report = validate([FIX / name], _options(case["options"], run_scripts=True))  # the scripts of the corpus are run (--run-scripts)
     assert _rules(report.findings) == set(case["rules"]), "\n".join(map(str, report.findings))
     for f in report.findings:
         assert f.rule in rules() and f.severity == rules()[f.rule][0]
@@ -495,17 +499,17 @@ def test_recognition_by_content_not_name(tmp_path):
 def test_megatron_if_else_is_checked_on_the_arm_bash_runs():
     """Both arms set the split; only the arm bash runs is checked, and the finding points at that arm's line."""
     path = FIX / "bad" / "meg003_if_else_arm.sh"
-    (f,) = [f for f in validate([path], Options()).findings if f.severity != "info"]
+    (f,) = [f for f in validate([path], Options(run_scripts=True)).findings if f.severity != "info"]
     assert f.rule == "MEG003" and "9 layers" in f.message
     assert f.line == 1 + path.read_text().splitlines().index("  SPLIT=(--num-layers 9 --pipeline-model-parallel-size 2)")
-    assert not [f for f in validate([FIX / "good" / "megatron_if_else.sh"], Options()).findings if f.severity != "info"]
+    assert not [f for f in validate([FIX / "good" / "megatron_if_else.sh"], Options(run_scripts=True)).findings if f.severity != "info"]
 
 
 def test_megatron_script_that_never_launches_is_stopped_with_a_finding():
     import time
 
     start = time.monotonic()
-    (f,) = [f for f in validate([FIX / "bad" / "meg031_loops_forever.sh"], Options()).findings if f.severity != "info"]
+    (f,) = [f for f in validate([FIX / "bad" / "meg031_loops_forever.sh"], Options(run_scripts=True)).findings if f.severity != "info"]
     assert f.rule == "MEG031" and ("limit" in f.message or "past" in f.message)
     assert time.monotonic() - start < 30
 
@@ -781,3 +785,88 @@ def test_a_plan_of_an_hf_config_validates_with_its_spec_from_any_directory(tmp_p
     doc["vocab_size"] = 1024
     cfg.write_text(json.dumps(doc))
     assert "DRIFT002" in _rules(validate([out], Options(model=f"hf:{cfg}")).findings)
+
+
+# --------------------------------------------------------------------------- validate runs nothing it did not render
+
+
+def test_a_script_read_statically_gives_the_flags_bash_gives():
+    """The static reader (planner.check.script_static) against bash itself, on the corpus' launch script and on a
+    script the planner renders: the same launcher argv and environment."""
+    from planner.check.launch_capture import run_script
+    from planner.check.script_static import read_script
+
+    for path in (FIX / "good" / "megatron_launch.sh", FIX / "bad" / "meg022_cuda_max_connections.sh"):
+        ran, read = run_script(path), read_script(path)
+        assert [c.argv for c in read.calls] == [c.argv for c in ran.calls], path
+        own = {
+            k: v
+            for k, v in ran.calls[0].env.items()
+            if k not in ("PATH", "HOME", "TMPDIR", "LC_ALL", "BASH_ENV", "PWD", "SHLVL", "OLDPWD", "_") and not k.startswith("PLANNER_")
+        }
+        assert read.calls[0].env == own, path
+        assert read.how == "read"
+
+
+HOSTILE = """
+touch "$(dirname "$0")/../pwned_by_script"
+echo leaked > /tmp/planner_validate_pwned_$$
+(sleep 987.654) &
+kill -9 $PPID
+rm -rf "$(dirname "$0")"
+"""
+
+
+@pytest.fixture
+def megatron_plan_dir(tmp_path):
+    out = tmp_path / "repo" / "plan"
+    r = runner.invoke(
+        app,
+        [
+            "plan",
+            str(ROOT / "examples" / "gpt2.py"),
+            "--model-arg",
+            "preset=gpt2-tiny",
+            "--gpus",
+            "8xA100",
+            "--engine",
+            "megatron",
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def test_an_edited_launch_script_is_read_and_never_run(megatron_plan_dir, tmp_path):
+    """A hand-edited pretrain_gpt.sh that would write outside, delete the plan directory, leave a process behind and
+    kill validate: read statically, nothing of it runs, its flags are still checked, and validate says how it read it."""
+    script = megatron_plan_dir / "pretrain_gpt.sh"
+    text = script.read_text()
+    script.write_text(text.replace("set -euo pipefail\n", "set -euo pipefail\n" + HOSTILE))
+    found = validate([megatron_plan_dir], Options())
+    assert not (tmp_path / "repo" / "pwned_by_script").exists() and not list(Path("/tmp").glob("planner_validate_pwned_*"))
+    assert script.is_file() and (megatron_plan_dir / "plan.json").is_file()
+    said = [f for f in found.findings if f.rule == "SCRIPT001"]
+    assert said and "read without running it" in said[0].message
+    assert not [f for f in found.findings if f.severity == "error"]  # the flags are the planned ones
+    # an unchanged rendered script is run (its hash is the manifest's), and nothing says otherwise where sandboxed
+    script.write_text(text)
+    assert not [f for f in validate([megatron_plan_dir], Options()).findings if f.rule == "SCRIPT001" and "read without" in f.message]
+
+
+def test_run_scripts_runs_an_edited_script_in_the_sandbox(megatron_plan_dir, tmp_path):
+    from planner.check import sandbox
+
+    if sandbox.available() is not None:
+        pytest.skip(f"no sandbox here: {sandbox.available()}")
+    script = megatron_plan_dir / "pretrain_gpt.sh"
+    script.write_text(script.read_text().replace("set -euo pipefail\n", "set -uo pipefail\n" + HOSTILE))
+    found = validate([megatron_plan_dir], Options(run_scripts=True))
+    assert not (tmp_path / "repo" / "pwned_by_script").exists() and not list(Path("/tmp").glob("planner_validate_pwned_*"))
+    assert script.is_file() and (megatron_plan_dir / "plan.json").is_file()
+    assert subprocess.run(["pgrep", "-f", "sleep 987.654"], capture_output=True).returncode == 1  # nothing left running
+    said = [f for f in found.findings if f.rule == "SCRIPT001"]
+    assert said and "in a sandbox" in said[0].message

@@ -26,6 +26,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from planner.check import sandbox
+
 STUBS = ("torchrun", "srun", "deepspeed", "python", "python3", "mpirun")
 #: empty files in the working directory, for scripts that check that Megatron-LM is there before launching
 PLACEHOLDERS = ("pretrain_gpt.py", "Megatron-LM/pretrain_gpt.py")
@@ -71,6 +73,9 @@ class Capture:
     limit_hit: str | None = None  # which resource limit stopped it, if one did
     trace: tuple[tuple[str, int, str], ...] = ()
     timeout: float = TIMEOUT_S  # bash's xtrace: (file, last line of the command, the command as bash ran it)
+    #: how the launches were found: "run" (bash with stub launchers, in the sandbox where the platform has one),
+    #: "run, no sandbox: WHY", or "read" (read statically, nothing run: planner.check.script_static)
+    how: str = "run"
 
     @property
     def stopped(self) -> str | None:
@@ -139,7 +144,9 @@ def run_script(script: Path | None = None, text: str | None = None, timeout: flo
     """Run ``script`` (a path: ``$0`` and ``dirname "$0"`` are its real place) or ``text`` under bash with the stubs.
 
     Returns the launcher calls bash made, in order. The working directory is a fresh temporary
-    directory, removed afterwards with everything the script wrote there.
+    directory, removed afterwards with everything the script wrote there. Where the platform offers it
+    (planner.check.sandbox) bash runs without network, in its own process tree, with every file system
+    read-only but that directory; the capture's ``how`` says whether it did.
     """
     bash = shutil.which("bash") or "/bin/bash"
     with tempfile.TemporaryDirectory(prefix="planner-launch-") as tmp:
@@ -168,9 +175,14 @@ def run_script(script: Path | None = None, text: str | None = None, timeout: flo
             "PLANNER_TRACE_FILE": str(root / "trace"),
         }
         out, err = root / "stdout", root / "stderr"
+        command = [bash, "--norc", "--noprofile", str(script)]
+        why_not = sandbox.available()
+        how = "run" if why_not is None else f"run, no sandbox: {why_not}"
+        if why_not is None:
+            command = sandbox.wrap(command, root, work)
         with open(out, "wb") as so, open(err, "wb") as se:
             proc = subprocess.Popen(
-                [bash, "--norc", "--noprofile", str(script)],
+                command,
                 cwd=work,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -198,4 +210,4 @@ def run_script(script: Path | None = None, text: str | None = None, timeout: flo
         stderr = _tail(err)
         if limit is None and code and "cannot allocate" in stderr.lower():
             limit = "memory"
-        return Capture(tuple(_read_calls(capture)), code, timed_out, stderr, limit, tuple(_read_trace(root / "trace")), timeout)
+        return Capture(tuple(_read_calls(capture)), code, timed_out, stderr, limit, tuple(_read_trace(root / "trace")), timeout, how)

@@ -15,12 +15,14 @@ import contextlib
 import io
 import re
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
 from torch.distributed.run import get_args_parser
 
 from planner.check.launch_capture import STUBS, Call, Capture, run_script
+from planner.check.script_static import read_script
 from planner.megatron_flags import EnvVar, MegatronArgs, as_int, group_argv, parse_args_file
 
 #: variables the capture itself sets, not the script
@@ -146,20 +148,27 @@ def args_from_capture(capture: Capture, text: str, script_path: str) -> Megatron
     )
 
 
-def parse_megatron_args(text: str, kind: Literal["script", "args"] = "script", path: Path | None = None, timeout: float | None = None) -> MegatronArgs:
-    """The flags a launch script (``kind="script"``, run under bash with stub launchers) or an args file passes to pretrain_gpt.py.
+def parse_megatron_args(
+    text: str, kind: Literal["script", "args"] = "script", path: Path | None = None, timeout: float | None = None, execute: bool = True
+) -> MegatronArgs:
+    """The flags a launch script (``kind="script"``) or an args file passes to pretrain_gpt.py.
 
-    ``path`` is where the script lives (it is run there, so ``source "$(dirname "$0")/env.sh"``
-    finds its neighbours); without it ``text`` is run from a temporary file.
+    A script is run under bash with stub launchers (``execute``; in the sandbox where the platform has one) or read
+    without running it (planner.check.script_static). ``path`` is where the script lives (it is run there, so
+    ``source "$(dirname "$0")/env.sh"`` finds its neighbours); without it ``text`` is run from a temporary file.
     """
     if kind == "args":
         return parse_args_file(text)
     if kind != "script":
         raise ValueError(f"kind must be 'script' or 'args', not {kind!r}")
+    if not execute:
+        where = Path(path).resolve() if path is not None else None
+        capture = read_script(where, text)
+        return replace(args_from_capture(capture, text, capture.trace[0][0] if capture.trace else str(where or "script.sh")), how=capture.how)
     extra = {} if timeout is None else {"timeout": timeout}
     if path is not None:
         capture = run_script(Path(path).resolve(), **extra)
-        return args_from_capture(capture, text, str(Path(path).resolve()))
+        return replace(args_from_capture(capture, text, str(Path(path).resolve())), how=capture.how)
     capture = run_script(text=text, **extra)
     scripts = {t[0] for t in capture.trace if t[0].endswith("/script.sh")}
-    return args_from_capture(capture, text, next(iter(scripts), ""))
+    return replace(args_from_capture(capture, text, next(iter(scripts), "")), how=capture.how)

@@ -20,18 +20,24 @@ from pathlib import Path
 #: the setup run inside the namespaces (as root of the user namespace), before the command; $1 the new root, $2 the
 #: writable directory, the rest the command
 _SETUP = r"""set -e
-root=$1; keep=$2; shift 2
-mount --rbind / "$root"
-findmnt -R -n -l -o TARGET "$root" | sort -r | while IFS= read -r m; do mount -o remount,bind,ro "$m" 2>/dev/null || :; done
-mount --bind "$keep" "$root$keep"
-mount -t proc proc "$root/proc" 2>/dev/null || :
-cd "$root$keep"
-exec chroot "$root" /usr/bin/env -C "$keep" "$@"
+root=$1; keep=$2; cwd=$3; shift 3
+{mount} --rbind / "$root"
+{findmnt} -R -n -l -o TARGET "$root" | {sort} -r | while IFS= read -r m; do {mount} -o remount,bind,ro "$m" 2>/dev/null || :; done
+{mount} --bind "$keep" "$root$keep"
+{mount} -t proc proc "$root/proc" 2>/dev/null || :
+exec {chroot} "$root" {env} -C "$cwd" "$@"
 """
+#: where the setup's tools are looked for (the caller's PATH is not the script's)
+_SYSTEM = "/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def _tools() -> dict[str, str] | None:
+    found = {name: shutil.which(name, path=_SYSTEM) for name in ("mount", "findmnt", "sort", "chroot", "env")}
+    return None if any(v is None for v in found.values()) else {k: str(v) for k, v in found.items()}
 
 
 def _unshare() -> list[str] | None:
-    tool = shutil.which("unshare")
+    tool = shutil.which("unshare", path=_SYSTEM)
     return None if tool is None else [tool, "--user", "--map-root-user", "--net", "--mount", "--pid", "--fork", "--kill-child"]
 
 
@@ -39,8 +45,8 @@ def _unshare() -> list[str] | None:
 def available() -> str | None:
     """None when the sandbox works on this machine, else why not (one sentence)."""
     cmd = _unshare()
-    if cmd is None or shutil.which("findmnt") is None or shutil.which("chroot") is None:
-        return "util-linux's unshare, findmnt and chroot are not all installed"
+    if cmd is None or _tools() is None:
+        return "util-linux's unshare, mount, findmnt and coreutils' chroot are not all installed"
     try:
         done = subprocess.run([*cmd, "true"], capture_output=True, timeout=10, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -50,13 +56,16 @@ def available() -> str | None:
     return None
 
 
-def wrap(command: Sequence[str], writable: Path) -> list[str]:
-    """``command`` to run inside the sandbox, with ``writable`` (an absolute directory, made beforehand) the one
-    place it can write; call only when :func:`available` is None. ``writable`` holds the new root's mount point."""
+def wrap(command: Sequence[str], writable: Path, cwd: Path) -> list[str]:
+    """``command`` to run inside the sandbox in directory ``cwd``, with ``writable`` (an absolute directory, made
+    beforehand) the one place it can write; call only when :func:`available` is None. ``writable`` holds the new
+    root's mount point."""
     cmd = _unshare()
     assert cmd is not None
     root = writable / ".sandbox-root"
     root.mkdir(exist_ok=True)
     setup = writable / ".sandbox-setup.sh"
-    setup.write_text(_SETUP)
-    return [*cmd, "/bin/sh", str(setup), str(root), str(writable), *command]
+    tools = _tools()
+    assert tools is not None
+    setup.write_text(_SETUP.format(**tools))
+    return [*cmd, "/bin/sh", str(setup), str(root), str(writable), str(cwd), *command]

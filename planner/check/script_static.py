@@ -26,7 +26,36 @@ from pathlib import Path
 from planner.check.launch_capture import STUBS, Call, Capture
 
 #: words that start a statement the reader skips whole (its arguments are not launches)
-_SKIP = {"if", "then", "else", "elif", "fi", "for", "while", "until", "do", "done", "case", "esac", "function", "echo", "printf", "set", "shift", "return", "exit", "cd", "source", ".", "trap", "wait", "unset", "test", "[", "[["}
+_SKIP = {
+    "if",
+    "then",
+    "else",
+    "elif",
+    "fi",
+    "for",
+    "while",
+    "until",
+    "do",
+    "done",
+    "case",
+    "esac",
+    "function",
+    "echo",
+    "printf",
+    "set",
+    "shift",
+    "return",
+    "exit",
+    "cd",
+    "source",
+    ".",
+    "trap",
+    "wait",
+    "unset",
+    "test",
+    "[",
+    "[[",
+}
 _ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(\+?)=(.*)$", re.S)
 _VAR = re.compile(r"\$(?:\{(#?)([A-Za-z_][A-Za-z0-9_]*|[0-9@*#?])(\[[@*0-9]+\])?(?:(:?[-=+?])((?:[^{}]|\{[^{}]*\})*))?\}|([A-Za-z_][A-Za-z0-9_]*|[0-9@*#?$]))")
 
@@ -107,6 +136,8 @@ def _statements(text: str) -> list[tuple[int, str]]:
 
 def _expand(st: _State, s: str, quoted: bool) -> list[str] | str:
     """``s`` with its variables expanded; a whole ``${ARR[@]}`` word gives the array's elements (a list)."""
+    if re.fullmatch(r"\$(@|\{@\})", s):
+        return []  # the script's own arguments: validate runs it with none
     whole = re.fullmatch(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\[[@*]\]\}", s)
     if whole and whole.group(1) in st.arrays:
         return list(st.arrays[whole.group(1)])
@@ -118,12 +149,12 @@ def _expand(st: _State, s: str, quoted: bool) -> list[str] | str:
         if name in st.arrays:
             values = st.arrays[name]
             if index in ("[@]", "[*]"):
-                value = " ".join(values)
+                joined = " ".join(values)
             else:
                 k = int(index[1:-1]) if index else 0
-                value = values[k] if k < len(values) else ""
-            return str(len(values)) if length else value
-        value = st.scalars.get(name)
+                joined = values[k] if k < len(values) else ""
+            return str(len(values)) if length else joined
+        value: str | None = st.scalars.get(name)
         if length:
             return str(len(value or ""))
         if op in (":-", ":=") and not value or op in ("-", "=") and value is None:
@@ -267,4 +298,4 @@ def read_script(path: Path | None = None, text: str | None = None) -> Capture:
     unknown = ""
     if st.unknown:
         unknown = "read without running it: not known statically: " + ", ".join(st.unknown[:5]) + (", ..." if len(st.unknown) > 5 else "")
-    return Capture(tuple(calls), 0, False, unknown, None, tuple(trace), 0.0, static=True)
+    return Capture(tuple(calls), 0, False, unknown, None, tuple(trace), 0.0, "read")

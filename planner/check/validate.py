@@ -59,6 +59,7 @@ RULES: dict[str, tuple[str, str]] = {
     "DRIFT002": ("error", "the model file changed since it was planned"),
     "DRIFT003": ("error", "re-planning from plan.json's inputs fails"),
     "DRIFT004": ("info", "drift not checked"),
+    "SCRIPT001": ("info", "how a launch script was read: run (rendered by the planner, or --run-scripts) or read statically"),
 }
 
 #: files never recognised inside directories (rendered prose and pictures)
@@ -83,6 +84,8 @@ class Options:
     model: str | None = None
     model_args: dict[str, Any] | None = None
     pp: int | None = None
+    #: run launch scripts the planner did not render (under bash with stub launchers, in the sandbox where there is one)
+    run_scripts: bool = False
 
 
 # --------------------------------------------------------------------------- recognition
@@ -552,13 +555,41 @@ def _check_megatron(run: _Run, ctx: _Ctx, path: Path, kind: str) -> None:
     from planner.megatron_args import check_megatron_args
 
     rel = display(path)
-    args = parse_megatron_args(path.read_text(), "script" if kind == "megatron-script" else "args", path=path)
+    text = path.read_text()
+    execute = kind == "megatron-script" and (rendered_unchanged(path) or run.opts.run_scripts)
+    args = parse_megatron_args(text, "script" if kind == "megatron-script" else "args", path=path, execute=execute)
+    if kind == "megatron-script":
+        how = args.how or ("read" if not execute else "run")
+        if not execute:
+            said = "read without running it: its bytes are not the ones the planner rendered (the manifest's hash), so validate runs nothing of it"
+            fix = "re-run `planner plan` to render it again, or pass --run-scripts to run it under bash with stub launchers in a sandbox"
+        elif how == "run":
+            said = "run under bash with stub launchers, in a sandbox (no network, read-only files, its own process tree)"
+            fix = "nothing to fix"
+        else:
+            said = "run under bash with stub launchers, without a sandbox (" + how.partition(": ")[2] + ")"
+            fix = "run validate where unprivileged user namespaces are allowed (util-linux unshare) to sandbox it"
+        if not rendered_unchanged(path) or how != "run":
+            run.add("SCRIPT001", rel, None, f"{Path(rel).name} was {said}.", fix)
     world = ctx.world if ctx.world is not None else args.world_size
     for f in check_megatron_args(args, world):
         run.findings.append(from_megatron(f, rel))
     if ctx.plan is not None:
         _compare_megatron_plan(run, rel, args, ctx.plan)
     _memory_megatron(run, ctx, rel, args, world)
+
+
+def rendered_unchanged(path: Path) -> bool:
+    """Whether ``path`` is a file the planner rendered, unchanged since: the manifest beside it records its name and the
+    sha256 of exactly these bytes (read without following a symlink)."""
+    from planner.render import manifest_hashes
+    from planner.safe_dir import SafeDir
+
+    recorded = (manifest_hashes(path.parent) or {}).get(path.name)
+    if recorded is None:
+        return False
+    with SafeDir(path.parent) as sd:
+        return sd.file_hash(path.name) == recorded
 
 
 def _megatron_recompute(args) -> str:
@@ -1063,13 +1094,14 @@ def validate_paths(
     fmt: str = "text",
     pp: int | None = None,
     model_args: dict[str, Any] | None = None,
+    run_scripts: bool = False,
 ) -> tuple[int, str]:
-    """`planner validate PATH... [--gpus] [--model] [--model-arg] [--pp] [--format] [--strict]`: (exit code, output text).
+    """`planner validate PATH... [--gpus] [--model] [--model-arg] [--pp] [--format] [--strict] [--run-scripts]`: (exit code, output text).
 
     Exit code 0 when clean, 1 when a finding is an error (or a warning, with ``strict``). Raises
     planner.errors.UsageError (exit 2) for a missing or unrecognised path, a bad --gpus or --format.
     """
     if fmt not in ("text", "json", "github"):
         raise UsageError(f"--format {fmt!r} is not one of text, json, github.")
-    report = validate(paths, Options(gpus=gpus, model=str(model) if model else None, model_args=model_args, pp=pp))
+    report = validate(paths, Options(gpus=gpus, model=str(model) if model else None, model_args=model_args, pp=pp, run_scripts=run_scripts))
     return exit_code(report.findings, strict), format_findings(report.findings, fmt, report.checked)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -32,6 +31,7 @@ from planner.render.megatron import render_megatron
 from planner.render.torchpp import render_torch
 from planner.render.torchtitan import render_torchtitan
 from planner.report import report_files
+from planner.safe_dir import Outside, SafeDir, check_rel, sha256_bytes
 from planner.solve.plan import Plan
 from planner.templating import one_line, render_template, shell_quote
 
@@ -50,6 +50,8 @@ __all__ = [
 
 #: the manifest: JSON {"planner": version, "files": [relative paths the planner wrote]}
 MARKER = ".planner"
+#: the largest manifest read (bytes)
+MAX_MANIFEST_BYTES = 4 * 2**20
 #: prefix of the staging folders of an update inside the plan directory (.planner.tmp.ID, .planner.old.ID)
 STAGING = ".planner"
 
@@ -64,26 +66,56 @@ RENDERERS: dict[str, Callable[[Plan, str, Path | None], dict[str, str]]] = {
 EXECUTABLE_SUFFIXES = (".sh",)
 
 
-def is_planner_dir(path: Path) -> bool:
-    return (path / MARKER).is_file()
-
-
-def owned_files(path: Path) -> set[str] | None:
-    """The files the manifest in ``path`` lists; None when there is no manifest or it is the old bare marker."""
+def manifest_hashes(path: Path) -> dict[str, str | None] | None:
+    """{relative path: sha256 the planner recorded (None: a manifest of an older planner, which recorded none)} of
+    the manifest in ``path``; None when there is no manifest, it is the old bare marker or it is not the planner's.
+    Names that leave the directory are dropped: the manifest is untrusted input."""
     try:
-        doc = json.loads((path / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        with SafeDir(path) as sd:
+            doc = json.loads(sd.read_bytes(MARKER, MAX_MANIFEST_BYTES).decode("utf-8"))
+    except (OSError, ValueError, Outside):
         return None
     files = doc.get("files") if isinstance(doc, dict) else None
-    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+    hashes = doc.get("sha256", {}) if isinstance(doc, dict) else {}
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files) or not isinstance(hashes, dict):
         return None
-    return {f for f in files if _safe_rel(f)} | {MARKER}
+    return {f: (h if isinstance(h, str) else None) for f in files if _safe_rel(f) for h in [hashes.get(f)]}
+
+
+def owned_files(path: Path) -> tuple[set[str], list[str]]:
+    """(the files in ``path`` the planner wrote and nobody changed since, why each other listed file is not one).
+
+    A listed file is the planner's only when it is a regular file reached without a symlink and its bytes hash to
+    what the manifest recorded; a symlink, a directory, a name outside, an edited file or one an older planner listed
+    without a hash is not, and is left as it is."""
+    listed = manifest_hashes(path)
+    owned: set[str] = {MARKER}
+    foreign: list[str] = []
+    if not listed:
+        return owned, foreign
+    with SafeDir(path) as sd:
+        for rel, want in sorted(listed.items()):
+            kind = sd.kind(rel)
+            if kind == "none":
+                continue
+            if kind != "file":
+                foreign.append(f"{rel} (a {'path through a symlink' if kind == 'outside' else kind}, not the file the planner wrote)")
+            elif want is None:
+                foreign.append(f"{rel} (listed by an older planner that recorded no hash)")
+            elif sd.file_hash(rel) != want:
+                foreign.append(f"{rel} (changed since the planner wrote it)")
+            else:
+                owned.add(rel)
+    return owned, foreign
 
 
 def _safe_rel(rel: str) -> bool:
     """A relative path inside the directory (a manifest never makes us touch a file outside it)."""
-    p = Path(rel)
-    return bool(rel) and not p.is_absolute() and ".." not in p.parts and rel != MARKER
+    try:
+        check_rel(rel)
+    except Outside:
+        return False
+    return rel != MARKER
 
 
 def check_output_dir(path: str | Path, force: bool = False) -> None:
@@ -210,7 +242,8 @@ def render_files(plan: Plan, command: str | None = None, out_dir: Path | None = 
     files: dict[str, str] = {"plan.json": dumps_json(plan.to_dict())}
     files.update(renderer(plan, command, None))
     files.update(report_files(plan, command))
-    files[MARKER] = dumps_json({"planner": __version__, "files": sorted(files)})
+    hashes = {rel: sha256_bytes(text.encode("utf-8")) for rel, text in files.items()}
+    files[MARKER] = dumps_json({"planner": __version__, "files": sorted(files), "sha256": hashes})
     return files
 
 
@@ -218,42 +251,34 @@ def _mode(rel: str) -> int:
     return 0o755 if rel.endswith(EXECUTABLE_SUFFIXES) or rel == "hostfile.sh" else 0o644
 
 
-def _recover_legacy(path: Path) -> list[str]:
-    """Leftovers of the whole-directory swap of planner <= 0.x beside ``path``: ``.NAME.old.*`` (the previous
-    directory) and ``.NAME.tmp.*`` (an unfinished render)."""
-    notes: list[str] = []
+def _legacy_leftovers(path: Path) -> list[str]:
+    """Leftovers of the whole-directory swap of planner <= 0.x beside ``path`` (``.NAME.old.*``, ``.NAME.tmp.*``),
+    named and never touched: they are outside the plan directory, so whether they are the planner's is not known."""
     parent = path.parent
     if not parent.is_dir():
-        return notes
-    olds = sorted(parent.glob(f".{path.name}.old.*"))
-    if olds and not path.exists():
-        os.replace(olds[0], path)
-        notes.append(f"restored {path} from {olds[0].name}, left by an interrupted write")
-        olds = olds[1:]
-    for old in olds:
-        notes.append(f"kept {old} (a previous copy of {path.name} left by an interrupted write; delete it once checked)")
-    for tmp in sorted(parent.glob(f".{path.name}.tmp.*")):
-        shutil.rmtree(tmp, ignore_errors=True)
-        notes.append(f"removed {tmp} (an unfinished render left by an interrupted write)")
-    return notes
+        return []
+    return [
+        f"left {p} as it is: it looks like a copy of {path.name} left by planner <= 0.x, but it is outside the plan directory; check it and delete it by hand"
+        for p in sorted([*parent.glob(f".{path.name}.old.*"), *parent.glob(f".{path.name}.tmp.*")])
+    ]
 
 
 def write_plan_dir(path: str | Path, plan: Plan, command: str | None = None, force: bool = False) -> list[str]:
     """Write the plan's files into ``path``, replacing only the planner's own files; returns notes to print.
 
-    Exit-2 errors: ``path`` unusable, another writer holds the directory, a file the planner did not write
-    would be overwritten (allowed with ``force``), or a rendered file would overwrite the model file (never).
+    Exit-2 errors: ``path`` unusable, another writer holds the directory, a file the planner did not write (or
+    wrote and someone changed since: its hash differs from the manifest's) would be overwritten (allowed with
+    ``force``), a directory stands where a rendered file goes (never replaced, ``force`` or not), or a rendered file
+    would overwrite the model file (never).
     """
     path = Path(path)
     check_output_dir(path, force)
-    notes = _recover_legacy(path.absolute())
+    notes = _legacy_leftovers(path.absolute())
     path.mkdir(parents=True, exist_ok=True)
     with dir_lock(path):
         notes += recover_dir(path, STAGING)
         files = render_files(plan, command, path)
-        owned = owned_files(path)
-        if owned is None:  # no manifest (or the old bare marker): what this render writes is ours only if marked
-            owned = set(files) if is_planner_dir(path) else {MARKER} & set(files)
+        owned, foreign = owned_files(path)
         model = path / files_model(files)
         for rel in files:
             target = path / rel
@@ -262,13 +287,23 @@ def write_plan_dir(path: str | Path, plan: Plan, command: str | None = None, for
                     f"the plan would overwrite the model file {str(model)!r} with its {rel}.",
                     "Move the model file or rename it; the planner never replaces it.",
                 )
-        shadowed = sorted(rel for rel in files if rel not in owned and ((path / rel).exists() or (path / rel).is_symlink()))
+        with SafeDir(path) as sd:
+            kinds = {rel: sd.kind(rel) for rel in files}
+        blocked = sorted(rel for rel, k in kinds.items() if k in ("dir", "other", "outside"))
+        if blocked:
+            raise UsageError(
+                f"--out {str(path)!r} holds {', '.join(blocked)} where the plan writes a file, and it is not a file (a directory, "
+                "a device, or a path through a symlink); the planner never deletes a directory's contents, --force or not.",
+                "Move it out of the plan directory, or choose another --out.",
+            )
+        shadowed = sorted(rel for rel, k in kinds.items() if rel not in owned and k != "none")
         if shadowed and not force:
             raise UsageError(
-                f"--out {str(path)!r} holds files the planner did not write that this plan would replace: {', '.join(shadowed)}.",
+                f"--out {str(path)!r} holds files the planner did not write, or changed since it wrote them, that this plan would replace: {', '.join(shadowed)}.",
                 "Move them, choose another --out, or pass --force to replace them (other files are always kept).",
             )
-        remove = sorted(rel for rel in owned - set(files) if (path / rel).is_file() and not (model.is_file() and os.path.samefile(path / rel, model)))
+        notes += [f"left {f} untouched" for f in foreign if f.split(" (")[0] not in files]
+        remove = sorted(rel for rel in owned - set(files) if not (model.is_file() and os.path.samefile(path / rel, model)))
         order = [r for r in sorted(files) if r != MARKER] + [MARKER]  # the manifest last: it marks the update done
         update_dir(path, {r: FileSpec(files[r], _mode(r)) for r in order}, remove, STAGING)
     return notes
