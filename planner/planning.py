@@ -292,7 +292,7 @@ def expert_summary(costs: ModelCosts, ev: Evaluation) -> dict[str, Any]:
         "expert_params": sum(l.expert_params for l in costs.layers),
         "ep": lay.ep,
         "etp": lay.etp,
-        "expert_data_parallel": lay.tp * lay.cp * lay.dp // (lay.ep * lay.etp),
+        "expert_data_parallel": lay.mesh.expert_data_parallel,
         "params_per_gpu": worst["params"],
         "bytes_per_gpu": {k: worst[k] for k in ("weights", "grads", "optimizer")},
         "dispatch": expert_dispatch(lay),

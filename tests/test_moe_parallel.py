@@ -15,7 +15,7 @@ from planner.cli import app
 from planner.engines import get_engine
 from planner.model.experts import expert_parameters, router_parameters
 from planner.records import Layer
-from planner.solve.expert_groups import expert_data_ranks, expert_parallel_ranks, expert_tensor_ranks
+from planner.solve.mesh import Mesh
 from planner.solve.plan import Layout
 from planner.solve.search import (
     Context,
@@ -232,9 +232,11 @@ def test_expert_groups_are_megatrons(tp, cp, dp, ep, etp):
     edp = tp * cp * dp // (ep * etp)
     gen = ps.RankGenerator(tp=etp, ep=ep, dp=edp, pp=pp, cp=1, order="tp-cp-ep-dp-pp", rank_offset=0)
     block = tp * cp * dp
-    ours_ep = sorted(expert_parallel_ranks(r * block + e * etp * ep + t, ep, etp) for r in range(pp) for e in range(edp) for t in range(etp))
-    ours_dp = sorted(expert_data_ranks(r * block + i * etp + t, ep, etp, edp) for r in range(pp) for i in range(ep) for t in range(etp))
-    ours_tp = sorted(expert_tensor_ranks(r * block + i * etp, etp) for r in range(pp) for i in range(block // etp))
+    mesh = Mesh(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep, etp=etp)
+    assert (mesh.block, mesh.expert_data_parallel) == (block, edp)
+    ours_ep = sorted(mesh.expert_parallel_group(mesh.first_gpu(r) + e * etp * ep + t) for r in range(pp) for e in range(edp) for t in range(etp))
+    ours_dp = sorted(mesh.expert_data_group(mesh.first_gpu(r) + i * etp + t) for r in range(pp) for i in range(ep) for t in range(etp))
+    ours_tp = sorted(mesh.expert_tensor_group(mesh.first_gpu(r) + i * etp) for r in range(pp) for i in range(block // etp))
     assert ours_ep == sorted(gen.get_ranks("ep"))
     assert ours_dp == sorted(gen.get_ranks("dp"))
     assert ours_tp == sorted(gen.get_ranks("tp"))

@@ -224,17 +224,6 @@ def expert_params_per_gpu(costs: ModelCosts, start: int, stop: int, ep: int = 1,
     return sum(l.expert_params for l in costs.layers[start:stop]) / (ep * etp)
 
 
-def expert_data_parallel(tp: int, cp: int, dp: int, ep: int, etp: int) -> int:
-    """GPUs holding the same expert shard (Megatron's expert-data-parallel group): tp x cp x dp / (ep x etp).
-
-    Megatron-LM core_v0.16 megatron/core/parallel_state.py builds the expert groups over the same GPUs as the
-    dense ones (RankGenerator with tp = etp, ep, cp = 1 and dp = world / (etp x ep x pp)); the expert gradients
-    are reduced, and the distributed optimizer shards their state, over this group."""
-    if (tp * cp * dp) % (ep * etp):
-        raise ValueError(f"ep x etp = {ep * etp} does not divide tp x cp x dp = {tp * cp * dp}")
-    return tp * cp * dp // (ep * etp)
-
-
 def expert_range_params(costs: ModelCosts, ep: int, etp: int) -> np.ndarray:
     """Routed-expert parameters per GPU of every piece range [a, b), as an (n+1)^2 matrix (upper triangle)."""
     E = np.concatenate([[0.0], np.cumsum([l.expert_params / (ep * etp) for l in costs.layers])])

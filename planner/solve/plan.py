@@ -16,6 +16,7 @@ from typing import Any
 
 from planner import __version__
 from planner.errors import UsageError
+from planner.solve.mesh import Mesh
 
 SCHEMA_VERSION = 1
 
@@ -88,9 +89,14 @@ class Layout:
         return frozenset(self.recompute_modules or ("core_attn",))
 
     @property
+    def mesh(self) -> Mesh:
+        """The parallel axes (planner.solve.mesh): every rank arithmetic of this layout."""
+        return Mesh(self.pp, self.dp, self.cp, self.tp, self.ep, self.etp)
+
+    @property
     def world(self) -> int:
         """GPUs the layout uses: pp x tp x cp x dp."""
-        return self.pp * self.tp * self.cp * self.dp
+        return self.mesh.world
 
     @property
     def overlaps(self) -> tuple[str, ...]:

@@ -34,12 +34,10 @@ from planner.hardware import Cluster, DeviceProfile, memory_time
 from planner.records import Layer, ModelCosts
 from planner.solve import partition as part
 from planner.solve import rank_memory as rmem
-from planner.solve.expert_groups import expert_data_ranks
 from planner.solve.memory import (
     GiB,
     RuntimeOverhead,
     StateRecipe,
-    expert_data_parallel,
     expert_params_per_gpu,
     expert_range_params,
     fp8_amax_bytes,
@@ -201,9 +199,7 @@ def expert_rules(lay: Layout, costs: ModelCosts) -> list[str]:
     if lay.ep * lay.etp == 1:
         return []
     out = []
-    gpus = lay.tp * lay.cp * lay.dp
-    if gpus % (lay.ep * lay.etp):
-        out.append(f"ep x etp = {lay.ep} x {lay.etp} does not divide the tp x cp x dp = {gpus} GPUs of a pipeline stage")
+    out += lay.mesh.problems()
     experts = model_experts(costs)
     if not experts:
         out.append("the model has no routed experts for expert parallelism")
@@ -720,7 +716,7 @@ def _no_layout_message(world: int, opts: SearchOptions, gb: int, costs: ModelCos
 def lower_bound(ctx: Context, lay: Layout, dtype: str) -> float:
     """A step time no partition or schedule of ``lay`` can beat: m x max(total / pp, largest piece) on its fastest device."""
     best = math.inf
-    firsts = [0] if ctx.cluster.homogeneous else [r * lay.dp * lay.tp for r in range(lay.pp)]
+    firsts = [0] if ctx.cluster.homogeneous else lay.mesh.firsts()
     seen = set()
     for first in firsts:
         key = ctx.cluster.device_of(first).key
@@ -786,10 +782,10 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     problems = ctx.engine.layout_problems(lay, costs) + _node_rules(lay.tp, ctx.min_gpus_per_node) + expert_rules(lay, costs)
     if problems:
         return Rejection(lay, "; ".join(problems), RejectKind.RULE)
-    p, v, tp, dp, b, m, cp = lay.pp, lay.vp, lay.tp, lay.dp, lay.micro_batch, lay.num_microbatches, lay.cp
+    p, v, tp, b, m, cp = lay.pp, lay.vp, lay.tp, lay.micro_batch, lay.num_microbatches, lay.cp
     S = p * v
-    block = dp * cp * tp
-    found, span = ctx.rank_devices(p, block)
+    mesh = lay.mesh
+    found, span = ctx.rank_devices(p, mesh.block)
     if span is not None:
         return Rejection(lay, span, RejectKind.DEVICES)
     devices = list(found)
@@ -803,11 +799,11 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
 
     # memory: static bytes (state, buffers, working set) and activation bytes per micro-batch, as (n+1)^2 matrices
     recipe = ctx.engine.state_recipe(costs.dtype, lay.zero, opts.optimizer, lay)
-    w, g, o = recipe.per_param(dp * cp)  # gradients are reduced and optimizer state sharded over dp x cp
+    w, g, o = recipe.per_param(mesh.replicas)  # gradients are reduced and optimizer state sharded over dp x cp
     per_param = w + g + o
     ep, etp = lay.ep, lay.etp
     # Megatron's expert-data-parallel group; engines without expert parallelism treat experts as dense weights
-    edp = expert_data_parallel(tp, cp, dp, ep, etp) if ctx.engine.expert_parallel else dp * cp
+    edp = mesh.expert_data_parallel if ctx.engine.expert_parallel else mesh.replicas
     we, ge, oe = recipe.per_param(edp)  # expert gradients and optimizer state: over the expert-data-parallel group
     params_m, other_m, act, wgrad = ctx.memory(b, tp, lay.recompute, sp, cp, lay.fp8, ep, etp, lay.modules_recomputed)
     trans_m = ctx.transient(b, tp, lay.recompute, sp, cp, lay.fp8, ep, etp, lay.modules_recomputed)
@@ -853,13 +849,27 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         if key not in classes:
             classes[key] = len(classes)
             times_by_class.append(
-                ctx.times(b, tp, lay.recompute, r * block, dtype, sp, cp, lay.tp_comm_overlap, lay.fp8, lay.ep, lay.etp, ep_paired(lay), lay.modules_recomputed)
+                ctx.times(
+                    b,
+                    tp,
+                    lay.recompute,
+                    mesh.first_gpu(r),
+                    dtype,
+                    sp,
+                    cp,
+                    lay.tp_comm_overlap,
+                    lay.fp8,
+                    lay.ep,
+                    lay.etp,
+                    ep_paired(lay),
+                    lay.modules_recomputed,
+                )
             )
     compute = [ctx.prefix(t) for t in times_by_class]
     stage_device = [classes[devices[stage_rank[j]].key] for j in range(S)]
 
     # boundary transfers: forward activations and backward gradients over the link between neighbouring stages
-    send_f, send_b = ctx.boundary_sends(b, tp, sp, cp, block, stage_rank)
+    send_f, send_b = ctx.boundary_sends(b, tp, sp, cp, mesh.block, stage_rank)
     zero = np.zeros(n + 1)
     comm_in = [zero] + [send_f[j - 1] + send_b[j - 1] for j in range(1, S)]
     comm_out = [send_f[j] + send_b[j] for j in range(S - 1)] + [zero]
@@ -949,15 +959,15 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         stage_mem[j]["total"] = tensors + stage_mem[j]["overhead"]
     # data-parallel gradient exchange (over dp x cp: context-parallel ranks hold the same weights) and optimizer step
     dp_exposed, opt_time = 0.0, 0.0
-    group = dp * cp
+    group = mesh.replicas
     for r in range(p):
         # experts are reduced apart only where the engine has expert groups (elsewhere they are dense weights)
         ex = sum(expert_prm[j] for j in range(S) if stage_rank[j] == r) if ctx.engine.expert_parallel else 0.0
         prm = sum(params[j] for j in range(S) if stage_rank[j] == r) - ex  # dense: reduced over dp x cp
         dev = devices[r]
-        ranks = [r * block + d * tp for d in range(group)]
+        ranks = mesh.grad_group(mesh.first_gpu(r))
         # experts: reduced over the expert-data-parallel group (expert rank order tp-ep-dp: etp x ep ranks apart)
-        eranks = expert_data_ranks(r * block, ep, etp, edp)
+        eranks = mesh.expert_data_group(mesh.first_gpu(r)) if ctx.engine.expert_parallel else ranks
         if group > 1 or (ex > 0 and edp > 1):
             # FP8 primary weights are all-gathered in their FP8 bytes (the blocks' GEMM weights, experts among them)
             fp8w = sum(gemm[j] for j in range(S) if stage_rank[j] == r) if recipe.fp8_gemm_gather_bytes is not None else 0.0

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from planner import hardware
 from planner.hardware import Cluster, DeviceProfile
 from planner.records import Layer, ModelCosts, RecomputeWork, scale_layer
-from planner.solve.expert_groups import expert_parallel_ranks, expert_tensor_ranks
+from planner.solve.mesh import Mesh
 
 TP_COLLECTIVES = {"attention": (1, 1), "mlp": (1, 1), "block": (2, 2), "embedding": (1, 0), "head": (0, 1)}
 
@@ -199,9 +199,10 @@ def expert_dispatch_time(cluster: Cluster, nbytes: float, first_rank: int, ep: i
     the expert rank order tp-ep-dp (parallel_state.py) puts an expert group's ep GPUs etp ranks apart."""
     if nbytes <= 0 or ep * etp <= 1:
         return 0.0
-    t = cluster.all_to_all_time(nbytes, expert_parallel_ranks(first_rank, ep, etp)) if ep > 1 else 0.0
+    experts = Mesh(ep=ep, etp=etp)
+    t = cluster.all_to_all_time(nbytes, experts.expert_parallel_group(first_rank)) if ep > 1 else 0.0
     if etp > 1:
-        t += cluster.all_gather_time(nbytes * etp, expert_tensor_ranks(first_rank, etp))
+        t += cluster.all_gather_time(nbytes * etp, experts.expert_tensor_group(first_rank))
     return float(t)
 
 
