@@ -403,7 +403,7 @@ def layout_for(run: PublishedRun, recompute: str | None = None, fp8: bool | None
 
 def split_args(run: PublishedRun):
     """Megatron flags for the row's stage split (layers, heads, pp, vp and the account-for flags of ``pipeline_split``)."""
-    from planner.megatron_flags import Flag, MegatronArgs
+    from planner.engines.megatron.flags import Flag, MegatronArgs
 
     unknown = set(run.pipeline_split) - {"embedding", "loss"}
     if unknown:
@@ -420,12 +420,12 @@ def split_args(run: PublishedRun):
 def stage_bounds(run: PublishedRun, costs) -> tuple[int, ...] | None:
     """Piece boundaries of the row's stages when its source split them unevenly (``pipeline_split``), else None
     (the planner's partition chooses). Layers per stage are Megatron's for --account-for-embedding-in-pipeline-split /
-    --account-for-loss-in-pipeline-split (planner.megatron_layout.stage_layers; tests/test_published_runs.py checks
+    --account-for-loss-in-pipeline-split (planner.engines.megatron.layout.stage_layers; tests/test_published_runs.py checks
     them against megatron-core's get_num_layers_to_build); the pieces before the first block go to stage 0, those
     after the last block to the last stage."""
     if not run.pipeline_split:
         return None
-    from planner.megatron_layout import stage_layers
+    from planner.engines.megatron.layout import stage_layers
 
     counts = stage_layers(split_args(run))
     if counts is None:

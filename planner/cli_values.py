@@ -11,8 +11,8 @@ import math
 from collections.abc import Iterable
 from typing import TypeVar
 
+from planner.engines import ENGINES, get_engine
 from planner.errors import UsageError, did_you_mean
-from planner.megatron_args import MODELLED_RECOMPUTE_MODULES, RECOMPUTE_MODULES
 
 T = TypeVar("T")
 
@@ -78,29 +78,31 @@ def finite_number(flag: str, value: float | None, low: float, high: float, low_o
 
 
 def recompute_modules(values: Iterable[str] | None, recompute: str | None, engine: str) -> tuple[str, ...]:
-    """``--recompute-modules`` (comma-separated or repeated) as a tuple in the order given: Megatron's module names the
-    planner models, for ``--engine megatron`` and selective recomputation (``--recompute`` unpinned or selective).
-    () when not given. Exit 2 otherwise."""
+    """``--recompute-modules`` (comma-separated or repeated) as a tuple in the order given: module names of the engine's
+    own option (Engine.recompute_module_names) that the planner models (Engine.recompute_modules), for an engine that
+    has the option and selective recomputation (``--recompute`` unpinned or selective). () when not given. Exit 2
+    otherwise."""
     names = tuple(n.strip() for v in values or () for n in v.split(",") if n.strip())
     if not names:
         return ()
+    rules = get_engine(engine)
+    if not rules.recompute_modules:
+        owners = " / ".join(s.rules.title for s in ENGINES.values() if s.rules.recompute_modules)
+        raise UsageError(
+            f"--recompute-modules is a {owners} option; engine {engine} recomputes the attention core only.",
+            f"Use {rules.alternative(lambda e: bool(e.recompute_modules))}, or drop it.",
+        )
+    known, modelled = rules.recompute_module_names, rules.recompute_modules
     for n in names:
-        if n not in RECOMPUTE_MODULES:
-            raise UsageError(
-                f"--recompute-modules {n!r} is not one of Megatron's.{did_you_mean(n, list(RECOMPUTE_MODULES))}",
-                f"Accepted: {', '.join(MODELLED_RECOMPUTE_MODULES)}.",
-            )
-        if n not in MODELLED_RECOMPUTE_MODULES:
+        if n not in known:
+            raise UsageError(f"--recompute-modules {n!r} is not one of {rules.title}'s.{did_you_mean(n, list(known))}", f"Accepted: {', '.join(modelled)}.")
+        if n not in modelled:
             raise UsageError(
                 f"--recompute-modules {n}: the planner does not model what recomputing {n} keeps and costs.",
-                f"Use {', '.join(MODELLED_RECOMPUTE_MODULES)}, or plan without {n} (its memory is then overstated).",
+                f"Use {', '.join(modelled)}, or plan without {n} (its memory is then overstated).",
             )
     if len(set(names)) != len(names):
         raise UsageError(f"--recompute-modules names a module twice: {', '.join(names)}.", "Name each module once.")
-    if engine != "megatron":
-        raise UsageError(
-            f"--recompute-modules is a Megatron-LM option; engine {engine} recomputes the attention core only.", "Use --engine megatron, or drop it."
-        )
     if recompute not in (None, "selective"):
         raise UsageError(
             f"--recompute-modules chooses what selective recomputation recomputes; got --recompute {recompute}.",
@@ -118,9 +120,12 @@ def fp8_param_gather(on: bool, dtype: str, engine: str, zero: int | None) -> Non
         raise UsageError(
             f"--fp8-param-gather keeps the weights in FP8, which needs FP8 training; got --dtype {dtype}.", "Add --dtype fp8, or drop --fp8-param-gather."
         )
-    if engine != "megatron":
+    rules = get_engine(engine)
+    if not rules.fp8_primary_weights:
+        owners = " / ".join(s.rules.title for s in ENGINES.values() if s.rules.fp8_primary_weights)
         raise UsageError(
-            f"--fp8-param-gather is a Megatron-LM option; engine {engine} has no FP8 primary weights.", "Use --engine megatron, or drop --fp8-param-gather."
+            f"--fp8-param-gather is a {owners} option; engine {engine} has no FP8 primary weights.",
+            f"Use {rules.alternative(lambda e: e.fp8_primary_weights)}, or drop --fp8-param-gather.",
         )
     if zero == 0:
         raise UsageError(

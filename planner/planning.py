@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from planner import hardware
-from planner.engines import get_engine
+from planner.engines import ENGINES, get_engine
 from planner.errors import InfeasibleError, UsageError
 from planner.hardware import Cluster
 from planner.hardware.gpus import MAX_WORLD_SIZE
@@ -160,11 +160,12 @@ def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | Non
         profile_notes.append(f"the measured times apply to tp = 1; this tp = {result.best.layout.tp} layout is timed analytically")
     experts = max((l.num_experts for l in analysis.costs.layers), default=0)
     if experts and not engine.expert_parallel:
-        # Megatron builds the model from flags: only where a shape was derived for it (architecture()) can it plan this one
-        megatron = "; --engine megatron shards them over an expert-parallel group (--ep)" if analysis.costs.architecture else ""
+        # an engine that builds the model from its architecture() can plan this one only where a shape was derived for it
+        others = _engines_for(analysis.costs, req.engine, lambda e: e.expert_parallel)
+        shard = f"; {' or '.join(f'--engine {e.name}' for e in others)} shards them over an expert-parallel group (--ep)" if others else ""
         profile_notes.append(
             f"{engine.name} runs no expert parallelism: every GPU of a stage holds all {experts} experts of each of its MoE "
-            f"layers and their optimizer state{megatron}"
+            f"layers and their optimizer state{shard}"
         )
     plan = build_plan(analysis.costs, cluster, req, result, extra, notes=list(analysis.costs.notes) + profile_notes)
     return plan, analysis, result
@@ -369,27 +370,43 @@ def _nothing_fits(costs: ModelCosts, cluster: Cluster, req: PlanRequest, result:
     if more:
         hints.append(f"{more[1]} would fit")
     experts = any(l.num_experts for l in costs.layers)
-    megatron = req.engine != "megatron" and costs.architecture is not None
-    if not hints and megatron and experts:
-        # DeepSpeed's and torch's pipelines have no expert parallelism: every GPU of a stage holds all its experts
-        more = _smallest_fitting_cluster(costs, cluster, replace(req, engine="megatron"), start=1)
-        if more:
-            on = "" if more[0] == 1 else f" on {more[1]}"
-            hints.append(f"--engine megatron (expert parallelism shards the experts){on} would fit")
+    engine = get_engine(req.engine)
+    sharding = [] if engine.expert_parallel else _engines_for(costs, req.engine, lambda e: e.expert_parallel)
+    if not hints and experts:
+        # an engine without expert parallelism holds all of a layer's experts on every GPU of a stage
+        for other in sharding:
+            more = _smallest_fitting_cluster(costs, cluster, replace(req, engine=other.name), start=1)
+            if more:
+                on = "" if more[0] == 1 else f" on {more[1]}"
+                hints.append(f"--engine {other.name} (expert parallelism shards the experts){on} would fit")
+                break
     if hints:
         hint = "Smallest change that fits: " + "; ".join(hints) + "."
     else:
         # the search already tried full recomputation and micro-batch 1 unless they were pinned to something else
         untried = [o for o, pinned in (("--recompute full", req.recompute), ("--micro-batch 1", req.micro_batch)) if pinned not in (None, "full", 1)]
         hint = "Try more GPUs, " + ", ".join([*untried, "or a device with more memory."]) if untried else "Try more GPUs or a device with more memory."
-    if megatron and not any("--engine megatron" in h for h in hints):
-        adds = (
-            "tensor and expert parallelism, which divide weights, activations and the experts"
-            if experts
-            else "tensor parallelism, which divides weights and activations"
-        )
-        hint += f" Megatron (--engine megatron) adds {adds}."
+    if not engine.tensor_parallel:
+        for other in _engines_for(costs, req.engine, lambda e: e.tensor_parallel and (e.expert_parallel or not experts)):
+            if f"--engine {other.name}" not in " ".join(hints):
+                adds = (
+                    "tensor and expert parallelism, which divide weights, activations and the experts"
+                    if experts
+                    else "tensor parallelism, which divides weights and activations"
+                )
+                hint += f" {other.title} (--engine {other.name}) adds {adds}."
+                break
     return msg, hint
+
+
+def _engines_for(costs: ModelCosts, current: str, has: Callable[[Any], bool]) -> list[Any]:
+    """The rules of the other engines that have a feature (``has``) and can build this model (an engine that builds it
+    from its architecture() needs a shape derived for it)."""
+    return [
+        s.rules
+        for s in ENGINES.values()
+        if s.name != current and has(s.rules) and not (s.rules.architecture_problem(costs.architecture, "the model") and costs.architecture is None)
+    ]
 
 
 def _smallest_fitting_cluster(costs: ModelCosts, cluster: Cluster, req: PlanRequest, start: int = 2) -> tuple[int, str] | None:
@@ -415,7 +432,7 @@ def _fits(costs: ModelCosts, cluster: Cluster, req: PlanRequest) -> bool:
         req,
         micro_batch=req.micro_batch or 1,
         recompute=req.recompute or "full",
-        zero=req.zero if req.zero is not None else (0 if req.engine == "torch" else 1),
+        zero=req.zero if req.zero is not None else max(get_engine(req.engine).zero_levels),
     )
     try:
         return search(costs, cluster, replace(lean, top_k=1), get_engine(req.engine)).best is not None

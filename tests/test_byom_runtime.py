@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from planner.check import smoke as sm
 from planner.cli import app
-from planner.runners import torchpp as rt
+from planner.engines.torch import runner as rt
 from planner.runners.reference import build_model
 from planner.runtime import load_planned_model
 
@@ -753,12 +753,12 @@ def test_non_tensor_value_across_a_stage_cut_is_refused_by_name():
 # ----------------------------------------------------------------------------- smoke reporting
 
 GLOO_CLOSED = """[rank0]: Traceback (most recent call last):
-[rank0]:   File "train_pipeline.py", line 120, in <module>
+[rank0]:   File "train_torch.py", line 120, in <module>
 [rank0]:     work.wait()
 [rank0]: RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:50598
 """
 REAL = """[rank1]: Traceback (most recent call last):
-[rank1]:   File "train_pipeline.py", line 99, in main
+[rank1]:   File "train_torch.py", line 99, in main
 [rank1]:     out = self.body(*args)
 [rank1]: RuntimeError: input tensor has to be contiguous
 """

@@ -12,8 +12,9 @@ from typer.testing import CliRunner
 
 from planner import hardware
 from planner.check import calibrate as cal
-from planner.check.run_logs import RunMeasurement, parse_deepspeed, read_log, read_smoke
+from planner.check.run_logs import RunMeasurement, read_log, read_smoke
 from planner.cli import app
+from planner.engines.deepspeed.logs import parse_deepspeed
 from planner.errors import UsageError
 from planner.planning import PlanRequest, plan_model
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from planner.engines import get_engine
-from planner.engines.megatron import bucket_params, grad_reduce_exposed, param_gather_exposed
+from planner.engines.megatron.rules import bucket_params, grad_reduce_exposed, param_gather_exposed
 from planner.solve.plan import Layout
 
 

@@ -16,11 +16,11 @@ from conftest import EXAMPLES, costs_of
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from planner.engines import get_engine
-from planner.engines.torchtitan import SCHEDULE_NAMES
+from planner.engines.torchtitan.render import overrides, render, stage_fqns, torchtitan_stage_ranks
+from planner.engines.torchtitan.rules import SCHEDULE_NAMES
 from planner.errors import UsageError
 from planner.planning import PlanRequest, plan_model
 from planner.render import render_files, write_plan_dir
-from planner.render.torchtitan import overrides, render_torchtitan, stage_fqns, torchtitan_stage_ranks
 from planner.solve.schedules import SCHEDULE_INFO
 
 ENGINE = get_engine("torchtitan")
@@ -101,7 +101,7 @@ def test_plan_renders_the_planned_layout(plans, name):
     assert words[-1] == ("activation-checkpoint:full" if lay.recompute == "full" else "activation-checkpoint:none")
     first = render_files(plan)
     assert first == render_files(plan)  # byte-identical
-    assert set(render_torchtitan(plan, "cmd")) == {"launch_torchtitan.sh", "README.md"}
+    assert set(render(plan, "cmd")) == {"launch_torchtitan.sh", "README.md"}
 
 
 FAKE_TORCHRUN = """#!/usr/bin/env python3
@@ -141,7 +141,7 @@ def test_launch_script_passes_every_word_intact(plans, tmp_path):
 def test_non_llama_module_names_are_refused():
     plan = plan_of("gpt2", "gpt2-tiny", gpus="2xH100", pp=2, schedule="1f1b")
     with pytest.raises(UsageError, match="not a torchtitan Llama module"):
-        render_torchtitan(plan, "cmd")
+        render(plan, "cmd")
 
 
 def test_cli_plan_and_refusal(tmp_path):

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from planner import hardware
-from planner.check.megatron_script import parse_megatron_args
 from planner.engines import get_engine
-from planner.megatron_args import check_megatron_args
-from planner.render.megatron import render_megatron
+from planner.engines.megatron.architecture import check_megatron_args
+from planner.engines.megatron.render import render as render_megatron
+from planner.engines.megatron.script import parse_megatron_args
 from planner.solve.memory import activation_bytes_per_microbatch, saved_bytes, state_recipe
 from planner.solve.plan import Layout, Plan
 from planner.solve.search import Context, SearchOptions, evaluate_layout
@@ -204,7 +204,7 @@ def _plan(**layout) -> Plan:
 def test_rendered_fp8_param_gather_passes_megatron_validation():
     from megatron.core.transformer import TransformerConfig
 
-    from planner.check.megatron_core import core_config
+    from planner.engines.megatron.core_check import core_config
 
     plan = _plan(zero=1, fp8=True, fp8_param_gather=True, main_grads_dtype="bf16", overlap_grad_reduce=True, overlap_param_gather=True)
     args = parse_megatron_args(render_megatron(plan, "planner plan", None)["pretrain_gpt.sh"])

@@ -12,8 +12,8 @@ import pytest
 transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
-from planner.megatron_args import architecture_defaults, architecture_problem  # noqa: E402
-from planner.megatron_moe import layer_pattern  # noqa: E402
+from planner.engines.megatron.architecture import architecture_defaults, architecture_problem  # noqa: E402
+from planner.engines.megatron.moe import layer_pattern  # noqa: E402
 from planner.model.sources import library_contract  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -122,11 +122,11 @@ def test_hf_moe_plans_render_for_megatron_and_megatron_core_builds_them(tmp_path
     from mlm_validate import megatron_lm_config, megatron_lm_path
     from test_render_megatron_moe import mlp_kinds
 
-    from planner.check.megatron_core import core_config
-    from planner.check.megatron_script import parse_megatron_args
-    from planner.megatron_args import check_megatron_args
+    from planner.engines.megatron.architecture import check_megatron_args
+    from planner.engines.megatron.core_check import core_config
+    from planner.engines.megatron.render import render as render_megatron
+    from planner.engines.megatron.script import parse_megatron_args
     from planner.planning import PlanRequest, plan_model
-    from planner.render.megatron import render_megatron
 
     path = _write(tmp_path, name)
     plan = plan_model(PlanRequest(model_file=f"hf:{path}", model_args={}, gpus="4xA100", engine="megatron", pp=2))[0]

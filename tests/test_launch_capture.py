@@ -10,9 +10,9 @@ import os
 import time
 from pathlib import Path
 
-from planner.check.launch_capture import run_script
-from planner.check.megatron_script import parse_megatron_args
-from planner.megatron_args import check_megatron_args
+from planner.engines.megatron.architecture import check_megatron_args
+from planner.engines.megatron.script import parse_megatron_args
+from planner.launch_capture import run_script
 
 LAUNCH = "torchrun --nproc-per-node 8 pretrain_gpt.py"
 

@@ -11,8 +11,8 @@ import pytest
 
 from planner import hardware
 from planner.engines import get_engine
-from planner.engines.megatron import megatron_layer_activations
-from planner.engines.megatron_activations import LayerShape, kept_bytes, layer_saved
+from planner.engines.megatron.activations import LayerShape, kept_bytes, layer_saved
+from planner.engines.megatron.rules import megatron_layer_activations
 from planner.solve.memory import range_matrices
 from planner.solve.plan import Layout
 from planner.solve.search import Context, SearchOptions, evaluate_layout
@@ -195,7 +195,7 @@ def test_dropout_at_zero_keeps_no_mask():
 def test_keys_at_their_defaults_keep_the_megatron_layer(tiny):
     """architecture() keys beyond the dense layer's that are unset or at Megatron's default (qk_layernorm False,
     num_experts None, as hf: configs derive them) still describe the dense layer; set off default they do not."""
-    from planner.engines.megatron import dense_layer
+    from planner.engines.megatron.rules import dense_layer
 
     dense = {**tiny.architecture, "qk_layernorm": False, "num_experts": None, "multi_latent_attention": False}
     assert dense_layer(dense)
@@ -233,11 +233,11 @@ def test_megatron_plans_the_squared_relu_llama_example():
     megatron-core builds its layer with that function."""
     from megatron.core.activations import squared_relu
 
-    from planner.check.megatron_core import core_config
-    from planner.check.megatron_script import parse_megatron_args
-    from planner.megatron_args import check_megatron_args
+    from planner.engines.megatron.architecture import check_megatron_args
+    from planner.engines.megatron.core_check import core_config
+    from planner.engines.megatron.render import render as render_megatron
+    from planner.engines.megatron.script import parse_megatron_args
     from planner.planning import PlanRequest, plan_model
-    from planner.render.megatron import render_megatron
     from tests.conftest import EXAMPLES, costs_of
 
     gated, plain = costs_of("llama", "llama-tiny"), costs_of("llama", "llama-tiny", activation="squared_relu")

@@ -1,4 +1,4 @@
-"""planner.megatron_args: parsing Megatron launch scripts, the rule checks, and the pipeline layout helpers.
+"""planner.engines.megatron.architecture: parsing Megatron launch scripts, the rule checks, and the pipeline layout helpers.
 
 The rules are checked against megatron-core 0.16.1 itself where it enforces them
 (TransformerConfig, PipelineParallelLayerLayout, get_num_layers_to_build). With a
@@ -17,10 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.check.megatron_core import core_config as _core_config
-from planner.check.megatron_core import core_stage_layers as _core_stage_layers
-from planner.check.megatron_script import parse_megatron_args
-from planner.megatron_args import (
+from planner.engines.megatron.architecture import (
     RULES,
     Flag,
     LayoutError,
@@ -32,6 +29,9 @@ from planner.megatron_args import (
     split_flags,
     stage_layers,
 )
+from planner.engines.megatron.core_check import core_config as _core_config
+from planner.engines.megatron.core_check import core_stage_layers as _core_stage_layers
+from planner.engines.megatron.script import parse_megatron_args
 
 # --------------------------------------------------------------------------- parsing
 
@@ -651,7 +651,7 @@ def test_parser_and_checks_never_crash(text):
 @given(st.integers(1, 8), st.integers(1, 16), st.integers(1, 64), st.sampled_from([1, 2, 4, 8]))
 def test_tensor_parallel_problems_match_the_rules(groups, per_group, ffn, tp):
     """The search-side helper agrees with the MEG013/MEG014/MEG030 rules on the same sizes."""
-    from planner.megatron_args import tensor_parallel_problems
+    from planner.engines.megatron.architecture import tensor_parallel_problems
 
     heads = groups * per_group
     arch = {"num_attention_heads": heads, "num_query_groups": groups, "ffn_hidden_size": ffn}

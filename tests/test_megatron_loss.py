@@ -13,7 +13,7 @@ import pytest
 
 from planner import hardware
 from planner.engines import get_engine
-from planner.engines.megatron import megatron_loss_working_set
+from planner.engines.megatron.rules import megatron_loss_working_set
 from planner.solve.search import Context, SearchOptions
 
 CROSS_ENTROPY = textwrap.dedent(

@@ -1,4 +1,4 @@
-"""The activations Megatron's MoE, multi-latent-attention and q/k-norm layers save (planner.engines.megatron_moe_activations):
+"""The activations Megatron's MoE, multi-latent-attention and q/k-norm layers save (planner.engines.megatron.moe_activations):
 each term against a closed form written out by hand here, the MoE sub-layer against the bytes real PyTorch saves when
 it runs Megatron-Core's unfused router / permutation / grouped-MLP code paths (core_v0.16.1, copied below), and the
 engine hook pricing the examples/moe.py blocks with them."""
@@ -12,9 +12,8 @@ import pytest
 
 from planner import hardware
 from planner.engines import get_engine
-from planner.engines.megatron import megatron_layer, megatron_layer_activations
-from planner.engines.megatron_activations import LayerShape, kept_bytes, layer_saved
-from planner.engines.megatron_moe_activations import (
+from planner.engines.megatron.activations import LayerShape, kept_bytes, layer_saved
+from planner.engines.megatron.moe_activations import (
     MLAShape,
     MoEShape,
     experts_saved,
@@ -24,6 +23,7 @@ from planner.engines.megatron_moe_activations import (
     qk_norm_saved,
     router_saved,
 )
+from planner.engines.megatron.rules import megatron_layer, megatron_layer_activations
 from planner.solve.memory import range_matrices
 from planner.solve.search import Context, SearchOptions, expert_saved_extra
 

@@ -12,9 +12,9 @@ import torch
 
 from planner import hardware
 from planner.engines import get_engine
-from planner.engines.megatron import megatron_layer_traffic
-from planner.engines.megatron_activations import STAT_BYTES, LayerShape
-from planner.engines.megatron_traffic import Kernel, layer_traffic, part_traffic
+from planner.engines.megatron.activations import STAT_BYTES, LayerShape
+from planner.engines.megatron.rules import megatron_layer_traffic
+from planner.engines.megatron.traffic import Kernel, layer_traffic, part_traffic
 from planner.solve.search import Context, SearchOptions
 
 S, B, H, HEADS, GROUPS, FFN = 16, 2, 64, 8, 2, 96

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from planner import hardware
-from planner.check.megatron_script import parse_megatron_args
 from planner.engines import get_engine
-from planner.engines.megatron import bucket_params
+from planner.engines.megatron.architecture import check_megatron_args
+from planner.engines.megatron.render import render as render_megatron
+from planner.engines.megatron.rules import bucket_params
+from planner.engines.megatron.script import parse_megatron_args
 from planner.errors import UsageError
-from planner.megatron_args import check_megatron_args
 from planner.model.analyze import analyze
 from planner.records import ModelCosts
-from planner.render.megatron import render_megatron
 from planner.report import overlaps_line
 from planner.solve.memory import FP8_WEIGHT_COPY_BYTES, fp8_amax_bytes, state_recipe
 from planner.solve.plan import Layout, Plan
@@ -251,7 +251,7 @@ def _plan(name: str, **layout) -> Plan:
     ids=["cp2", "tp-overlap", "dp-overlaps", "precision-aware", "grad-reduce-bf16", "fp8"],
 )
 def test_rendered_feature_flags_pass_megatron_validation(changes):
-    from planner.check.megatron_core import core_config
+    from planner.engines.megatron.core_check import core_config
 
     base = _plan("llama7b")
     plan = _plan("llama7b", **changes)

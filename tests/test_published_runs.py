@@ -231,8 +231,8 @@ def test_llama3_rows_carry_the_papers_schedule():
 @pytest.mark.parametrize("run", SPLIT_RUNS, ids=[r.id for r in SPLIT_RUNS])
 def test_split_layers_are_megatron_cores(run):
     """The layers per stage the harness pins are what megatron-core's get_num_layers_to_build builds for the same flags."""
-    from planner.check.megatron_core import core_config, core_stage_layers
-    from planner.megatron_layout import stage_layers
+    from planner.engines.megatron.core_check import core_config, core_stage_layers
+    from planner.engines.megatron.layout import stage_layers
 
     args = split_args(run)
     ours = stage_layers(args)

@@ -16,14 +16,14 @@ from test_megatron_moe_activations import DEEPSEEK_V3
 from test_render_megatron_moe import load, rendered
 
 from planner import hardware
-from planner.check.megatron_core import core_config
 from planner.engines import get_engine
-from planner.engines.megatron import megatron_recompute_work
-from planner.engines.megatron_activations import LayerShape, kept_bytes, layer_saved
-from planner.engines.megatron_moe_activations import MLAShape, mla_attention_saved
-from planner.engines.megatron_recompute import dense_mlp_work, mla_up_proj_work
+from planner.engines.megatron.activations import LayerShape, kept_bytes, layer_saved
+from planner.engines.megatron.architecture import Flag, check_megatron_args
+from planner.engines.megatron.core_check import core_config
+from planner.engines.megatron.moe_activations import MLAShape, mla_attention_saved
+from planner.engines.megatron.recompute import dense_mlp_work, mla_up_proj_work
+from planner.engines.megatron.rules import megatron_recompute_work
 from planner.errors import UsageError
-from planner.megatron_args import Flag, check_megatron_args
 from planner.solve.plan import Layout, Plan
 from planner.solve.search import Context, SearchOptions, evaluate_layout
 from planner.solve.timing import bytes_time, ops_time
@@ -137,9 +137,9 @@ def test_modules_lower_the_peak_by_what_they_drop(deepseek_tiny):
     """With the split fixed, each stage's activation bytes per micro-batch fall by exactly what the closed form says the
     modules drop, block by block (4 MLA layers: q, k, v, RoPE's tables; the dense first layer's MLP too); the peak
     falls, and stays above full recomputation's."""
-    from planner.engines.megatron import megatron_blocks
-    from planner.engines.megatron_activations import CORE_ATTN
-    from planner.engines.megatron_moe_activations import megatron_layer_saved
+    from planner.engines.megatron.activations import CORE_ATTN
+    from planner.engines.megatron.moe_activations import megatron_layer_saved
+    from planner.engines.megatron.rules import megatron_blocks
 
     core, _ = _priced(deepseek_tiny, ())
     modules = frozenset({"mla_up_proj", "mlp"})

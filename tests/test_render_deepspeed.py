@@ -25,11 +25,11 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 
-from planner.engines.deepspeed import precision_config  # noqa: E402
+from planner.engines.deepspeed.render import CONFIG, SCRIPT, ds_config, render  # noqa: E402
+from planner.engines.deepspeed.rules import precision_config  # noqa: E402
 from planner.errors import UsageError  # noqa: E402
+from planner.launch import model_path_for  # noqa: E402
 from planner.model_ref import resolve_ref  # noqa: E402
-from planner.render.deepspeed import CONFIG, SCRIPT, ds_config, render_deepspeed  # noqa: E402
-from planner.render.launch import model_path_for  # noqa: E402
 from planner.solve.plan import Plan  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,7 +122,7 @@ def test_ds_config_is_accepted_by_deepspeed_with_the_plans_numbers(name, dtype, 
     assert conf.pipeline["activation_checkpoint_interval"] == (1 if recompute == "full" else 0)
     assert conf.pipeline["use_reentrant"] is False
     assert "optimizer" not in cfg and conf.optimizer_name is None
-    assert list(json.loads(render_deepspeed(plan, COMMAND)[CONFIG])) == sorted(cfg)
+    assert list(json.loads(render(plan, COMMAND)[CONFIG])) == sorted(cfg)
 
 
 def test_ds_config_batch_is_for_the_data_parallel_size_not_the_world(monkeypatch):
@@ -172,7 +172,7 @@ def test_deepspeed_picks_the_optimizer_wrapper_the_memory_model_assumes(dtype, z
 @pytest.mark.parametrize("name", ["gpt2_pp2_dp2", "crossing_pp2"])
 def test_checkpoint_units_are_the_memory_models_units(name):
     """recompute=full checkpoints exactly the units planner.solve.memory counts (a block, or a piece outside blocks)."""
-    from planner.runners.deepspeed import checkpoint_units
+    from planner.engines.deepspeed.runner import checkpoint_units
     from planner.solve.memory import checkpoint_starts
 
     d = plan_dict(name)
@@ -202,14 +202,14 @@ def test_precision_config_for_a_cpu_run_drops_mixed_precision(monkeypatch):
 )
 def test_refuses_plans_deepspeed_cannot_run(layout, match):
     with pytest.raises(UsageError, match=match):
-        render_deepspeed(plan_obj("gpt2_pp2_dp2", layout=layout), COMMAND)
+        render(plan_obj("gpt2_pp2_dp2", layout=layout), COMMAND)
 
 
 # ----------------------------------------------------------------------------- rendered files
 
 
 def rendered(plan: Plan, out_dir: Path | None = None) -> dict[str, str]:
-    return render_deepspeed(plan, COMMAND, out_dir)
+    return render(plan, COMMAND, out_dir)
 
 
 def golden_plan() -> Plan:
@@ -256,7 +256,7 @@ def test_hostile_model_path_arrives_as_one_argument(tmp_path):
     plan = plan_obj("gpt2_pp2_dp2", inputs={"model_file": HOSTILE})
     out = tmp_path / "plan dir"
     out.mkdir()
-    files = render_deepspeed(plan, HOSTILE_COMMAND, out)
+    files = render(plan, HOSTILE_COMMAND, out)
     for rel, text in files.items():  # the command stays inside its comment line
         if rel != "README.md":
             assert all(line.lstrip().startswith("#") for line in text.splitlines() if "touch x" in line and "model.py" not in line), rel
@@ -368,7 +368,7 @@ def train(plan: dict, tmp_path: Path, nprocs: int, steps: int = 3, extra: list[s
     out = tmp_path / "plan"
     out.mkdir()
     (out / "plan.json").write_text(json.dumps(plan))
-    for rel, text in render_deepspeed(Plan.from_dict(plan), COMMAND, out).items():
+    for rel, text in render(Plan.from_dict(plan), COMMAND, out).items():
         (out / rel).write_text(text)
     ext = tmp_path / "torch_extensions"
     t0 = time.perf_counter()

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from planner.check.megatron_script import parse_megatron_args
+from planner.engines.megatron.architecture import check_megatron_args, stage_layers
+from planner.engines.megatron.render import flag_groups, padded_vocab, planned_stage_layers, render, vocab_flags
+from planner.engines.megatron.script import parse_megatron_args
 from planner.errors import UsageError
-from planner.megatron_args import check_megatron_args, stage_layers
-from planner.render.megatron import flag_groups, padded_vocab, planned_stage_layers, render_megatron, vocab_flags
 from planner.solve.plan import Plan
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron"
@@ -32,10 +32,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _helpers():
-    """megatron-core's view of the flags (planner.check.megatron_core)."""
+    """megatron-core's view of the flags (planner.engines.megatron.core_check)."""
     from types import SimpleNamespace
 
-    from planner.check.megatron_core import core_config, core_stage_layers
+    from planner.engines.megatron.core_check import core_config, core_stage_layers
 
     return SimpleNamespace(_core_config=core_config, _core_stage_layers=core_stage_layers)
 
@@ -79,7 +79,7 @@ GOLDEN_NAMES = ("llama70b_vp2",)
 
 @pytest.mark.parametrize("name", GOLDEN_NAMES)
 def test_golden_files(name):
-    files = render_megatron(load(name), GOLDEN_COMMAND, None)
+    files = render(load(name), GOLDEN_COMMAND, None)
     golden = FIXTURES / "golden" / name
     assert sorted(files) == sorted(p.name for p in golden.iterdir())
     for rel, text in files.items():
@@ -88,8 +88,8 @@ def test_golden_files(name):
 
 def test_deterministic():
     plan = load("llama70b_vp2")
-    a = render_megatron(plan, GOLDEN_COMMAND, None)
-    b = render_megatron(Plan.from_dict(json.loads(json.dumps(plan.to_dict()))), GOLDEN_COMMAND, Path("/somewhere/else"))
+    a = render(plan, GOLDEN_COMMAND, None)
+    b = render(Plan.from_dict(json.loads(json.dumps(plan.to_dict()))), GOLDEN_COMMAND, Path("/somewhere/else"))
     assert a == b
     for text in a.values():
         assert str(REPO) not in text and "/tmp" not in text
@@ -101,7 +101,7 @@ def test_deterministic():
 @pytest.mark.parametrize("name", NAMES)
 def test_rendered_flags_pass_our_rules_and_build_the_planned_split(name):
     plan = load(name)
-    script = render_megatron(plan, GOLDEN_COMMAND, None)["pretrain_gpt.sh"]
+    script = render(plan, GOLDEN_COMMAND, None)["pretrain_gpt.sh"]
     args = parse_megatron_args(script, "script")
     lay = plan.layout
     assert args.world_size == lay.pp * lay.tp * lay.dp
@@ -117,11 +117,11 @@ def test_rendered_flags_pass_our_rules_and_build_the_planned_split(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_the_checked_flag_list_is_what_bash_passes(name):
     """The renderer checks its flag list (data); bash running pretrain_gpt.sh passes exactly that list, with that world and environment."""
-    from planner.render.megatron import _context, rendered_args
+    from planner.engines.megatron.render import _context, rendered_args
 
     plan = load(name)
     data = rendered_args(_context(plan, GOLDEN_COMMAND))
-    ran = parse_megatron_args(render_megatron(plan, GOLDEN_COMMAND, None)["pretrain_gpt.sh"], "script")
+    ran = parse_megatron_args(render(plan, GOLDEN_COMMAND, None)["pretrain_gpt.sh"], "script")
     assert ran.stopped is None and ran.argv() == data.argv()
     assert ran.world_size == data.world_size and ran.env_value("CUDA_DEVICE_MAX_CONNECTIONS") == data.env_value("CUDA_DEVICE_MAX_CONNECTIONS")
     assert check_megatron_args(data, data.world_size) == check_megatron_args(ran)
@@ -133,7 +133,7 @@ def test_transformer_config_accepts_rendered_flags(name):
     and its get_num_layers_to_build places the planned number of layers on every (virtual) stage."""
     h = _helpers()
     plan = load(name)
-    args = parse_megatron_args(render_megatron(plan, GOLDEN_COMMAND, None)["pretrain_gpt.sh"])
+    args = parse_megatron_args(render(plan, GOLDEN_COMMAND, None)["pretrain_gpt.sh"])
     cfg = h._core_config(args)
     arch = plan.model["architecture"]
     assert cfg.num_layers == arch["num_layers"] and cfg.hidden_size == arch["hidden_size"]
@@ -170,7 +170,7 @@ def test_split_forms():
     uneven = restage(load("gpt3_175b"), [11, 12, 12, 12, 12, 12, 12, 13])
     flags = dict(flag_groups(uneven)["MODEL_PARALLEL_ARGS"])
     assert flags["--decoder-first-pipeline-num-layers"] == "11" and flags["--decoder-last-pipeline-num-layers"] == "13"
-    files = render_megatron(uneven, GOLDEN_COMMAND, None)
+    files = render(uneven, GOLDEN_COMMAND, None)
     assert stage_layers(parse_megatron_args(files["pretrain_gpt.sh"])) == [11, 12, 12, 12, 12, 12, 12, 13]
     h = _helpers()
     assert h._core_stage_layers(h._core_config(parse_megatron_args(files["pretrain_gpt.sh"]))) == [11, 12, 12, 12, 12, 12, 12, 13]
@@ -187,7 +187,7 @@ def test_recompute_zero_and_precision_flags():
         d["layout"]["num_microbatches"] = 8
         d["layout"]["overlap_grad_reduce"] = False  # a layout field: nothing to overlap without a data-parallel group
         d["model"]["dtype"] = "fp16"
-        args = parse_megatron_args(render_megatron(Plan.from_dict(d), "c", None)["pretrain_gpt.sh"])
+        args = parse_megatron_args(render(Plan.from_dict(d), "c", None)["pretrain_gpt.sh"])
         got = [v for n in ("--recompute-granularity", "--recompute-method", "--recompute-num-layers") for v in ([args.value(n)] if args.has(n) else [])]
         assert got == want
         assert args.has("--fp16") and not args.has("--bf16")
@@ -215,7 +215,7 @@ def _plan_with(name: str, **arch_changes) -> Plan:
 
 def test_model_without_architecture_is_a_usage_error():
     with pytest.raises(UsageError, match=r"architecture\(\)"):
-        render_megatron(_plan_with("llama7b"), "c", None)
+        render(_plan_with("llama7b"), "c", None)
 
 
 @pytest.mark.parametrize(
@@ -229,7 +229,7 @@ def test_model_without_architecture_is_a_usage_error():
 )
 def test_architecture_that_does_not_map(change, words):
     with pytest.raises(UsageError, match="does not map") as e:
-        render_megatron(_plan_with("llama70b_vp2", **change), "c", None)
+        render(_plan_with("llama70b_vp2", **change), "c", None)
     assert words in str(e.value)
 
 
@@ -238,7 +238,7 @@ def test_stage_boundary_inside_a_layer_is_refused():
     d["stages"][0]["pieces"][1] += 1  # stage 1 now starts at an MLP piece
     d["stages"][1]["pieces"][0] += 1
     with pytest.raises(UsageError, match="inside transformer layer 'h.12'"):
-        render_megatron(Plan.from_dict(d), "c", None)
+        render(Plan.from_dict(d), "c", None)
 
 
 def test_cut_between_final_norm_and_head_is_refused():
@@ -248,14 +248,14 @@ def test_cut_between_final_norm_and_head_is_refused():
     d["stages"].append(dict(d["stages"][-1], index=8, pieces=[n - 1, n]))
     d["layout"]["pp"] = 9
     with pytest.raises(UsageError, match="final norm, output layer and loss on the last"):
-        render_megatron(Plan.from_dict(d), "c", None)
+        render(Plan.from_dict(d), "c", None)
 
 
 def test_piece_between_layers_is_refused():
     d = load("gpt3_175b").to_dict()
     d["model"]["blocks"][5] = None
     with pytest.raises(UsageError, match="sits between transformer layers"):
-        render_megatron(Plan.from_dict(d), "c", None)
+        render(Plan.from_dict(d), "c", None)
 
 
 def test_plan_megatron_would_refuse_is_a_usage_error():
@@ -263,7 +263,7 @@ def test_plan_megatron_would_refuse_is_a_usage_error():
     d["model"]["architecture"].update(num_attention_heads=100, num_query_groups=100)  # 100 heads over tp = 8
     d["model"]["architecture"]["hidden_size"] = 12300
     with pytest.raises(UsageError, match="MEG013"):
-        render_megatron(Plan.from_dict(d), "c", None)
+        render(Plan.from_dict(d), "c", None)
 
 
 def test_live_plan_renders(tmp_path):
@@ -273,7 +273,7 @@ def test_live_plan_renders(tmp_path):
     plan, _, _ = plan_model(
         PlanRequest(model_file=str(REPO / "examples" / "llama.py"), model_args={"preset": "llama-tiny"}, gpus="8xA100", engine="megatron", pp=2, tp=2)
     )
-    args = parse_megatron_args(render_megatron(plan, "c", tmp_path)["pretrain_gpt.sh"])
+    args = parse_megatron_args(render(plan, "c", tmp_path)["pretrain_gpt.sh"])
     assert check_megatron_args(args) == [] and args.world_size == 8
     assert stage_layers(args) == planned_stage_layers(plan)
 
@@ -310,7 +310,7 @@ def _hostile_dir(tmp_path: Path) -> tuple[Path, Path, Path, dict[str, str]]:
     command = "planner plan " + shlex.quote(HOSTILE + "\n$(touch pwned3)") + " --engine megatron"
     out = tmp_path / "plan dir $(touch pwned4)"
     out.mkdir()
-    files = render_megatron(plan, command, out)
+    files = render(plan, command, out)
     for rel, text in files.items():
         (out / rel).write_text(text)
         if rel.endswith(".sh"):
@@ -384,7 +384,7 @@ def test_missing_checkout_stops_before_torchrun(tmp_path):
 
 
 def _architecture_table() -> str:
-    from planner.megatron_args import ARCHITECTURE, REQUIRED
+    from planner.engines.megatron.architecture import ARCHITECTURE, REQUIRED
 
     rows = ["| key | default | what Megatron-LM makes of it |", "| --- | --- | --- |"]
     for k in ARCHITECTURE:
@@ -395,14 +395,14 @@ def _architecture_table() -> str:
 
 def test_readme_documents_every_architecture_key_with_its_default():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert _architecture_table() in readme, "README.md's architecture() table differs from planner.megatron_args.ARCHITECTURE"
+    assert _architecture_table() in readme, "README.md's architecture() table differs from planner.engines.megatron.architecture.ARCHITECTURE"
 
 
 def test_architecture_defaults_are_megatron_cores():
     """The documented defaults are TransformerConfig's own (bias, norm epsilon, FFN width without swiglu)."""
     from megatron.core.transformer import TransformerConfig
 
-    from planner.megatron_args import architecture_defaults, megatron_ffn_hidden_size
+    from planner.engines.megatron.architecture import architecture_defaults, megatron_ffn_hidden_size
 
     cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
     full = architecture_defaults({})
@@ -413,7 +413,7 @@ def test_architecture_defaults_are_megatron_cores():
 
 def test_only_the_required_keys_plan_and_render():
     """A model file giving exactly the keys the error message asks for renders (bias, dropout, ... defaulted)."""
-    from planner.megatron_args import ARCHITECTURE_KEYS, architecture_problem
+    from planner.engines.megatron.architecture import ARCHITECTURE_KEYS, architecture_problem
 
     plan = load("llama7b")
     given = {k: plan.model["architecture"][k] for k in ARCHITECTURE_KEYS}
@@ -421,7 +421,7 @@ def test_only_the_required_keys_plan_and_render():
     assert problem is not None and "activation" in problem[0]
     d = plan.to_dict()
     d["model"]["architecture"] = given
-    files = render_megatron(Plan.from_dict(d), GOLDEN_COMMAND, None)
+    files = render(Plan.from_dict(d), GOLDEN_COMMAND, None)
     args = parse_megatron_args(files["pretrain_gpt.sh"])
     assert check_megatron_args(args) == [] and args.value("--hidden-dropout") == "0.0" and not args.has("--disable-bias-linear")
     assert "with linear biases, dropout 0.0" in files["README.md"]
@@ -431,10 +431,10 @@ def test_only_the_required_keys_plan_and_render():
 def test_every_position_embedding_megatron_accepts(kind):
     """Megatron-LM core_v0.16.1's --position-embedding-type choices all render, and the flags pass argparse and the rules."""
     extra = {"mrope_section": [16, 24, 24]} if kind == "mrope" else {}
-    files = render_megatron(_plan_with("llama7b", position_embedding=kind, **extra), GOLDEN_COMMAND, None)
+    files = render(_plan_with("llama7b", position_embedding=kind, **extra), GOLDEN_COMMAND, None)
     args = parse_megatron_args(files["pretrain_gpt.sh"])
     assert args.value("--position-embedding-type") == kind and check_megatron_args(args) == []
     if kind == "mrope":
         assert args.get("--mrope-section").values == ("16", "24", "24")
     with pytest.raises(UsageError, match="mrope_section"):
-        render_megatron(_plan_with("llama7b", position_embedding="mrope"), GOLDEN_COMMAND, None)
+        render(_plan_with("llama7b", position_embedding="mrope"), GOLDEN_COMMAND, None)

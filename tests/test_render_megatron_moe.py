@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 from mlm_validate import megatron_lm_config, megatron_lm_path
 
-from planner.check.megatron_core import core_config, core_stage_layers
-from planner.check.megatron_script import parse_megatron_args
+from planner.engines.megatron.architecture import architecture_defaults, architecture_problem, check_megatron_args
+from planner.engines.megatron.core_check import core_config, core_stage_layers
+from planner.engines.megatron.moe import MOE_DEFAULTS, layer_freq_text, layer_pattern, parse_layer_freq
+from planner.engines.megatron.render import planned_stage_layers
+from planner.engines.megatron.render import render as render_megatron
+from planner.engines.megatron.script import parse_megatron_args
 from planner.errors import UsageError
-from planner.megatron_args import architecture_defaults, architecture_problem, check_megatron_args
-from planner.megatron_moe import MOE_DEFAULTS, layer_freq_text, layer_pattern, parse_layer_freq
-from planner.render.megatron import planned_stage_layers, render_megatron
 from planner.report import overlaps_line
 from planner.solve.plan import Plan
 
@@ -324,7 +325,7 @@ def test_flag_table_is_megatron_lm_s_parser():
 
     from mlm_validate import arguments_module
 
-    from planner.megatron_flags import flag_table
+    from planner.engines.megatron.flags import flag_table
 
     parser = arguments_module().add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     options = {o: a for a in parser._actions for o in a.option_strings if o.startswith("--")}
@@ -340,9 +341,9 @@ def test_published_moe_shapes_map_onto_megatron(preset):
     (experts, widths, the MoE layer pattern; DeepSeek-V3's three dense layers as "[0]*3+[1]*58")."""
     from types import SimpleNamespace
 
-    from planner.megatron_args import MegatronArgs
-    from planner.megatron_flags import Flag
-    from planner.render.megatron import model_flags, moe_flags
+    from planner.engines.megatron.architecture import MegatronArgs
+    from planner.engines.megatron.flags import Flag
+    from planner.engines.megatron.render import model_flags, moe_flags
 
     arch = architecture_defaults(_arch_of(preset))
     assert architecture_problem(arch) is None

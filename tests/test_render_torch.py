@@ -1,6 +1,6 @@
 """The torch.distributed.pipelining renderer: golden files, determinism, shell safety, placement, schedule checks, real runs.
 
-Real runs start the rendered train_pipeline.py once per rank (the environment
+Real runs start the rendered train_torch.py once per rank (the environment
 torchrun would set: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) with gloo
 on the CPU and compare the losses with planner.runners.reference. Fixture plans
 are plan.json files made by the commands in PLANS; ``UPDATE_GOLDEN=1``
@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from planner.engines.torch import runner as rt
+from planner.engines.torch.render import render as render_torch
 from planner.errors import UsageError
 from planner.fileio import dumps_json
-from planner.render.torchpp import render_torch
-from planner.runners import torchpp as rt
 from planner.runners.reference import reference_losses
 from planner.runtime import load_planned_model
 from planner.solve.plan import Plan
@@ -89,14 +89,14 @@ def render(name: str, out_dir: Path | None = None, plan: Plan | None = None) -> 
 # ----------------------------------------------------------------------------- rendering
 
 
-GOLDEN_FILES = ["README.md", "train_pipeline.py"]  # the launchers come from planner/render/launch.py's templates (tested there);
+GOLDEN_FILES = ["README.md", "train_torch.py"]  # the launchers come from planner/render/launch.py's templates (tested there);
 # what this renderer passes them is checked by test_hostile_model_path_is_one_argument_and_never_runs
 
 
 @pytest.mark.parametrize("name", GOLDEN_PLANS)
 def test_golden_files(name, fixture_plans):
     files = render(name)
-    assert sorted(files) == ["README.md", "launch_slurm.sh", "launch_torchrun.sh", "train_pipeline.py"]
+    assert sorted(files) == ["README.md", "launch_slurm.sh", "launch_torchrun.sh", "train_torch.py"]
     folder = GOLDEN / name
     if UPDATE:
         folder.mkdir(parents=True, exist_ok=True)
@@ -115,7 +115,7 @@ def test_render_is_deterministic(fixture_plans):
 
 
 def test_script_states_the_plan(fixture_plans):
-    script = render("gpt2_zbv")["train_pipeline.py"]
+    script = render("gpt2_zbv")["train_torch.py"]
     tree = ast.parse(script)
     consts = {t.id: ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if t.id in ("MODEL_PATH", "PLANNED")}
     assert consts["MODEL_PATH"] == "../../examples/gpt2.py"
@@ -153,7 +153,7 @@ def test_hostile_model_path_is_one_argument_and_never_runs(tmp_path, fixture_pla
             os.chmod(out / rel, 0o755)
             subprocess.run(["bash", "-n", str(out / rel)], check=True)
     # The Python script: the path is a Python string literal, the command stays a comment.
-    tree = ast.parse(files["train_pipeline.py"])
+    tree = ast.parse(files["train_torch.py"])
     consts = {t.id: n.value for n in tree.body if isinstance(n, ast.Assign) for t in n.targets}
     assert ast.literal_eval(consts["MODEL_PATH"]) == "../" + HOSTILE
     for rel, text in files.items():
@@ -168,8 +168,8 @@ def test_hostile_model_path_is_one_argument_and_never_runs(tmp_path, fixture_pla
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}
     res = subprocess.run([str(out / "launch_torchrun.sh"), "--steps", "2"], capture_output=True, env=env, cwd=tmp_path, check=True)
     argv = res.stdout.decode().split("\0")[:-1]
-    i = argv.index("train_pipeline.py")
-    assert argv[i:] == ["train_pipeline.py", "--plan", "plan.json", "--model", "../" + HOSTILE, "--steps", "2"]
+    i = argv.index("train_torch.py")
+    assert argv[i:] == ["train_torch.py", "--plan", "plan.json", "--model", "../" + HOSTILE, "--steps", "2"]
     assert not list(tmp_path.rglob("x")) and not list(tmp_path.rglob("y"))
 
 
@@ -268,7 +268,7 @@ def test_edited_plan_json_is_refused(tmp_path, fixture_plans):
     doc = json.loads((d / "plan.json").read_text())
     doc["layout"]["schedule"] = "gpipe"
     (d / "edited.json").write_text(json.dumps(doc))
-    main = runpy.run_path(str(d / "train_pipeline.py"), run_name="rendered")["main"]
+    main = runpy.run_path(str(d / "train_torch.py"), run_name="rendered")["main"]
     with pytest.raises(rt.PlanChanged, match="schedule"):
         main(["--plan", str(d / "edited.json")])
     assert rt.run_main(lambda: main(["--plan", str(d / "edited.json")])) == 2
@@ -319,7 +319,7 @@ def _free_port() -> int:
 
 
 def launch(d: Path, nprocs: int, args: list[str], timeout: float = 300) -> float:
-    """Start train_pipeline.py once per rank as torchrun would; returns the wall time, seconds."""
+    """Start train_torch.py once per rank as torchrun would; returns the wall time, seconds."""
     port, t0 = _free_port(), time.perf_counter()
     procs, logs = [], []
     for r in range(nprocs):
@@ -335,13 +335,13 @@ def launch(d: Path, nprocs: int, args: list[str], timeout: float = 300) -> float
         }
         logs.append(d / f"rank{r}.log")
         with open(logs[-1], "w") as log:
-            procs.append(subprocess.Popen([sys.executable, "train_pipeline.py", *args], cwd=d, env=env, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen([sys.executable, "train_torch.py", *args], cwd=d, env=env, stdout=log, stderr=subprocess.STDOUT))
     try:
         while True:
             codes = [p.poll() for p in procs]
             if any(c not in (None, 0) for c in codes) or time.perf_counter() - t0 > timeout:
                 text = "\n".join(f"--- rank {r} (exit {c})\n{logs[r].read_text()[-3000:]}" for r, c in enumerate(codes))
-                raise AssertionError(f"train_pipeline.py failed or timed out:\n{text}")
+                raise AssertionError(f"train_torch.py failed or timed out:\n{text}")
             if all(c == 0 for c in codes):
                 return time.perf_counter() - t0
             time.sleep(0.2)
@@ -448,7 +448,7 @@ def test_script_main_in_process_two_stages_on_one_rank(tmp_path, fixture_plans, 
     d.mkdir()
     for rel, text in {"plan.json": dumps_json(plan.to_dict()), **render_torch(plan, "planner plan (test)", d)}.items():
         (d / rel).write_text(text)
-    main = runpy.run_path(str(d / "train_pipeline.py"), run_name="rendered")["main"]
+    main = runpy.run_path(str(d / "train_torch.py"), run_name="rendered")["main"]
     assert main(["--steps", "2", "--no-dropout", "--device", "cpu", "--losses-out", str(d / "losses.json")]) == 0
     got = json.loads((d / "losses.json").read_text())["losses"]
     doc = plan.to_dict()

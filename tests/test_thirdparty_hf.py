@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 transformers = pytest.importorskip("transformers")
 
 from planner.cli import app
-from planner.megatron_args import architecture_problem
+from planner.engines.megatron.architecture import architecture_problem
 from planner.model.load import load_model_file
 from planner.model_ref import relative_ref
 
@@ -432,8 +432,8 @@ def test_qwen2_keeps_its_qkv_biases_under_megatron(tmp_path):
     argument handling too, where a checkout is named) builds q/k/v biases and no others."""
     from mlm_validate import megatron_lm_config, megatron_lm_path
 
-    from planner.check.megatron_core import core_config
-    from planner.check.megatron_script import parse_megatron_args
+    from planner.engines.megatron.core_check import core_config
+    from planner.engines.megatron.script import parse_megatron_args
 
     model, _ = _library_model("qwen2")
     biases = {n.rsplit(".", 2)[-2] for n, _ in model.named_parameters() if n.endswith(".bias")}

@@ -17,31 +17,32 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from planner.check import deepspeed_engine
-from planner.check.deepspeed_engine import (
-    BatchError,
-    vendored_batch,
-    vendored_partition_balanced,
-    vendored_partition_uniform,
-)
-from planner.check.deepspeed_rules import (
-    DEEPSPEED_VERSION,
-    DSContext,
-    check_ds_config,
-    known_keys,
-    table_path,
-)
-from planner.check.deepspeed_rules import RULES as DS_RULES
-from planner.check.findings import exit_code, format_findings, rules
 from planner.check.validate import (
     Options,
+    all_rules,
     classify,
     read_command,
     validate,
     validate_paths,
 )
 from planner.cli import app
+from planner.engines.deepspeed import config_class as deepspeed_engine
+from planner.engines.deepspeed.config_class import (
+    BatchError,
+    vendored_batch,
+    vendored_partition_balanced,
+    vendored_partition_uniform,
+)
+from planner.engines.deepspeed.config_rules import (
+    DEEPSPEED_VERSION,
+    DSContext,
+    check_ds_config,
+    known_keys,
+    table_path,
+)
+from planner.engines.deepspeed.config_rules import RULES as DS_RULES
 from planner.errors import PlannerError, UsageError
+from planner.findings import exit_code, format_findings
 from planner.model_ref import resolve_ref
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,7 +81,7 @@ def test_corpus_case_reports_exactly_its_rules(name, ds_mode):
     report = validate([FIX / name], _options(case["options"], run_scripts=True))  # the scripts of the corpus are run (--run-scripts)
     assert _rules(report.findings) == set(case["rules"]), "\n".join(map(str, report.findings))
     for f in report.findings:
-        assert f.rule in rules() and f.severity == rules()[f.rule][0]
+        assert f.rule in all_rules() and f.severity == all_rules()[f.rule][0]
         assert f.line is None or f.line >= 1
         assert f.message and f.fix
 
@@ -602,7 +603,7 @@ def test_deep_or_broken_configs_are_findings_not_crashes(tmp_path):
 
 
 def test_key_lines_follow_the_structure_not_the_first_match():
-    from planner.check.json_doc import key_lines, parse_json
+    from planner.json_doc import key_lines, parse_json
 
     text = r"{" + "\n" + r' "a": {"x": {"b": 1}, "l": [1, {"q": "s\"b:"}, [2, {"r": 3}]]},' + "\n" + r' "b": 2,' + "\n" + r' "k\u0041": {"z": "}"}' + "\n}"
     doc = parse_json(text)
@@ -791,10 +792,10 @@ def test_a_plan_of_an_hf_config_validates_with_its_spec_from_any_directory(tmp_p
 
 
 def test_a_script_read_statically_gives_the_flags_bash_gives():
-    """The static reader (planner.check.script_static) against bash itself, on the corpus' launch script and on a
+    """The static reader (planner.script_static) against bash itself, on the corpus' launch script and on a
     script the planner renders: the same launcher argv and environment."""
-    from planner.check.launch_capture import run_script
-    from planner.check.script_static import read_script
+    from planner.launch_capture import run_script
+    from planner.script_static import read_script
 
     for path in (FIX / "good" / "megatron_launch.sh", FIX / "bad" / "meg022_cuda_max_connections.sh"):
         ran, read = run_script(path), read_script(path)

@@ -4,7 +4,7 @@
 ``python tools/deepspeed_key_table.py --write``   write it over the shipped file
 ``python tools/deepspeed_key_table.py --check``   exit 1 when the shipped file differs from a fresh extraction
 
-`planner validate` only reads the shipped table (planner.check.deepspeed_rules.known_keys); this script is the only
+`planner validate` only reads the shipped table (planner.engines.deepspeed.config_rules.known_keys); this script is the only
 code that derives it, from DeepSpeed's own code (deepspeed/runtime/config.py and the modules it calls), without
 hand-written key lists:
 
@@ -39,7 +39,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from planner.check.deepspeed_rules import (
+from planner.engines.deepspeed.config_rules import (
     DEEPSPEED_VERSION,
     DEPRECATED,
     FORBID,

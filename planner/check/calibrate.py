@@ -42,6 +42,7 @@ import yaml
 
 from planner import hardware
 from planner.check.run_logs import RunMeasurement, read_log, read_smoke
+from planner.engines import ENGINES, get_spec
 from planner.errors import UsageError
 from planner.model_ref import ref_exists, resolve_recorded, resolve_ref
 from planner.planning import PlanRequest, evaluate_pinned
@@ -270,7 +271,8 @@ def check_log_matches(plan: Plan, plan_dir: Path, m: RunMeasurement) -> None:
     if m.kind != lay.engine:
         raise _mismatch(plan_dir, f"it is a {m.kind} log and the plan is for {lay.engine}", m.source)
     if m.global_batch is not None:
-        close = abs(m.global_batch - lay.global_batch) <= (0.05 * lay.global_batch if m.kind == "deepspeed" else 0)
+        tolerance = get_spec(m.kind).part("logs").GLOBAL_BATCH_TOLERANCE if m.kind in ENGINES and get_spec(m.kind).has("logs") else 0.0
+        close = abs(m.global_batch - lay.global_batch) <= tolerance * lay.global_batch
         if not close:
             raise _mismatch(plan_dir, f"the log's global batch is {m.global_batch}, the plan's {lay.global_batch}", m.source)
     if m.micro_batch is not None and m.micro_batch != lay.micro_batch:

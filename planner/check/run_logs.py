@@ -1,33 +1,11 @@
-"""Measurements of real training runs: `planner smoke`'s smoke.json, Megatron-LM and DeepSpeed logs.
+"""Measurements of real training runs: `planner smoke`'s smoke.json here, and each engine's training log through its
+wing's logs part (planner.engines.megatron.logs, planner.engines.deepspeed.logs, which name the formats they read).
 
 Torch-free text parsing. Every reader returns a :class:`RunMeasurement`: the
 steady-state step time (seconds) and, where the run recorded it, each rank's
 peak allocated and reserved device memory (bytes), plus what the log says about
 the layout that ran, so that :mod:`planner.check.calibrate` can refuse a log
 that does not belong to the plan it is paired with.
-
-Formats (copied from the engines' sources; the fixtures in tests/fixtures/logs
-name the file and version of each):
-
-* Megatron-LM (core_v0.16.1), ``megatron/training/training.py`` ``training_log``::
-
-      [2025-..] iteration       10/     100 | consumed samples:  640 | elapsed time per iteration (ms): 1234.5 |
-      ... | global batch size:    64 | lm loss: 1.0E+01 | ... | number of nan iterations:   0 |
-
-  and ``megatron/training/utils.py`` ``report_memory`` (MB = 2**20 bytes)::
-
-      [Rank 0] (after 10 iterations) memory (MB) | allocated: 1.00 | max allocated: 2.00 | reserved: 3.00 | max reserved: 4.00
-
-  and the arguments block of ``megatron/training/arguments.py`` ``_print_args``
-  (``  pipeline_model_parallel_size .......... 2``).
-* DeepSpeed (0.19.8): ``runtime/pipe/engine.py`` ``train_batch``
-  (``steps: 10 loss: 2.3456 iter time (s): 0.123 samples/sec: 130.081``), ``utils/timer.py``
-  ``ThroughputTimer.stop`` (``epoch=0/micro_step=10/global_step=10, RunningAvgSamplesPerSec=...,
-  CurrSamplesPerSec=..., MemAllocated=0.5GB, MaxMemAllocated=0.6GB``), ``runtime/utils.py``
-  ``see_memory_usage`` (``MA 0.5 GB  Max_MA 0.6 GB  CA 0.7 GB  Max_CA 1 GB``, GB = 2**30 bytes,
-  Max_CA rounded to whole GB), and ``PipelineEngine.__init__``'s
-  ``RANK=0 STAGE=0 LAYERS=4 [0, 4) STAGE_PARAMS=... TOTAL_PARAMS=... UNIQUE_PARAMS=...`` and
-  ``CONFIG: micro_batches=4 micro_batch_size=2``.
 
 The first logged interval holds the warm-up (compilation, allocator growth,
 NCCL set-up) and is dropped when later ones exist; the step time is the median
@@ -164,25 +142,6 @@ _FAILURES = (
 )
 
 # Megatron-LM
-_MEG_ITER = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
-_MEG_ELAPSED = re.compile(r"elapsed time per iteration \(ms\):\s*([^|\s]+)\s*\|")
-_MEG_GBS = re.compile(r"global batch size:\s*(\d+)\s*\|")
-_MEG_NAN = re.compile(r"number of nan iterations:\s*(\d+)")
-_MEG_MEM = re.compile(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\)(.*)$")
-_MEG_MEM_FIELD = re.compile(r"\|\s*(allocated|max allocated|reserved|max reserved|total device memory used):\s*([^|\s]+)")
-_MEG_ARGS_START = re.compile(r"^-+ arguments -+$")
-_MEG_ARGS_END = re.compile(r"^-+ end of arguments -+$")
-_MEG_ARG = re.compile(r"^\s+(\w+) \.+ (.*)$")
-
-# DeepSpeed
-_DS_PIPE_STEP = re.compile(r"\bsteps: (\d+) loss: (\S+) .*?iter time \(s\): ([^\s]+) samples/sec: ([^\s]+)")
-_DS_TPUT = re.compile(
-    r"epoch=(\d+)/micro_step=(\d+)/global_step=(\d+), RunningAvgSamplesPerSec=([^,]+), CurrSamplesPerSec=([^,]+), "
-    r"MemAllocated=([^G]+)GB, MaxMemAllocated=([^G]+)GB"
-)
-_DS_SEE_MEM = re.compile(r"\bMA ([^\s]+) GB\s+Max_MA ([^\s]+) GB\s+CA ([^\s]+) GB\s+Max_CA ([^\s]+) GB")
-_DS_STAGE = re.compile(r"RANK=(\d+) STAGE=(\d+) LAYERS=(\d+) \[(\d+), (\d+)\) STAGE_PARAMS=(\d+) .*?UNIQUE_PARAMS=(\d+)")
-_DS_CONFIG = re.compile(r"CONFIG: micro_batches=(\d+) micro_batch_size=(\d+)")
 
 
 def _num(path: str, lineno: int, text: str, what: str) -> float:
@@ -211,7 +170,10 @@ def _check_failed(path: str, lines: list[str]) -> None:
 
 
 def read_log(path: str | Path) -> RunMeasurement:
-    """Read a Megatron-LM or DeepSpeed training log (the engine is recognised from its lines)."""
+    """Read a training log of an engine that has a log reader (each wing's logs part: planner.engines.spec), the
+    engine recognised from its lines."""
+    from planner.engines import ENGINES
+
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
@@ -219,177 +181,11 @@ def read_log(path: str | Path) -> RunMeasurement:
         raise UsageError(f"cannot read log {path}: {e.strerror or e}.", "Pass the file the training run's stdout was written to.") from None
     lines = text.splitlines()
     _check_failed(str(path), lines)
-    if any(_MEG_ELAPSED.search(l) or _MEG_ITER.search(l) for l in lines):
-        return parse_megatron(lines, str(path))
-    if any(_DS_PIPE_STEP.search(l) or _DS_TPUT.search(l) or "iter time (s)" in l or "CurrSamplesPerSec" in l for l in lines):
-        return parse_deepspeed(lines, str(path))
+    readers = [spec.part("logs") for spec in ENGINES.values() if spec.has("logs")]
+    for reader in readers:
+        if reader.recognise(lines):
+            return reader.parse(lines, str(path))
     raise UsageError(
-        f"{path} has no step timing lines of Megatron-LM ('iteration N/M | ... elapsed time per iteration (ms): ...') "
-        "or DeepSpeed ('steps: N loss: ... iter time (s): ...' or '... CurrSamplesPerSec=...').",
-        "Pass the training run's stdout; Megatron logs every --log-interval iterations, DeepSpeed every steps_per_print steps "
-        "(set steps_per_print in ds_config.json and run more steps than that).",
-    )
-
-
-def parse_megatron(lines: list[str], path: str = "<log>") -> RunMeasurement:
-    """Megatron-LM's iteration lines, memory reports and arguments block (formats in the module docstring)."""
-    times: list[float] = []
-    gbs: set[int] = set()
-    alloc: dict[int, int] = {}
-    reserved: dict[int, int] = {}
-    args: dict[str, str] = {}
-    in_args = False
-    for i, line in enumerate(lines, 1):
-        s = line.strip()
-        if _MEG_ARGS_START.match(s):
-            in_args = True
-            continue
-        if _MEG_ARGS_END.match(s):
-            in_args = False
-            continue
-        if in_args:
-            m = _MEG_ARG.match(line)
-            if m:
-                args[m.group(1)] = m.group(2).strip()
-            continue
-        if _MEG_ITER.search(line) or "elapsed time per iteration" in line:
-            e = _MEG_ELAPSED.search(line)
-            if not _MEG_ITER.search(line) or not e:
-                raise _bad(
-                    f"{path}:{i}",
-                    f"is a damaged Megatron-LM iteration line: {s[:160]!r}.",
-                    "Expected 'iteration N/M | ... | elapsed time per iteration (ms): X | ...' "
-                    "(megatron/training/training.py training_log); fix or drop that line.",
-                )
-            ms = _num(path, i, e.group(1), "elapsed time per iteration (ms)")
-            if ms <= 0:
-                raise _bad(f"{path}:{i}", f"elapsed time per iteration is {ms} ms.", "Fix or drop that line.")
-            nan = _MEG_NAN.search(line)
-            if nan and int(nan.group(1)) > 0:
-                raise UsageError(
-                    f"{path}:{i}: {nan.group(1)} NaN iterations: the run failed, so it measures nothing to calibrate from.",
-                    "Calibrate from a run that trained normally.",
-                )
-            g = _MEG_GBS.search(line)
-            if g:
-                gbs.add(int(g.group(1)))
-            times.append(ms / 1e3)
-            continue
-        m = _MEG_MEM.search(line)
-        if m:
-            fields = {k: _num(path, i, v, k) for k, v in _MEG_MEM_FIELD.findall(m.group(3))}
-            if "max allocated" not in fields or "max reserved" not in fields:
-                raise _bad(
-                    f"{path}:{i}",
-                    f"is a damaged Megatron-LM memory report: {s[:160]!r}.",
-                    "Expected '[Rank R] (after N iterations) memory (MB) | allocated: A | max allocated: B | reserved: C | max reserved: D' "
-                    "(megatron/training/utils.py report_memory).",
-                )
-            rank = int(m.group(1))
-            alloc[rank] = max(alloc.get(rank, 0), int(fields["max allocated"] * MIB))
-            reserved[rank] = max(reserved.get(rank, 0), int(fields["max reserved"] * MIB))
-    if not times:
-        raise UsageError(
-            f"{path} has no Megatron-LM iteration lines with 'elapsed time per iteration (ms)'.",
-            "Run more iterations than --log-interval, and pass the log of the last pipeline rank (it prints them).",
-        )
-    if len(gbs) > 1:
-        raise UsageError(
-            f"{path}: the global batch size changes during the run ({', '.join(map(str, sorted(gbs)))}; batch-size ramp-up).",
-            "Calibrate from a run with a fixed global batch (no --rampup-batch-size).",
-        )
-    return RunMeasurement(
-        source=path,
-        kind="megatron",
-        step_times_s=tuple(_steady(times)),
-        peak_allocated=alloc,
-        peak_reserved=reserved,
-        global_batch=next(iter(gbs)) if gbs else _int_arg(args, "global_batch_size"),
-        micro_batch=_int_arg(args, "micro_batch_size"),
-        arguments=args,
-        world_size=_int_arg(args, "world_size"),
-    )
-
-
-def _int_arg(args: dict[str, str], key: str) -> int | None:
-    try:
-        return int(args[key])
-    except (KeyError, ValueError):
-        return None
-
-
-def parse_deepspeed(lines: list[str], path: str = "<log>") -> RunMeasurement:
-    """DeepSpeed's pipeline step lines (or ThroughputTimer lines), memory lines and pipeline layout lines."""
-    pipe_times: list[float] = []
-    tput_times: list[float] = []
-    batches: set[int] = set()
-    alloc: dict[int, int] = {}
-    reserved: dict[int, int] = {}
-    stages: dict[int, tuple[int, int]] = {}
-    mb = mbs = None
-    for i, line in enumerate(lines, 1):
-        s = line.strip()
-        m = _DS_PIPE_STEP.search(line)
-        if m:
-            _num(path, i, m.group(2), "loss")  # a NaN loss means the run failed
-            t = _num(path, i, m.group(3), "iter time (s)")
-            rate = _num(path, i, m.group(4), "samples/sec")
-            if t <= 0 or rate <= 0:
-                raise _bad(f"{path}:{i}", f"iter time {t} s at {rate} samples/s is not a measurement.", "Fix or drop that line.")
-            pipe_times.append(t)
-            batches.add(round(t * rate))
-            continue
-        if "iter time (s)" in line and s.startswith("steps:"):
-            raise _bad(
-                f"{path}:{i}",
-                f"is a damaged DeepSpeed step line: {s[:160]!r}.",
-                "Expected 'steps: N loss: L iter time (s): T samples/sec: R' (deepspeed/runtime/pipe/engine.py train_batch).",
-            )
-        m = _DS_TPUT.search(line)
-        if m:
-            rate = _num(path, i, m.group(5), "CurrSamplesPerSec")
-            if rate <= 0:
-                raise _bad(f"{path}:{i}", f"CurrSamplesPerSec is {rate}.", "Fix or drop that line.")
-            tput_times.append(1.0 / rate)  # seconds per sample; times the global batch below
-            peak = _num(path, i, m.group(7), "MaxMemAllocated")
-            if peak > 0:
-                alloc[0] = max(alloc.get(0, 0), int(peak * GIB))
-            continue
-        if "CurrSamplesPerSec" in line:
-            raise _bad(
-                f"{path}:{i}",
-                f"is a damaged DeepSpeed throughput line: {s[:160]!r}.",
-                "Expected 'epoch=E/micro_step=M/global_step=G, RunningAvgSamplesPerSec=..., CurrSamplesPerSec=..., "
-                "MemAllocated=...GB, MaxMemAllocated=...GB' (deepspeed/utils/timer.py ThroughputTimer).",
-            )
-        m = _DS_SEE_MEM.search(line)
-        if m:
-            alloc[0] = max(alloc.get(0, 0), int(_num(path, i, m.group(2), "Max_MA") * GIB))
-            reserved[0] = max(reserved.get(0, 0), int(_num(path, i, m.group(4), "Max_CA") * GIB))
-            continue
-        m = _DS_STAGE.search(line)
-        if m:
-            stages[int(m.group(2))] = (int(m.group(4)), int(m.group(5)))
-            continue
-        m = _DS_CONFIG.search(line)
-        if m:
-            mb, mbs = int(m.group(1)), int(m.group(2))
-    gb = next(iter(batches)) if len(batches) == 1 else None
-    if pipe_times:
-        times = pipe_times
-    elif tput_times:
-        times = tput_times  # seconds per sample: the data-parallel degree is not in the log (see per_sample)
-    else:
-        raise UsageError(f"{path} has no DeepSpeed step lines.", "Set steps_per_print in ds_config.json below the number of steps run.")
-    return RunMeasurement(
-        source=path,
-        kind="deepspeed",
-        step_times_s=tuple(_steady(times)),
-        per_sample=not pipe_times,
-        peak_allocated=alloc,
-        peak_reserved=reserved,
-        global_batch=gb,
-        micro_batch=mbs,
-        num_microbatches=mb,
-        stage_pieces=stages,
+        f"{path} has no step timing lines of " + " or ".join(f"{r.ENGINE_TEXT} ({r.LINE_TEXT})" for r in readers) + ".",
+        "Pass the training run's stdout; " + "; ".join(r.HINT for r in readers) + ".",
     )

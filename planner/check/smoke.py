@@ -41,13 +41,13 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from planner.engines import get_spec
 from planner.errors import InfeasibleError, UsageError
 from planner.fileio import dumps_json, write_text_atomic
 from planner.model_ref import ref_exists, resolve_recorded, resolve_ref
 from planner.report import trained_loss_text
 from planner.solve.plan import Plan, load_plan
 
-SCRIPTS = {"deepspeed": "train_deepspeed.py", "torch": "train_pipeline.py"}
 MAX_CPU_RANKS = 4
 RANK_THREADS = 1  # OMP_NUM_THREADS of every rank; the reference runs with as many torch threads
 WARMUP_STEPS = 1  # steps left out of per_rank step times (start-up, allocator growth, shape inference)
@@ -423,12 +423,14 @@ def smoke(
         device = "cuda" if cuda else "cpu"
     if device == "cuda" and not cuda:
         raise UsageError("--device cuda, but no CUDA device is visible.", "Run with --device cpu (gloo) or on a GPU machine.")
-    if engine == "megatron":
-        result = _megatron_smoke(plan, plan_dir, device, megatron_path, timeout)
+    spec = get_spec(engine)
+    if not spec.has("smoke"):
+        raise UsageError(f"planner smoke does not run {engine} plans: {spec.lacks['smoke']}.", "Check the plan with `planner validate` instead.")
+    part = spec.part("smoke")
+    if hasattr(part, "run"):  # an engine whose smoke is its own (Megatron: its argument checks; CUDA only to train)
+        result = part.run(plan, plan_dir, device, megatron_path, timeout)
         write_text_atomic(plan_dir / "smoke.json", dumps_json(result.to_dict()))
         return result
-    if engine not in SCRIPTS:
-        raise UsageError(f"smoke does not know engine {engine!r}.")
     world = plan.layout.pp * plan.layout.dp * plan.layout.tp
     limit = cuda if device == "cuda" else MAX_CPU_RANKS
     ranks = ranks or min(world, limit)
@@ -443,7 +445,7 @@ def smoke(
     work = Path(tempfile.mkdtemp(prefix="planner-smoke-"))
     try:
         layout_kept = req.pp == plan.layout.pp and req.dp == plan.layout.dp and not model_args
-        if layout_kept and (plan_dir / SCRIPTS[engine]).is_file():
+        if layout_kept and (plan_dir / part.SCRIPT).is_file():
             # the committed files themselves run (precision is a flag of the scripts)
             small, run_dir = plan, plan_dir
         else:
@@ -496,8 +498,9 @@ def _run(
     )
     # a rank that crashes in native code (SIGSEGV, SIGABRT) dumps its Python stack into its log
     env = {"PYTHONFAULTHANDLER": "1"}
-    if engine == "deepspeed" and device == "cpu":
-        env["DS_ACCELERATOR"] = "cpu"
+    part = get_spec(engine).part("smoke")
+    if device == "cpu":
+        env.update(part.ENV_CPU)
     args = [
         "--plan",
         "plan.json",
@@ -518,7 +521,7 @@ def _run(
         str(work / "stats-{rank}.json"),
     ]
     start = time.monotonic()
-    code, logs, clean = launch(run_dir, SCRIPTS[engine], ranks_used, args, env, timeout, work / "logs")
+    code, logs, clean = launch(run_dir, part.SCRIPT, ranks_used, args, env, timeout, work / "logs")
     result.wall_s = time.monotonic() - start
     finished = {int(f.stem.split("-")[1]) for f in work.glob("stats-*.json")}
     if code is None:
@@ -620,16 +623,19 @@ def environment(stats: list[dict[str, Any]], engine: str, device: str, world: in
             return None
 
     names = sorted({s.get("device_name") for s in stats if s.get("device_name")})
-    return {
+    record = {
         "device": device,
         "device_name": names[0] if len(names) == 1 else (names or None),
         "world_size": world,
         "engine": engine,
         "torch": ver("torch"),
-        "deepspeed": ver("deepspeed") if engine == "deepspeed" else None,
         "python": platform.python_version(),
         "threads_per_rank": RANK_THREADS,
     }
+    package = get_spec(engine).part("smoke").PACKAGE  # the engine's own library, where it has one (deepspeed)
+    if package:
+        record[package] = ver(package)
+    return record
 
 
 def _stats_checks(result: SmokeResult, work: Path, small: Plan, device: str) -> None:
@@ -664,43 +670,3 @@ def _steady(times) -> float:
     t = list(times or [])
     t = t[1:] if len(t) > 1 else t
     return statistics.median(t) if t else math.nan
-
-
-def _megatron_smoke(plan: Plan, plan_dir: Path, device: str, megatron_path: str | None, timeout: float) -> SmokeResult:
-    """Megatron cannot train on CPU: check the rendered flags with megatron-core and the validate rules instead."""
-    from planner.check.megatron_script import parse_megatron_args
-    from planner.megatron_args import check_megatron_args
-
-    lay = plan.layout
-    result = SmokeResult(str(plan_dir), "megatron", device, lay.world, 0, [], lay.to_dict(), trained=False)
-    script = plan_dir / "pretrain_gpt.sh"
-    if not script.is_file():
-        raise UsageError(f"{script} is missing.", "Render the plan with `planner plan ... --engine megatron --out DIR`.")
-    args = parse_megatron_args(script.read_text(), "script", path=script)
-    findings = [f for f in check_megatron_args(args, lay.world) if f.severity == "error"]
-    result.checks.append(Check("flags pass Megatron's argument rules", not findings, "; ".join(f"{f.rule}: {f.message}" for f in findings) or "no errors"))
-    from planner.check.megatron_core import transformer_config_check
-
-    ok, detail = transformer_config_check(args)
-    result.checks.append(Check("megatron-core TransformerConfig accepts the flags", ok, detail))
-    if device == "cuda" and megatron_path:
-        env = {**os.environ, "MEGATRON_LM_PATH": str(megatron_path)}
-        proc = subprocess.Popen(["bash", str(script)], cwd=plan_dir, env=env, start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            code = None
-        result.trained = code == 0
-        result.checks.append(Check("pretrain_gpt.py runs", code == 0, f"exit {code}" if code is not None else f"timeout after {timeout:.0f} s"))
-    else:
-        result.checks.append(
-            Check(
-                "training run",
-                True,
-                "no training was run: Megatron-LM's schedules need CUDA"
-                + ("" if device == "cuda" else " (this machine has none)")
-                + ("" if megatron_path else "; pass --megatron-path with a Megatron-LM checkout on a GPU machine to run pretrain_gpt.py"),
-            )
-        )
-    return result

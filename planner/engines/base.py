@@ -12,7 +12,7 @@ them branches on an engine's name. Its renderer lives in planner/render/<name>.p
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,6 +44,8 @@ class Engine(ABC):
     """One training engine (see the module docstring); implements planner.solve.rules.EngineRules."""
 
     name: str = ""
+    #: the engine as its users know it (messages: "a Megatron-LM option")
+    title: str = ""
     description: str = ""
     #: schedules the engine runs (keys of planner.solve.schedules.SCHEDULE_INFO)
     schedules: tuple[str, ...] = ("1f1b",)
@@ -56,8 +58,11 @@ class Engine(ABC):
     #: whether stages may be cut inside a repeated block (False: only between whole blocks)
     sub_block_cuts: bool = True
     recompute_modes: tuple[str, ...] = ("none", "full")
-    #: modules selective recomputation can be told to recompute (Megatron --recompute-modules); () : the core attention only
+    #: modules selective recomputation can be told to recompute and the planner models (Megatron --recompute-modules);
+    #: () : the core attention only
     recompute_modules: tuple[str, ...] = ()
+    #: every module name the engine's own option accepts (those not in recompute_modules are refused as not modelled)
+    recompute_module_names: tuple[str, ...] = ()
     #: context parallelism (the sequence split over cp GPUs with ring attention)
     context_parallel: bool = False
     #: the communication overlaps the engine can run (Layout fields: tp_comm_overlap, overlap_grad_reduce, overlap_param_gather)
@@ -66,10 +71,12 @@ class Engine(ABC):
     precision_options: bool = False
     #: Transformer Engine FP8 GEMMs
     fp8: bool = False
+    #: FP8 primary weights: each FP8 GEMM's weight kept only in FP8 and all-gathered so (Megatron --fp8-param-gather)
+    fp8_primary_weights: bool = False
     #: expert parallelism for mixture-of-experts layers (Layout.ep > 1, Layout.etp > 1)
     expert_parallel: bool = False
     #: why an engine without expert parallelism has none, and what to use instead (its layout refusal)
-    no_expert_parallel: str = "ep and etp must be 1; use --engine megatron for ep > 1"
+    no_expert_parallel: str = "ep and etp must be 1"
     #: whether each step begins by zeroing a persistent main-gradient buffer that holds every local gradient (a memory-bound
     #: write of all the GPU's parameters x the main-gradient bytes, on the critical path before the first forward)
     zeroes_grad_buffer: bool = False
@@ -81,6 +88,17 @@ class Engine(ABC):
     #: the loss the engine trains where it builds the model itself from flags (Megatron, torchtitan); "" where it runs
     #: the model file's model and trains the loss the plan records (planner.model.losses.choose_loss)
     own_loss: str = ""
+    #: what to try when a layout does not fit: activation recomputation and sharding the optimizer, in this engine's words
+    recompute_hint: str = "activation recomputation"
+    sharding_hint: str = "the distributed optimizer"
+
+    def alternative(self, has: Callable[[Engine], bool]) -> str:
+        """'--engine NAME' of each engine that has a feature (``has`` its test on an engine's rules), for a message
+        naming what to use instead; the registry is asked at message time (it imports every wing)."""
+        from planner.engines import ENGINES
+
+        names = [spec.name for spec in ENGINES.values() if has(spec.rules)]
+        return " or ".join(f"--engine {n}" for n in names) if names else "no engine of the planner"
 
     def trained_loss(self, recorded: str) -> str:
         """One line on the loss this engine's scripts train, given the loss the plan recorded for the model file."""
@@ -145,7 +163,9 @@ class Engine(ABC):
         if schedule in SCHEDULE_INFO and schedule not in self.schedules:
             problems.append(f"engine {self.name} does not run schedule {schedule!r} (it runs: {', '.join(self.schedules)})")
         if group and not self.microbatch_groups:
-            problems.append(f"{self.name} runs its schedule's own micro-batch group size (no --microbatch-group; use --engine megatron)")
+            problems.append(
+                f"{self.name} runs its schedule's own micro-batch group size (no --microbatch-group; use {self.alternative(lambda e: e.microbatch_groups)})"
+            )
         return problems
 
     def interleaved_groups(self, pp: int, m: int) -> tuple[int, ...]:
@@ -166,7 +186,7 @@ class Engine(ABC):
 
     def tensor_parallel_problems(self, costs: ModelCosts, tp: int) -> list[str]:
         if tp > 1 and not self.tensor_parallel:
-            return [f"{self.name} runs no tensor parallelism of its own (tp must be 1; use --engine megatron for tp > 1)"]
+            return [f"{self.name} runs no tensor parallelism of its own (tp must be 1; use {self.alternative(lambda e: e.tensor_parallel)} for tp > 1)"]
         return []
 
     def recompute_problems(self, recompute: str) -> list[str]:
@@ -178,16 +198,18 @@ class Engine(ABC):
         """The context parallelism, overlaps, precision options and FP8 ``layout`` asks for that this engine lacks."""
         out = []
         if layout.cp > 1 and not self.context_parallel:
-            out.append(f"{self.name} runs no context parallelism (cp must be 1; use --engine megatron for cp > 1)")
+            out.append(f"{self.name} runs no context parallelism (cp must be 1; use {self.alternative(lambda e: e.context_parallel)} for cp > 1)")
         for name in layout.overlaps:
             if name not in self.overlaps:
                 out.append(f"{self.name} has no --{name} (it overlaps: {', '.join(self.overlaps) or 'nothing'})")
         if (layout.main_grads_dtype != "fp32" or layout.optimizer_state_dtype != "fp32") and not self.precision_options:
-            out.append(f"{self.name} keeps its own gradient and optimizer-state dtypes (no bf16 main gradients or optimizer states; use --engine megatron)")
+            out.append(
+                f"{self.name} keeps its own gradient and optimizer-state dtypes (no bf16 main gradients or optimizer states; use {self.alternative(lambda e: e.precision_options)})"
+            )
         if layout.fp8 and not self.fp8:
-            out.append(f"{self.name} has no FP8 training (Transformer Engine FP8 GEMMs: use --engine megatron)")
+            out.append(f"{self.name} has no FP8 training (Transformer Engine FP8 GEMMs: use {self.alternative(lambda e: e.fp8)})")
         if (layout.ep > 1 or layout.etp > 1) and not self.expert_parallel:
-            out.append(f"{self.name} runs no expert parallelism ({self.no_expert_parallel})")
+            out.append(f"{self.name} runs no expert parallelism ({self.no_expert_parallel}; use {self.alternative(lambda e: e.expert_parallel)} for ep > 1)")
         return out
 
     def layout_problems(self, layout: Layout, costs: ModelCosts) -> list[str]:
@@ -206,7 +228,9 @@ class Engine(ABC):
     def recompute_module_problems(self, modules: tuple[str, ...], costs: ModelCosts) -> list[str]:
         """Why selective recomputation cannot recompute ``modules`` of this model on this engine (empty when it can)."""
         if modules and not self.recompute_modules:
-            return [f"{self.name} recomputes the attention core only under selective recomputation (no --recompute-modules; use --engine megatron)"]
+            return [
+                f"{self.name} recomputes the attention core only under selective recomputation (no --recompute-modules; use {self.alternative(lambda e: bool(e.recompute_modules))})"
+            ]
         return []
 
     def architecture_problem(self, arch: dict[str, Any] | None, model: str) -> tuple[str, str] | None:

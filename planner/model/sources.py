@@ -432,7 +432,7 @@ _HF_UNGATED_TYPES = ("gpt2",)
 
 
 def hf_activation(model_type: str, act_name: str) -> str:
-    """Megatron's name for a transformers MLP activation (planner.megatron_args.ACTIVATIONS), or a name Megatron has not
+    """Megatron's name for a transformers MLP activation (planner.engines.megatron.architecture.ACTIVATIONS), or a name Megatron has not
     (a gated GeLU, an ungated SiLU), which architecture_problem then refuses."""
     if model_type in _HF_UNGATED_TYPES:
         return _HF_ACTIVATIONS.get(act_name, act_name)
@@ -551,7 +551,7 @@ def _hf_rope(c: Any) -> dict[str, Any]:
     transformers 5 keeps them in ``rope_parameters`` (``rope_type``, ``rope_theta``, the scaling fields; older configs'
     ``rope_scaling`` / ``rope_theta`` are folded into it); ``partial_rotary_factor`` rotates part of each head. Llama 3.x
     scaling with constants Megatron does not fix, and every other rope type, are kept by name so that
-    :func:`planner.megatron_args.rope_problems` says why Megatron cannot run them."""
+    :func:`planner.engines.megatron.architecture.rope_problems` says why Megatron cannot run them."""
     params = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
     if not isinstance(params, dict):
         return {}

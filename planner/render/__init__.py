@@ -17,19 +17,15 @@ from __future__ import annotations
 import ast
 import json
 import os
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from planner import __version__
+from planner.engines import get_spec
 from planner.errors import UsageError
 from planner.fileio import FileSpec, dir_lock, dumps_json, recover_dir, update_dir
 from planner.model_ref import relative_ref
-from planner.render.deepspeed import render_deepspeed
-from planner.render.megatron import render_megatron
-from planner.render.torchpp import render_torch
-from planner.render.torchtitan import render_torchtitan
 from planner.report import report_files
 from planner.safe_dir import Outside, SafeDir, check_rel, sha256_bytes
 from planner.solve.plan import Plan
@@ -37,7 +33,6 @@ from planner.templating import one_line, render_template, shell_quote
 
 __all__ = [
     "MARKER",
-    "RENDERERS",
     "canonical_command",
     "canonical_plan",
     "check_output_dir",
@@ -54,14 +49,6 @@ MARKER = ".planner"
 MAX_MANIFEST_BYTES = 4 * 2**20
 #: prefix of the staging folders of an update inside the plan directory (.planner.tmp.ID, .planner.old.ID)
 STAGING = ".planner"
-
-#: engine name -> its renderer: (plan, command, out_dir) -> {relative path: text}
-RENDERERS: dict[str, Callable[[Plan, str, Path | None], dict[str, str]]] = {
-    "deepspeed": render_deepspeed,
-    "megatron": render_megatron,
-    "torch": render_torch,
-    "torchtitan": render_torchtitan,
-}
 
 EXECUTABLE_SUFFIXES = (".sh",)
 
@@ -236,11 +223,9 @@ def render_files(plan: Plan, command: str | None = None, out_dir: Path | None = 
         plan = canonical_plan(plan, out_dir)
     if command is None:
         command = canonical_command(plan)
-    renderer = RENDERERS.get(plan.layout.engine)
-    if renderer is None:
-        raise UsageError(f"no renderer for engine {plan.layout.engine!r}", f"Plan with one of: {', '.join(RENDERERS)}.")
+    renderer = get_spec(plan.layout.engine).part("render")
     files: dict[str, str] = {"plan.json": dumps_json(plan.to_dict())}
-    files.update(renderer(plan, command, None))
+    files.update(renderer.render(plan, command, None))
     files.update(report_files(plan, command))
     hashes = {rel: sha256_bytes(text.encode("utf-8")) for rel, text in files.items()}
     files[MARKER] = dumps_json({"planner": __version__, "files": sorted(files), "sha256": hashes})

@@ -117,10 +117,6 @@ class Layout:
         values = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         if "recompute_modules" in values:
             values["recompute_modules"] = tuple(values["recompute_modules"])
-        if d.get("engine") == "megatron" and "overlap_grad_reduce" not in d:
-            # plans written before the overlaps were fields: Megatron's gradient reduce overlapped (and was rendered)
-            # whenever there was a data-parallel group or a distributed optimizer
-            values["overlap_grad_reduce"] = d.get("dp", 1) > 1 or d.get("zero", 0) >= 1
         return cls(**values)
 
     def short(self) -> str:

@@ -7,7 +7,7 @@ solver never imports an engine and adding an engine touches no solver code.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
@@ -37,6 +37,7 @@ class EngineRules(Protocol):
     """The engine-specific facts the layout search needs (see planner.engines.base.Engine)."""
 
     name: str
+    title: str
     tensor_parallel: bool
     recompute_modes: tuple[str, ...]
     recompute_modules: tuple[str, ...]
@@ -49,6 +50,10 @@ class EngineRules(Protocol):
     overlaps: tuple[str, ...]
     zeroes_grad_buffer: bool
     model_io_buffers: bool
+
+    def alternative(self, has: Callable[[EngineRules], bool]) -> str:
+        """'--engine NAME' of the engines that have a feature, for messages."""
+        ...
 
     def allowed_cuts(self, costs: ModelCosts) -> np.ndarray:
         """(n + 1,) booleans: where this engine can cut between pieces."""

@@ -527,11 +527,17 @@ def enumerate_layouts(costs: ModelCosts, cluster: Cluster, opts: SearchOptions, 
     rules = engine
     gpn = min(g.gpus_per_node for g in cluster.groups)
     if opts.fp8 and not engine.fp8:
-        raise UsageError(f"engine {engine.name} has no FP8 training (Transformer Engine FP8 GEMMs).", "Use --engine megatron for --dtype fp8, or --dtype bf16.")
+        raise UsageError(
+            f"engine {engine.name} has no FP8 training (Transformer Engine FP8 GEMMs).",
+            f"Use {engine.alternative(lambda e: e.fp8)} for --dtype fp8, or --dtype bf16.",
+        )
     if opts.fp8:
         fp8_problems(cluster)
     if (opts.cp or 1) > 1 and not engine.context_parallel:
-        raise UsageError(f"engine {engine.name} runs no context parallelism (--cp {opts.cp}).", "Use --engine megatron for --cp > 1, or drop --cp.")
+        raise UsageError(
+            f"engine {engine.name} runs no context parallelism (--cp {opts.cp}).",
+            f"Use {engine.alternative(lambda e: e.context_parallel)} for --cp > 1, or drop --cp.",
+        )
     tps = [opts.tp] if opts.tp else [t for t in divisors(gpn) if t == 1 or rules.tensor_parallel]
     has_core = any(l.core_saved_bytes > 0 for l in costs.layers)
     recomputes = [opts.recompute] if opts.recompute else [r for r in rules.recompute_modes if r != "selective" or has_core]
@@ -547,7 +553,7 @@ def enumerate_layouts(costs: ModelCosts, cluster: Cluster, opts: SearchOptions, 
         if not engine.microbatch_groups:
             raise UsageError(
                 f"engine {engine.name} runs its schedule's own micro-batch group size (--microbatch-group {opts.microbatch_group}).",
-                "Use --engine megatron, or drop --microbatch-group.",
+                f"Use {engine.alternative(lambda e: e.microbatch_groups)}, or drop --microbatch-group.",
             )
         schedules = ["interleaved"]
     if opts.cp is not None and opts.cp < 1:
@@ -631,14 +637,17 @@ def expert_pin_problems(costs: ModelCosts, opts: SearchOptions, engine: EngineRu
         )
     if wants and not engine.expert_parallel:
         raise UsageError(
-            f"engine {engine.name} runs no expert parallelism (--ep {opts.ep or 1}, --etp {opts.etp or 1}).", "Use --engine megatron, or drop --ep/--etp."
+            f"engine {engine.name} runs no expert parallelism (--ep {opts.ep or 1}, --etp {opts.etp or 1}).",
+            f"Use {engine.alternative(lambda e: e.expert_parallel)}, or drop --ep/--etp.",
         )
     if opts.ep and experts and experts % opts.ep:
         raise UsageError(f"--ep {opts.ep} does not divide the model's {experts} experts per MoE layer.", "Pick --ep among the divisors of the expert count.")
     if opts.ep_comm_overlap:
         flag = "--overlap-moe-expert-parallel-comm"
         if "overlap-moe-expert-parallel-comm" not in engine.overlaps:
-            raise UsageError(f"engine {engine.name} has no {flag}.", f"Use --engine megatron, or drop {flag}.")
+            raise UsageError(
+                f"engine {engine.name} has no {flag}.", f"Use {engine.alternative(lambda e: 'overlap-moe-expert-parallel-comm' in e.overlaps)}, or drop {flag}."
+            )
         if not experts or opts.ep == 1:
             why = "the model has no routed experts" if not experts else "--ep 1 runs no expert-parallel all-to-all"
             raise UsageError(f"{flag}: {why} to overlap.", f"Drop {flag}, or plan a mixture-of-experts model with ep > 1.")
