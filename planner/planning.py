@@ -18,7 +18,6 @@ from planner.hardware import Cluster
 from planner.hardware.gpus import MAX_WORLD_SIZE
 from planner.model.analyze import Analysis, analyze
 from planner.model.profile_match import match_profile
-from planner.model.sources import spec_architecture_gap
 from planner.records import ModelCosts
 from planner.solve.memory import GiB
 from planner.solve.plan import Alternative, Layout, Plan, RankMemory, StagePlan
@@ -119,7 +118,7 @@ def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | Non
     )
     if req.dtype == "fp8":  # Transformer Engine FP8: bf16 weights and activations, FP8 GEMMs
         req = replace(req, fp8=True)
-    analysis = analyze(
+    analysis = analyze_model(
         req.model_file,
         req.model_args,
         req.cost_micro_batch,
@@ -130,13 +129,14 @@ def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | Non
         progress=progress,
     )
     problem = engine.architecture_problem(analysis.costs.architecture, Path(req.model_file).name)
-    if problem and analysis.costs.architecture is None:
-        gap = spec_architecture_gap(str(req.model_file), dict(req.model_args))
-        if gap is not None:  # a library model: say why no shape was derived, not that a file lacks a function
-            problem = (
-                f"{req.model_file}: {engine.name} builds its own model from flags, and no shape for it is derived from this config: {gap}.",
-                "Plan it with --engine torch or --engine deepspeed, which run the model as transformers builds it.",
-            )
+    gap = engine.architecture_from_config(*analysis.transformers, analysis.costs.seq_len)[1] if analysis.transformers else None
+    if problem and analysis.costs.architecture is None and gap is not None:
+        # a transformers model: say why no shape was derived, not that a file lacks a function
+        runs_as_is = [s.name for s in ENGINES.values() if s.rules.runs_model_file]
+        problem = (
+            f"{req.model_file}: {engine.name} builds its own model from flags, and no shape for it is derived from its transformers config: {gap}.",
+            f"Plan it with {' or '.join(f'--engine {n}' for n in runs_as_is)}, which run the model as transformers builds it.",
+        )
     if problem:
         raise UsageError(*problem)
     modules = engine.recompute_module_problems(req.recompute_modules, analysis.costs)
@@ -169,6 +169,20 @@ def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | Non
         )
     plan = build_plan(analysis.costs, cluster, req, result, extra, notes=list(analysis.costs.notes) + profile_notes)
     return plan, analysis, result
+
+
+def analyze_model(*args: Any, **kwargs: Any) -> Analysis:
+    """planner.model.analyze.analyze (same arguments), with the architecture() an engine derives from the model's
+    transformers config where the model file gives none: an ``hf:`` spec, or a file that builds a transformers model,
+    the same derivation for both. The first engine in the registry that derives a shape gives it, so plan.json records
+    the same shape whichever engine plans, and validate and calibrate price what plan prices."""
+    analysis = analyze(*args, **kwargs)
+    if analysis.costs.architecture is not None or analysis.transformers is None:
+        return analysis
+    config, causal = analysis.transformers
+    seq = analysis.costs.seq_len
+    derived = next((a for a, _ in (s.rules.architecture_from_config(config, causal, seq) for s in ENGINES.values()) if a is not None), None)
+    return analysis if derived is None else replace(analysis, costs=replace(analysis.costs, architecture=derived))
 
 
 def evaluate_pinned(costs: ModelCosts, cluster: Cluster, req: PlanRequest) -> SearchResult:

@@ -257,7 +257,7 @@ def test_a_0_dim_weight_trains_under_deepspeed_as_in_one_process(tmp_path):
 
 
 def test_scalar_parameters_become_vectors_in_place():
-    from planner.runners import deepspeed as ds
+    from planner.engines.deepspeed import runner as ds
 
     m = torch.nn.Module()
     m.gain, m.w = torch.nn.Parameter(torch.tensor(0.5)), torch.nn.Parameter(torch.ones(2))

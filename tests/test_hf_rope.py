@@ -17,8 +17,8 @@ rope_module = pytest.importorskip("megatron.core.models.common.embeddings.rotary
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 from planner.engines.megatron.architecture import architecture_defaults, architecture_problem  # noqa: E402
+from planner.engines.megatron.hf_shapes import hf_architecture  # noqa: E402
 from planner.engines.megatron.render import model_flags  # noqa: E402
-from planner.model.sources import hf_architecture  # noqa: E402
 
 SHAPE = dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512, vocab_size=1000)
 LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

@@ -181,7 +181,7 @@ def test_bad_model_arguments_are_usage_errors(arg, words):
 def test_architecture_maps_onto_megatron(preset):
     """Every preset's architecture() passes the planner's Megatron architecture rules (MoE rules included where the
     planner has them); the keys it adds for Megatron are the table's names."""
-    from planner import megatron_args
+    from planner.engines.megatron import architecture as megatron_args
 
     assert megatron_args.architecture_problem(moe.architecture(preset)) is None
     if hasattr(megatron_args, "moe_architecture_problems"):

@@ -257,10 +257,24 @@ def test_a_vision_language_decoder_says_its_vision_tower_is_idle(tmp_path):
     assert out["totals"]["params"] == sum(p.numel() for p in model.parameters()) - tower - projector
 
 
+def _derived(name: str, args: dict | None = None):
+    """architecture() as planning derives it for an hf: spec (planner.engines.megatron.hf_shapes on the built model's
+    transformers config, for a causal LM), else None."""
+    import torch
+
+    from planner.engines.megatron.hf_shapes import hf_architecture
+    from planner.model.sources import hf_seq_len, transformers_config
+
+    mf = load_model_file(f"hf:{HF / name}.json", dict(args or {}))
+    found = transformers_config(mf.build_meta(torch.bfloat16))
+    if found is None or not found[1]:
+        return None
+    return hf_architecture(found[0], hf_seq_len(found[0], (args or {}).get("seq_len")))
+
+
 @pytest.mark.parametrize("name", DECODERS)
 def test_architecture_from_the_config_is_accepted_by_megatron_rules(name):
-    mf = load_model_file(f"hf:{HF / name}.json")
-    arch = mf.architecture()
+    arch = _derived(name)
     assert architecture_problem(arch, name) is None
     c = _config(name)
     assert arch["num_layers"] == c.get("num_hidden_layers", c.get("n_layer"))
@@ -288,7 +302,7 @@ def test_an_mlp_megatron_cannot_build_is_refused_not_mapped_onto_another(name, f
     model = mf.call("build_model")
     mlp = next(m for n, m in model.named_modules() if n.endswith(".mlp"))
     assert hasattr(mlp, "gate_proj") == (name == "llama")  # what transformers builds: gated or not
-    arch = mf.architecture()
+    arch = _derived(name, {field: act})
     assert why in architecture_problem(arch, name)[0]
     out = tmp_path / "out"
     r = runner.invoke(app, ["plan", f"hf:{HF / name}.json", "--model-arg", f"{field}={act}", "--gpus", "8xH100-SXM", "--engine", "megatron", "--out", str(out)])
@@ -297,8 +311,8 @@ def test_an_mlp_megatron_cannot_build_is_refused_not_mapped_onto_another(name, f
 
 def test_no_architecture_for_encoders_and_the_moe_keys_for_mixtral():
     for name in ("bert", "t5", "bart", "vit", "clip", "resnet", "convnext", "roberta"):
-        assert load_model_file(f"hf:{HF / name}.json").architecture() is None
-    arch, c = load_model_file(f"hf:{HF / 'mixtral'}.json").architecture(), _config("mixtral")
+        assert _derived(name) is None
+    arch, c = _derived("mixtral"), _config("mixtral")
     assert (arch["num_experts"], arch["moe_router_topk"], arch["moe_ffn_hidden_size"]) == (
         c["num_local_experts"],
         c["num_experts_per_tok"],
@@ -381,7 +395,7 @@ def test_a_config_transformers_refuses_says_so_and_names_no_planner_bug(tmp_path
 def test_decoders_megatron_does_not_run_as_transformers_does_get_no_architecture(model_type, fields):
     """No Megatron shape is derived for a decoder whose layer Megatron's GPT layer does not run as transformers does
     (each would otherwise render flags for another model); the reason names the type."""
-    from planner.model.sources import hf_architecture, hf_architecture_gap
+    from planner.engines.megatron.hf_shapes import hf_architecture, hf_architecture_gap
 
     config = transformers.AutoConfig.for_model(
         model_type, num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=1000, **fields
@@ -392,7 +406,7 @@ def test_decoders_megatron_does_not_run_as_transformers_does_get_no_architecture
 
 def test_sliding_window_shorter_than_the_sequence_gets_no_architecture():
     """Mistral's sliding window is full attention up to its width: a shape is derived below it, refused above it."""
-    from planner.model.sources import hf_architecture, hf_architecture_gap
+    from planner.engines.megatron.hf_shapes import hf_architecture, hf_architecture_gap
 
     config = transformers.AutoConfig.for_model(
         "mistral", **{k: v for k, v in _config("llama").items() if k not in ("model_type", "architectures")}, sliding_window=32
@@ -438,9 +452,9 @@ def test_qwen2_keeps_its_qkv_biases_under_megatron(tmp_path):
     model, _ = _library_model("qwen2")
     biases = {n.rsplit(".", 2)[-2] for n, _ in model.named_parameters() if n.endswith(".bias")}
     assert biases == {"q_proj", "k_proj", "v_proj"}
-    arch = load_model_file(f"hf:{HF / 'qwen2'}.json").architecture()
+    arch = _derived("qwen2")
     assert arch["qkv_bias"] is True and arch["bias"] is False
-    assert load_model_file(f"hf:{HF / 'llama'}.json").architecture()["qkv_bias"] is False
+    assert _derived("llama")["qkv_bias"] is False
     out = tmp_path / "out"
     r = runner.invoke(app, ["plan", f"hf:{HF / 'qwen2'}.json", "--gpus", "2xH100-SXM", "--engine", "megatron", "--pp", "2", "--out", str(out)])
     assert r.exit_code == 0, r.output

@@ -859,7 +859,7 @@ def test_an_edited_launch_script_is_read_and_never_run(megatron_plan_dir, tmp_pa
 
 
 def test_run_scripts_runs_an_edited_script_in_the_sandbox(megatron_plan_dir, tmp_path):
-    from planner.check import sandbox
+    from planner import sandbox
 
     if sandbox.available() is not None:
         pytest.skip(f"no sandbox here: {sandbox.available()}")

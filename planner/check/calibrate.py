@@ -183,11 +183,11 @@ class _Analyses:
         self._cache: dict[tuple[Any, ...], Any] = {}
 
     def get(self, req: PlanRequest):
-        from planner.model.analyze import analyze
+        from planner.planning import analyze_model
 
         key = (req.model_file, repr(sorted(req.model_args.items())), req.cost_micro_batch, req.dtype, tuple(req.leaf), req.tracer)
         if key not in self._cache:
-            self._cache[key] = analyze(req.model_file, req.model_args, req.cost_micro_batch, req.dtype, list(req.leaf), req.tracer, sub_block_cuts=True)
+            self._cache[key] = analyze_model(req.model_file, req.model_args, req.cost_micro_batch, req.dtype, list(req.leaf), req.tracer, sub_block_cuts=True)
         return self._cache[key]
 
 

@@ -257,11 +257,11 @@ class _Run:
         return self._clusters[key]
 
     def costs(self, model: Path, model_args: dict[str, Any], micro_batch: int, dtype: str, leaf: Sequence[str] = (), tracer: str = "auto"):
-        from planner.model.analyze import analyze
+        from planner.planning import analyze_model
 
         key = (str(model.resolve()), json.dumps(model_args, sort_keys=True, default=str), micro_batch, dtype, tuple(leaf), tracer)
         if key not in self._analyses:
-            self._analyses[key] = analyze(model, model_args, micro_batch, dtype, list(leaf), tracer).costs
+            self._analyses[key] = analyze_model(model, model_args, micro_batch, dtype, list(leaf), tracer).costs
         return self._analyses[key]
 
 

@@ -100,6 +100,11 @@ class Engine(ABC):
         names = [spec.name for spec in ENGINES.values() if has(spec.rules)]
         return " or ".join(f"--engine {n}" for n in names) if names else "no engine of the planner"
 
+    @property
+    def runs_model_file(self) -> bool:
+        """Whether the engine's scripts run the model file's own model (not one it builds itself from flags)."""
+        return not self.own_loss
+
     def trained_loss(self, recorded: str) -> str:
         """One line on the loss this engine's scripts train, given the loss the plan recorded for the model file."""
         return self.own_loss or recorded
@@ -232,6 +237,11 @@ class Engine(ABC):
                 f"{self.name} recomputes the attention core only under selective recomputation (no --recompute-modules; use {self.alternative(lambda e: bool(e.recompute_modules))})"
             ]
         return []
+
+    def architecture_from_config(self, config: Any, causal: bool, seq_len: int | None) -> tuple[dict[str, Any] | None, str | None]:
+        """(architecture() derived from a transformers ``config`` for an engine that builds its own model from a shape,
+        why none is) ; (None, None) for an engine that runs the model as it is."""
+        return None, None
 
     def architecture_problem(self, arch: dict[str, Any] | None, model: str) -> tuple[str, str] | None:
         """(message, hint) when the engine cannot build this model from its architecture(); None when it can."""

@@ -14,6 +14,7 @@ from torch import nn
 from planner.errors import UsageError
 from planner.model.cost import cost_layers
 from planner.model.load import ModelFile, load_model_file
+from planner.model.sources import transformers_config
 from planner.model.trace import LayerGraph, build_layer_graph, idle_modules
 from planner.records import ModelCosts
 
@@ -26,6 +27,8 @@ class Analysis:
     model_file: ModelFile
     layer_graph: LayerGraph
     costs: ModelCosts
+    #: (transformers config, causal LM?) of a model built from transformers' classes (sources.transformers_config)
+    transformers: tuple[Any, bool] | None = None
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -114,4 +117,4 @@ def analyze(
             f"{len(empty)} parameter(s) with no elements, e.g. {name!r} of shape {list(shape)}.",
             "A size the model's config or --model-arg sets is 0 (a vocabulary, width or head count); set it to at least 1.",
         ) from e
-    return Analysis(mf, lg, costs)
+    return Analysis(mf, lg, costs, transformers_config(model))

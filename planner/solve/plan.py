@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,11 @@ def _round(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_round(v) for v in x]
     return x
+
+
+#: engine name -> how a layout an older planner wrote for that engine reads today (each wing registers its own in its
+#: rules module; the solver knows none of them)
+LAYOUT_UPGRADES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {}
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,9 @@ class Layout:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Layout:
+        upgrade = LAYOUT_UPGRADES.get(str(d.get("engine")))
+        if upgrade is not None:
+            d = upgrade(d)
         values = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         if "recompute_modules" in values:
             values["recompute_modules"] = tuple(values["recompute_modules"])

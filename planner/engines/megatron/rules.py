@@ -53,13 +53,14 @@ from planner.engines.megatron.architecture import (
     recompute_module_problems,
     tensor_parallel_problems,
 )
+from planner.engines.megatron.hf_shapes import hf_architecture, hf_architecture_gap
 from planner.engines.megatron.moe import layer_pattern
 from planner.engines.megatron.moe_activations import AUX_LOSSES, MLAShape, megatron_layer_saved
 from planner.engines.megatron.recompute import NO_RECOMPUTE, dense_mlp_work, mla_up_proj_work
 from planner.engines.megatron.traffic import ROTARY, layer_traffic, part_traffic
 from planner.records import Layer, ModelCosts, RecomputeWork
 from planner.solve.memory import DTYPE_BYTES, StateRecipe, state_recipe
-from planner.solve.plan import Layout, ep_overlap_allowed
+from planner.solve.plan import LAYOUT_UPGRADES, Layout, ep_overlap_allowed
 from planner.solve.schedules import group_constraints
 
 #: DistributedDataParallel's default bucket: max(40,000,000, 1,000,000 x data-parallel size) parameters
@@ -450,5 +451,28 @@ class MegatronEngine(Engine):
     def architecture_problem(self, arch: dict[str, Any] | None, model: str) -> tuple[str, str] | None:
         return architecture_problem(arch, model)
 
+    def architecture_from_config(self, config: Any, causal: bool, seq_len: int | None) -> tuple[dict[str, Any] | None, str | None]:
+        return _architecture_from_config(config, causal, seq_len)
+
+
+def _architecture_from_config(config: Any, causal: bool, seq_len: int | None) -> tuple[dict[str, Any] | None, str | None]:
+    """Megatron's GPT shape of a transformers causal LM (planner.engines.megatron.hf_shapes), or why there is none."""
+    if not seq_len:
+        return None, "no sequence length (the model's first input is not a batch of token ids)"
+    gap = hf_architecture_gap(config, seq_len)
+    if gap is None and not causal:
+        gap = f"{type(config).__name__} is not a causal language model's config (Megatron's GPT model has an output layer over the vocabulary)"
+    return (hf_architecture(config, seq_len) if gap is None else None), gap
+
+
+def _upgrade_layout(d: dict[str, Any]) -> dict[str, Any]:
+    """A Megatron layout of a plan written before the overlaps were fields: the gradient reduce overlapped (and was
+    rendered) whenever there was a data-parallel group or a distributed optimizer."""
+    if "overlap_grad_reduce" in d:
+        return d
+    return {**d, "overlap_grad_reduce": d.get("dp", 1) > 1 or d.get("zero", 0) >= 1}
+
+
+LAYOUT_UPGRADES["megatron"] = _upgrade_layout
 
 ENGINE = MegatronEngine()
