@@ -24,35 +24,6 @@ from planner.solve.plan import Alternative, Layout, Plan, RankMemory, StagePlan
 from planner.solve.rules import RejectKind
 from planner.solve.search import Context, Evaluation, Rejection, SearchOptions, SearchResult, evaluate_layout, search, with_options
 
-#: the SearchOptions fields that are the user's settings (recorded in plan.json); the others are search knobs
-RECORDED_SEARCH_FIELDS = (
-    "engine",
-    "global_batch",
-    "pp",
-    "tp",
-    "dp",
-    "vp",
-    "micro_batch",
-    "schedule",
-    "recompute",
-    "zero",
-    "mem_target",
-    "optimizer",
-    "cp",
-    "tp_comm_overlap",
-    "overlap_grad_reduce",
-    "overlap_param_gather",
-    "main_grads_dtype",
-    "optimizer_state_dtype",
-    "fp8_param_gather",
-    "ep",
-    "etp",
-    "ep_comm_overlap",
-    "recompute_modules",
-    "microbatch_group",
-)
-_KNOBS = frozenset(f.name for f in fields(SearchOptions)) - frozenset(RECORDED_SEARCH_FIELDS)
-
 
 @dataclass(frozen=True)
 class PlanRequest(SearchOptions):
@@ -72,9 +43,14 @@ class PlanRequest(SearchOptions):
     profile: str | None = None
     bounds: tuple[int, ...] | None = None  # fixed stage boundaries (piece indices); needs every layout dimension pinned
 
+    @classmethod
+    def recorded(cls) -> tuple[str, ...]:
+        """The settings plan.json records: every field but the search's knobs (SearchOptions fields marked KNOB)."""
+        return tuple(f.name for f in fields(cls) if not f.metadata.get("knob"))
+
     def to_inputs(self) -> dict[str, Any]:
-        own = {f.name for f in fields(PlanRequest)} - {f.name for f in fields(SearchOptions)}
-        d = {k: v for k, v in asdict(self).items() if k in own or k in RECORDED_SEARCH_FIELDS}
+        full = asdict(self)
+        d = {k: full[k] for k in self.recorded()}
         d["leaf"] = list(self.leaf)
         d["hardware_profiles"] = list(self.hardware_profiles)
         d["recompute_modules"] = list(self.recompute_modules)
@@ -98,8 +74,7 @@ class PlanRequest(SearchOptions):
     @classmethod
     def from_inputs(cls, inputs: dict[str, Any], **overrides: Any) -> PlanRequest:
         """The request recorded in a plan.json's ``inputs`` (unknown keys ignored), with ``overrides`` applied."""
-        known = {f.name for f in fields(cls)}
-        values = {k: inputs[k] for k in known - _KNOBS if k in inputs}
+        values = {k: inputs[k] for k in cls.recorded() if k in inputs}
         for key in ("leaf", "hardware_profiles", "bounds", "recompute_modules"):
             if values.get(key) is not None:
                 values[key] = tuple(values[key])

@@ -78,6 +78,8 @@ TP_OVERLAP_BUFFERS = 10
 #: --fp8-amax-history-len the Megatron renderer writes (NeMo's and Megatron's FP8 examples use 1024 with amax algo max)
 FP8_AMAX_HISTORY = 1024
 DEFAULT_MEM_TARGET = 0.85
+#: field metadata of a SearchOptions field that is a search knob, not a user's setting (not recorded in plan.json)
+KNOB = {"knob": True}
 #: default global batch: 8 samples per GPU keeps a 1F1B bubble under 1 - 8/(8+1) ~ 11% even at pp = world size
 SAMPLES_PER_GPU = 8
 #: Adam's optimizer step reads and writes per parameter: fp32 master, grad, m, v (4 x 4 read, 3 x 4 written) + the half weights (2 written)
@@ -89,7 +91,8 @@ class SearchOptions:
     """What the user fixed (engine, pins, memory target, optimizer), and the search's knobs.
 
     planner.planning.PlanRequest extends this record with the model and the cluster: the
-    settings are declared once, and the search reads its part of them through this type.
+    settings are declared once, and the search reads its part of them through this type. A field marked
+    :data:`KNOB` is how the search runs (or is derived from another setting), not a setting: plan.json does not record it.
     """
 
     engine: str = "deepspeed"
@@ -104,19 +107,21 @@ class SearchOptions:
     zero: int | None = None
     mem_target: float = DEFAULT_MEM_TARGET
     optimizer: str = "adam"
-    overhead: RuntimeOverhead = RuntimeOverhead()
-    micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-    virtual_stages: tuple[int, ...] = (2, 3, 4, 6, 8)
-    top_k: int = 5
-    measured: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)  # device key -> piece -> (fwd, bwd) s at the costed micro-batch
-    exhaustive: bool = False  # price every candidate (no bound pruning): for tests and benchmarks
+    overhead: RuntimeOverhead = field(default=RuntimeOverhead(), metadata=KNOB)
+    micro_batches: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 32), metadata=KNOB)
+    virtual_stages: tuple[int, ...] = field(default=(2, 3, 4, 6, 8), metadata=KNOB)
+    top_k: int = field(default=5, metadata=KNOB)
+    measured: dict[str, dict[int, tuple[float, float]]] = field(
+        default_factory=dict, metadata=KNOB
+    )  # device key -> piece -> (fwd, bwd) s at the costed micro-batch
+    exhaustive: bool = field(default=False, metadata=KNOB)  # price every candidate (no bound pruning): for tests and benchmarks
     cp: int | None = None  # context-parallel size (searched from CP_SIZES for long sequences when None)
     tp_comm_overlap: bool | None = None  # None: searched (on and off) where the engine has it and tp > 1
     overlap_grad_reduce: bool | None = None  # None: on where the engine has it and there is a data-parallel group
     overlap_param_gather: bool | None = None  # None: on with the distributed optimizer where the engine has it
     main_grads_dtype: str = "fp32"  # "bf16": gradients kept and reduced in bf16
     optimizer_state_dtype: str = "fp32"  # "bf16" / "fp16": Adam moments in half precision (precision-aware optimizer)
-    fp8: bool = False  # Transformer Engine FP8 GEMMs at the device's FP8 peak
+    fp8: bool = field(default=False, metadata=KNOB)  # set from --dtype fp8; Transformer Engine FP8 GEMMs at the device's FP8 peak
     fp8_param_gather: bool = False  # FP8 primary weights (Megatron --fp8-param-gather; with fp8 and zero 1)
     ep: int | None = None  # expert-parallel size (searched over the divisors Megatron allows for MoE models when None)
     etp: int | None = None  # expert tensor-parallel size (searched in {1, tp} for MoE models when None)
