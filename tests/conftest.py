@@ -79,3 +79,19 @@ def tiny_plan(tmp_path_factory):
     m = model_file(d)
     plan, _, _ = plan_model(PlanRequest(model_file=str(m), model_args={}, gpus="2xA100", engine="deepspeed", pp=2))
     return plan, m
+
+
+def derived_architecture(spec: str, args: dict | None = None):
+    """architecture() as planning derives it for a library spec (planner.engines.megatron.hf_shapes on the built model's
+    transformers config, for a causal LM), else None."""
+    import torch
+
+    from planner.engines.megatron.hf_shapes import hf_architecture
+    from planner.model.load import load_model_file
+    from planner.model.sources import hf_seq_len, transformers_config
+
+    mf = load_model_file(spec, dict(args or {}))
+    found = transformers_config(mf.build_meta(torch.bfloat16))
+    if found is None or not found[1]:
+        return None
+    return hf_architecture(found[0], hf_seq_len(found[0], (args or {}).get("seq_len")))

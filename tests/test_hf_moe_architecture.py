@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 from planner.engines.megatron.architecture import architecture_defaults, architecture_problem  # noqa: E402
 from planner.engines.megatron.moe import layer_pattern  # noqa: E402
-from planner.model.sources import library_contract  # noqa: E402
+from tests.conftest import derived_architecture  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -65,7 +65,7 @@ def _write(tmp_path, name: str, **change):
 
 
 def _arch(path):
-    return library_contract(f"hf:{path}", {}).funcs["architecture"]()
+    return derived_architecture(f"hf:{path}")
 
 
 def _hf_model(path):
@@ -114,7 +114,8 @@ def test_routing_keys_follow_each_router(tmp_path):
 
 def test_routing_megatron_does_not_run_gives_no_architecture(tmp_path):
     """Group scores: Megatron ranks groups by their top-(k / topk_group) scores, transformers by their top 2."""
-    assert "architecture" not in library_contract(f"hf:{_write(tmp_path, 'deepseek_v3', topk_group=1)}", {}).funcs
+    assert derived_architecture(f"hf:{_write(tmp_path, 'deepseek_v3', topk_group=1)}") is None
+    assert derived_architecture(f"hf:{_write(tmp_path, 'deepseek_v3')}") is not None
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -18,6 +18,7 @@ from planner.cli import app
 from planner.engines.megatron.architecture import architecture_problem
 from planner.model.load import load_model_file
 from planner.model_ref import relative_ref
+from tests.conftest import derived_architecture
 
 HF = Path(__file__).resolve().parent / "models" / "hf"
 runner = CliRunner()
@@ -258,18 +259,7 @@ def test_a_vision_language_decoder_says_its_vision_tower_is_idle(tmp_path):
 
 
 def _derived(name: str, args: dict | None = None):
-    """architecture() as planning derives it for an hf: spec (planner.engines.megatron.hf_shapes on the built model's
-    transformers config, for a causal LM), else None."""
-    import torch
-
-    from planner.engines.megatron.hf_shapes import hf_architecture
-    from planner.model.sources import hf_seq_len, transformers_config
-
-    mf = load_model_file(f"hf:{HF / name}.json", dict(args or {}))
-    found = transformers_config(mf.build_meta(torch.bfloat16))
-    if found is None or not found[1]:
-        return None
-    return hf_architecture(found[0], hf_seq_len(found[0], (args or {}).get("seq_len")))
+    return derived_architecture(f"hf:{HF / name}.json", args)
 
 
 @pytest.mark.parametrize("name", DECODERS)
