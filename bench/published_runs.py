@@ -420,7 +420,7 @@ def split_args(run: PublishedRun):
 def stage_bounds(run: PublishedRun, costs) -> tuple[int, ...] | None:
     """Piece boundaries of the row's stages when its source split them unevenly (``pipeline_split``), else None
     (the planner's partition chooses). Layers per stage are Megatron's for --account-for-embedding-in-pipeline-split /
-    --account-for-loss-in-pipeline-split (planner.engines.megatron.layout.stage_layers; tests/test_published_runs.py checks
+    --account-for-loss-in-pipeline-split (planner.engines.megatron.layout.stage_layers; tests/bench/test_published_runs.py checks
     them against megatron-core's get_num_layers_to_build); the pieces before the first block go to stage 0, those
     after the last block to the last stage."""
     if not run.pipeline_split:

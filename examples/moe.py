@@ -34,7 +34,7 @@ and multi-token-prediction module (neither changes the main model's
 parameters or FLOPs per token), load-balancing losses (loss_fn is the
 language-model loss only).
 
-Published sizes the presets reproduce (tests/test_moe_model.py): Mixtral 8x7B
+Published sizes the presets reproduce (tests/model/test_moe_model.py): Mixtral 8x7B
 46.7B parameters / 12.9B active, Mixtral 8x22B 141B / 39B, DeepSeek-V3 671B /
 37B (without its 14B MTP module), Qwen3-30B-A3B 30.5B / 3.3B, Qwen3-235B-A22B 235B / 22B.
 """

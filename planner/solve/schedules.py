@@ -304,7 +304,7 @@ def schedule_constraints(name: str, p: int, m: int, v: int = 1, group: int = 0) 
             :func:`interleaved_group_size`). Allowed: the groups Megatron accepts
             (``p <= g <= m`` with the last group, ``m % g`` microbatches, empty or at
             least ``p``) and one group of all ``m``. Every such order runs without
-            deadlock (tests/test_schedules.py simulates each one up to p = 6,
+            deadlock (tests/solve/test_schedules.py simulates each one up to p = 6,
             m = 16); smaller groups deadlock depth-first interleaving in many cases
             (p = 16, m = 32, v = 8, g = 4: rank 0 waits on a chunk-1 forward that
             rank 15 holds back behind a backward that cannot come).

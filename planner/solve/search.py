@@ -1129,7 +1129,7 @@ def _simulate_extrapolated(name: str, p: int, m: int, v: int, times: StageTimes,
     has died out, which takes longer than the pipeline's fill. Against the full simulation, on the 86 layouts with
     m > 8p that a Llama 70B search on 1024 H100 and a 7B search on 64 price, extrapolating from 2p and 4p erred by up
     to 3.5% (interleaved, p 2, v 3) and from 4p and 8p by up to 0.054%; on random stage times, 2.4% and 0.8%
-    (tests/test_search.py; bench/NOTES.md)."""
+    (tests/solve/test_search.py; bench/NOTES.md)."""
     if group:  # whole groups of the explicit size: every group full, as in the long run of the step
         m1, m2 = (group * -(-k * p // group) for k in EXTRAPOLATE_AT)
     else:

@@ -119,7 +119,7 @@ def router_saved(moe: MoEShape, tokens: float, dtype_bytes: float = 2.0) -> tupl
       one storage).
 
     torch's autograd formulas decide what each call keeps (gather and masked_select keep their input, topk only its
-    indices): tests/test_megatron_moe_activations.py runs these calls and counts the saved storages.
+    indices): tests/engines/test_megatron_moe_activations.py runs these calls and counts the saved storages.
 
     The router's GEMM input (RouterGatingLinearFunction saves ``inp``) is the pre-MLP norm output: in
     :func:`moe_mlp_saved`."""

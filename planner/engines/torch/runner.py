@@ -540,7 +540,7 @@ def check_schedule(schedule: Any, stages: Sequence[PipelineStage], plan: dict[st
     torch's ``pipeline_order`` (all ranks are in it, so every rank reaches the
     same verdict) equal the IR's, action by action. torch 2.13's Schedule1F1B
     numbers the last rank's forwards from 1 in ``pipeline_order`` only (its
-    runtime runs 0..m-1, as tests/test_schedules.py checks); that shift is
+    runtime runs 0..m-1, as tests/solve/test_schedules.py checks); that shift is
     accepted there. Returns the planned actions per rank.
     """
     lay = plan["layout"]
