@@ -53,6 +53,9 @@ class Layer:
             of those rows entering the experts (what each all-to-all dispatch and combine moves).
         expert_op_flops_fwd / expert_op_flops_bwd: FLOPs of each grouped GEMM over the routed rows (all experts'
             rows together; not in ``op_flops_*``): the time model splits them into one GEMM per local expert.
+        compute_op_names / compute_op_bytes / compute_op_flops: the forward's compute operators in order (those with a
+            FLOP formula, and the reductions ``max`` and ``topk``): the aten name, the bytes of its outputs and its FLOPs.
+            An op-level checkpointing policy (torchtitan's selective AC) keeps some of these outputs and recomputes the rest.
     """
 
     name: str
@@ -90,17 +93,20 @@ class Layer:
     routed_bytes: float = 0.0
     expert_op_flops_fwd: tuple[float, ...] = ()
     expert_op_flops_bwd: tuple[float, ...] = ()
+    compute_op_names: tuple[str, ...] = ()
+    compute_op_bytes: tuple[float, ...] = ()
+    compute_op_flops: tuple[float, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for k in ("modules",) + _OP_LISTS:
+        for k in ("modules", "compute_op_names") + _OP_LISTS:
             d[k] = list(d[k])
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Layer:
         d = dict(d)
-        for k in ("modules",) + _OP_LISTS:
+        for k in ("modules", "compute_op_names") + _OP_LISTS:
             d[k] = tuple(d.get(k, ()))
         return cls(**d)
 
@@ -116,6 +122,8 @@ _OP_LISTS = (
     "op_bytes_bwd_resid",
     "expert_op_flops_fwd",
     "expert_op_flops_bwd",
+    "compute_op_bytes",
+    "compute_op_flops",
 )
 
 

@@ -85,6 +85,9 @@ class Engine(ABC):
     #: through the loss (torch.distributed.pipelining, DeepSpeed). False where the loss is computed inside the model and
     #: the last stage sends nothing (Megatron's GPTModel); its working set is then the engine's (``layer_activations``)
     model_io_buffers: bool = True
+    #: whether :meth:`layer_activations` returns the bytes the engine's own checkpointing keeps under every recompute
+    #: mode (and the rebuilt unit in each piece's working set), so the memory model applies no recompute mode of its own
+    checkpoints_itself: bool = False
     #: the loss the engine trains where it builds the model itself from flags (Megatron, torchtitan); "" where it runs
     #: the model file's model and trains the loss the plan records (planner.model.losses.choose_loss)
     own_loss: str = ""
@@ -148,6 +151,14 @@ class Engine(ABC):
 
     def sends_output_copies(self, schedule: str) -> bool:
         return False
+
+    def selective_applies(self, costs: ModelCosts) -> bool:
+        """Whether selective recomputation changes anything for this model (the attention core's saved s x s tensors)."""
+        return any(l.core_saved_bytes > 0 for l in costs.layers)
+
+    def recomputes_attention_core(self, modules: frozenset[str]) -> bool:
+        """Whether selective recomputation runs the attention core again (Megatron's core_attn, the default module)."""
+        return not modules or "core_attn" in modules
 
     def searches_zero(self, zero: int, dtype: str, dp: int) -> bool:
         """Unpinned search: ZeRO > 0 only when there is a data-parallel group to shard over."""

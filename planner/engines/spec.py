@@ -34,7 +34,7 @@ from planner.errors import UsageError
 PARTS = ("render", "validate", "smoke", "logs", "runner")
 CONTRACT: dict[str, tuple[tuple[str, ...], ...]] = {
     "render": (("render",),),
-    "validate": (("FILE_KINDS", "FILE_WHAT", "RULES", "classify", "check"),),
+    "validate": (("FILE_KINDS", "FILE_WHAT", "RULES", "CHECKS_MEMORY", "classify", "check"),),
     # the generic run (planner.check.smoke) told which script to start, or a run of the wing's own
     "smoke": (("SCRIPT", "ENV_CPU", "PACKAGE"), ("run",)),
     "logs": (("recognise", "parse", "ENGINE_TEXT", "LINE_TEXT", "HINT", "GLOBAL_BATCH_TOLERANCE"),),

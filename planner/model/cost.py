@@ -156,6 +156,8 @@ class _OpMeter(TorchDispatchMode):
         self.expert_op_flops: list[float] = []
         self.routed_rows = 0.0
         self.routed_bytes = 0.0
+        #: the compute operators in order: (aten name, output bytes, FLOPs) (Layer.compute_op_*)
+        self.compute_ops: list[tuple[str, float, float]] = []
 
     def _is_core(self, tensors: list[torch.Tensor]) -> bool:
         s = self.seq_len
@@ -180,10 +182,13 @@ class _OpMeter(TorchDispatchMode):
         elif packet in REGISTRY:
             flops = float(REGISTRY[packet](*args, **kwargs, out_val=out))
             self.op_flops.append(flops)
+            self.compute_ops.append((str(packet).split(".")[-1], float(sum(_tensor_bytes(t) for t in outs)), flops))
             if core:
                 self.core_flops += flops
                 self.core_op_flops.append(flops)
         elif not func.is_view and func not in _NO_TRAFFIC:
+            if packet in _RECORDED_REDUCTIONS:  # kept by op-level checkpointing policies (amax for FP8 scales, MoE routing)
+                self.compute_ops.append((str(packet).split(".")[-1], float(sum(_tensor_bytes(t) for t in outs)), 0.0))
             if uncounted_compute(func, ins):
                 self.uncounted.add(str(packet))
             moved = sum(_tensor_bytes(t) for t in ins) + sum(_tensor_bytes(t) for t in outs)
@@ -199,6 +204,9 @@ class _OpMeter(TorchDispatchMode):
         self.max_out = max(self.max_out, sum(_tensor_bytes(t) for t in outs))
         return out
 
+
+#: reductions an op-level checkpointing policy may keep (torchtitan's selective AC saves aten.max and aten.topk)
+_RECORDED_REDUCTIONS = {_aten.max, _aten.topk}
 
 _NO_TRAFFIC = {
     _aten.detach.default,
@@ -238,6 +246,7 @@ class PieceCost:
     uncounted_ops: tuple[str, ...] = ()
     expert_op_flops_fwd: tuple[float, ...] = ()
     expert_op_flops_bwd: tuple[float, ...] = ()
+    compute_ops: tuple[tuple[str, float, float], ...] = ()
     routed_rows: float = 0.0
     routed_bytes: float = 0.0
 
@@ -337,6 +346,7 @@ def cost_piece(
         uncounted_ops=tuple(sorted(fwd_meter.uncounted | bwd_meter.uncounted)),
         expert_op_flops_fwd=tuple(fwd_meter.expert_op_flops),
         expert_op_flops_bwd=tuple(bwd_meter.expert_op_flops),
+        compute_ops=tuple(fwd_meter.compute_ops),
         routed_rows=fwd_meter.routed_rows,
         routed_bytes=fwd_meter.routed_bytes,
     )
@@ -512,6 +522,9 @@ def cost_layers(
                 routed_bytes=cost.routed_bytes,
                 expert_op_flops_fwd=cost.expert_op_flops_fwd,
                 expert_op_flops_bwd=cost.expert_op_flops_bwd,
+                compute_op_names=tuple(name for name, _, _ in cost.compute_ops),
+                compute_op_bytes=tuple(b for _, b, _ in cost.compute_ops),
+                compute_op_flops=tuple(f for _, _, f in cost.compute_ops),
             )
         )
         if progress:

@@ -51,6 +51,12 @@ class EngineRules(Protocol):
     zeroes_grad_buffer: bool
     model_io_buffers: bool
 
+    checkpoints_itself: bool
+
+    def selective_applies(self, costs: ModelCosts) -> bool: ...
+
+    def recomputes_attention_core(self, modules: frozenset[str]) -> bool: ...
+
     def alternative(self, has: Callable[[EngineRules], bool]) -> str:
         """'--engine NAME' of the engines that have a feature, for messages."""
         ...

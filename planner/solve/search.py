@@ -285,8 +285,9 @@ class Context:
         if key not in self._memory:
             sharded = self.sharded(b, tp, sp, cp)
             costs = self.engine.layer_activations(sharded, tp, sp and tp > 1, cp, recompute, etp, modules)
-            trans = transient_matrix(costs, recompute, fp8, self.engine.model_io_buffers)
-            params, other, act, wgrad = range_matrices(costs, tp, recompute, fp8, ep=ep, etp=etp, transient=trans)
+            policy = "none" if self.engine.checkpoints_itself else recompute  # the engine applied its own checkpointing
+            trans = transient_matrix(costs, policy, fp8, self.engine.model_io_buffers)
+            params, other, act, wgrad = range_matrices(costs, tp, policy, fp8, ep=ep, etp=etp, transient=trans)
             if costs is sharded:
                 act = act + expert_saved_extra(sharded, tp if sp and tp > 1 else 1, etp, recompute)
             self._memory[key] = (params, other, act, wgrad)
@@ -487,7 +488,7 @@ class Context:
                 terms,
                 ep_overlap,
                 work,
-                not modules or "core_attn" in modules,
+                self.engine.recomputes_attention_core(modules),
                 dev.host_op_s,
             )
             measured = self.opts.measured.get(dev.key)
@@ -544,8 +545,8 @@ def enumerate_layouts(costs: ModelCosts, cluster: Cluster, opts: SearchOptions, 
             f"Use {engine.alternative(lambda e: e.context_parallel)} for --cp > 1, or drop --cp.",
         )
     tps = [opts.tp] if opts.tp else [t for t in divisors(gpn) if t == 1 or rules.tensor_parallel]
-    has_core = any(l.core_saved_bytes > 0 for l in costs.layers)
-    recomputes = [opts.recompute] if opts.recompute else [r for r in rules.recompute_modes if r != "selective" or has_core]
+    selective = rules.selective_applies(costs)
+    recomputes = [opts.recompute] if opts.recompute else [r for r in rules.recompute_modes if r != "selective" or selective]
     zeros = [opts.zero] if opts.zero is not None else list(rules.zero_levels)
     schedules = [opts.schedule] if opts.schedule else list(engine.searched_schedules)
     if opts.microbatch_group is not None and opts.microbatch_group < 0:

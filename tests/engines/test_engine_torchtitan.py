@@ -35,6 +35,7 @@ CASES = {
     "1f1b": dict(pp=2, dp=4, schedule="1f1b", zero=0),
     "gpipe_fsdp": dict(pp=2, dp=4, schedule="gpipe", zero=3),
     "interleaved": dict(pp=2, vp=2, dp=4, schedule="interleaved", zero=3, recompute="full"),
+    "selective": dict(pp=2, dp=4, schedule="1f1b", zero=3, recompute="selective"),
     "zbv": dict(pp=2, dp=4, schedule="zbv", zero=0),
 }
 
@@ -98,7 +99,7 @@ def test_plan_renders_the_planned_layout(plans, name):
     assert [s.rank for s in plan.stages] == torchtitan_stage_ranks(lay.schedule, lay.pp, len(parts))
     words = overrides(plan)
     assert words[words.index("--parallelism.pipeline_parallel_schedule") + 1] == SCHEDULE_NAMES[lay.schedule]
-    assert words[-1] == ("activation-checkpoint:full" if lay.recompute == "full" else "activation-checkpoint:none")
+    assert words[-1] == f"activation-checkpoint:{lay.recompute}"  # none, selective, full: the subcommand names of torchtitan 0.3.0
     first = render_files(plan)
     assert first == render_files(plan)  # byte-identical
     assert set(render(plan, "cmd")) == {"launch_torchtitan.sh", "README.md"}
@@ -191,6 +192,108 @@ def test_torchtitan_config_manager_parses_the_overrides(plans, name, tmp_path, m
     assert tr.global_batch_size == lay.global_batch == tr.local_batch_size * lay.dp
     assert tr.seq_len == plan.model["seq_len"]
     ac = cfg.activation_checkpoint
-    assert (type(ac).__qualname__ == "FullAC.Config") if lay.recompute == "full" else (ac is None)
+    want = {"full": "FullAC.Config", "selective": "SelectiveAC.Config"}.get(lay.recompute)
+    assert (type(ac).__qualname__ == want) if want else (ac is None)
     world = lay.pp * par.data_parallel_replicate_degree * par.data_parallel_shard_degree
     assert world == lay.pp * lay.dp == 8
+
+
+# --------------------------------------------------------------------------- activation checkpointing
+
+
+def _block_terms(preset: str = "llama-tiny", b: int = 2):
+    """(costs at micro-batch b, and the closed forms of one Llama block: its input, the outputs SelectiveAC keeps and
+    the FLOPs of the matmuls it recomputes) from the preset's shapes (examples/llama.py), bf16."""
+    from examples.llama import PRESETS
+
+    cfg = PRESETS[preset]
+    h, heads, kv, f, s = cfg["dim"], cfg["n_heads"], cfg["n_kv_heads"], cfg["ffn_dim"], cfg["seq_len"]
+    kv_dim = kv * h // heads
+    costs = costs_of("llama", preset).scaled(b)
+    tok = b * s
+    x = 2 * tok * h
+    # the mms of a block, in order: wq, wk, wv | wo | w1, w3, w2; the 1st, 3rd, 5th and 7th are kept
+    kept_mm = 2 * tok * h + 2 * tok * kv_dim + 2 * tok * f + 2 * tok * h
+    # the flash attention op's outputs: out (bf16), logsumexp (fp32, b x heads x s), and its philox seed and offset
+    sdpa = 2 * tok * h + 4 * b * heads * s
+    recomputed_flops = 2 * tok * h * kv_dim + 2 * tok * h * h + 2 * tok * h * f  # wk, wo, w3
+    return costs, x, kept_mm, sdpa, recomputed_flops
+
+
+def test_selective_ac_keeps_the_block_input_and_the_outputs_torchtitans_policy_saves():
+    from planner.engines.torchtitan.checkpointing import checkpointed, selective_work
+
+    costs, x, kept_mm, sdpa, recomputed = _block_terms()
+    sac = checkpointed(costs, "selective")
+    blocks = sorted({l.block for l in costs.layers if l.block})
+    for blk in blocks:
+        ks = [k for k, l in enumerate(costs.layers) if l.block == blk]
+        kept = sum(sac.layers[k].saved_bytes for k in ks)
+        assert kept == pytest.approx(x + kept_mm + sdpa, abs=64)  # + the philox seed and offset (a few bytes)
+        work = selective_work(costs)
+        assert sum(sum(work[k].gemm_flops) for k in ks) == pytest.approx(recomputed)
+        full = sum(costs.layers[k].saved_bytes for k in ks)
+        # while the block's backward runs its full saved set is rebuilt: the rest of it is in each piece's working set
+        assert all(sac.layers[k].max_op_bytes == costs.layers[k].max_op_bytes + round(full - kept) for k in ks)
+    outside = [k for k, l in enumerate(costs.layers) if l.block is None]
+    assert all(sac.layers[k] == costs.layers[k] for k in outside)  # only the blocks are wrapped
+
+
+def test_full_ac_keeps_each_block_input_only():
+    from planner.engines.torchtitan.checkpointing import checkpointed
+
+    costs, x, *_ = _block_terms()
+    ckpt = checkpointed(costs, "full")
+    for blk in sorted({l.block for l in costs.layers if l.block}):
+        ks = [k for k, l in enumerate(costs.layers) if l.block == blk]
+        assert sum(ckpt.layers[k].saved_bytes for k in ks) == x
+
+
+def test_selective_is_searched_rendered_and_checked(tmp_path):
+    from planner.check.validate import Options, validate
+
+    plan = plan_of(gpus="8xH100", pp=2, dp=4, zero=3, schedule="1f1b")
+    assert plan.layout.recompute in ENGINE.recompute_modes
+    out = tmp_path / "plan"
+    req = PlanRequest(
+        model_file=str(EXAMPLES / "llama.py"),
+        model_args={"preset": "llama-tiny"},
+        gpus="8xH100",
+        engine="torchtitan",
+        pp=2,
+        dp=4,
+        zero=3,
+        recompute="selective",
+    )
+    write_plan_dir(out, plan_model(req)[0])
+    script = out / "launch_torchtitan.sh"
+    assert script.read_text().rstrip().endswith("activation-checkpoint:selective")
+    found = validate([out], Options(model=str(EXAMPLES / "llama.py"), model_args={"preset": "llama-tiny"}))
+    assert [f for f in found.findings if f.severity == "error"] == [], found.findings
+    script.write_text(script.read_text().replace("activation-checkpoint:selective", "activation-checkpoint:full"))
+    found = validate([out], Options())
+    assert [f.rule for f in found.findings if f.severity == "error"] == ["TT001"]
+    assert "activation-checkpoint is full but the plan renders selective" in [f for f in found.findings if f.rule == "TT001"][0].message
+
+
+def test_llama3_8b_on_8_h100_plans_with_selective_ac():
+    """The issue's case, torchtitan's own 8-GPU benchmark shape (Llama 3.1 8B, FSDP 8, local batch 2, 8,192 tokens):
+    refused without checkpointing, planned with torchtitan's default selective AC."""
+    args = {"preset": "llama-7b", "n_kv_heads": 8, "ffn_dim": 14336, "vocab_size": 128256, "seq_len": 8192}
+    req = PlanRequest(
+        model_file=str(EXAMPLES / "llama.py"),
+        model_args=args,
+        gpus="8xH100",
+        engine="torchtitan",
+        pp=1,
+        dp=8,
+        zero=3,
+        micro_batch=2,
+        global_batch=16,
+        recompute="selective",
+        mem_target=1.0,
+    )
+    plan = plan_model(req)[0]
+    sel = plan.ranks[0].memory_bytes["total"]
+    full = plan_model(PlanRequest(**{**req.__dict__, "recompute": "full"}))[0].ranks[0].memory_bytes["total"]
+    assert full < sel < 79 * 2**30

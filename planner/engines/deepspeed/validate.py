@@ -17,7 +17,9 @@ from planner.solve.plan import Layout
 #: the kinds of file this wing recognises (planner.check.validate.classify), and what they are
 FILE_KINDS = ("deepspeed",)
 FILE_WHAT = "DeepSpeed config (ds_config.json)"
-__all__ = ["FILE_KINDS", "FILE_WHAT", "RULES", "check", "classify"]
+#: whether :func:`check` re-estimates the memory of what the file runs (else validate estimates plan.json's layout)
+CHECKS_MEMORY = True
+__all__ = ["CHECKS_MEMORY", "FILE_KINDS", "FILE_WHAT", "RULES", "check", "classify"]
 
 _DS_KEY = re.compile(r'"(train_batch_size|train_micro_batch_size_per_gpu|zero_optimization|gradient_accumulation_steps)"')
 

@@ -10,7 +10,7 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-from planner.check.validate import _costs, _cp_text, _Ctx, _memory, _Run, display, rendered_unchanged
+from planner.check.validate import _costs, _cp_text, _Ctx, _memory, _Run, display, rendered_unchanged, report_script_reading
 from planner.engines.megatron.architecture import RULES
 from planner.errors import PlannerError
 from planner.findings import from_megatron
@@ -19,7 +19,9 @@ from planner.solve.plan import Layout
 #: the kinds of file this wing recognises (planner.check.validate.classify), and what they are
 FILE_KINDS = ("megatron-script", "megatron-args")
 FILE_WHAT = "Megatron-LM launch script (pretrain_gpt.sh)"
-__all__ = ["FILE_KINDS", "FILE_WHAT", "RULES", "check", "classify"]
+#: whether :func:`check` re-estimates the memory of what the file runs (else validate estimates plan.json's layout)
+CHECKS_MEMORY = True
+__all__ = ["CHECKS_MEMORY", "FILE_KINDS", "FILE_WHAT", "RULES", "check", "classify"]
 
 _SCRIPT_SUFFIXES = {"", ".sh", ".bash", ".args", ".txt", ".cfg", ".conf"}
 _MEGATRON_MARK = re.compile(
@@ -53,18 +55,7 @@ def _check_megatron(run: _Run, ctx: _Ctx, path: Path, kind: str) -> None:
     execute = kind == "megatron-script" and (rendered_unchanged(path) or run.opts.run_scripts)
     args = parse_megatron_args(text, "script" if kind == "megatron-script" else "args", path=path, execute=execute)
     if kind == "megatron-script":
-        how = args.how or ("read" if not execute else "run")
-        if not execute:
-            said = "read without running it: its bytes are not the ones the planner rendered (the manifest's hash), so validate runs nothing of it"
-            fix = "re-run `planner plan` to render it again, or pass --run-scripts to run it under bash with stub launchers in a sandbox"
-        elif how == "run":
-            said = "run under bash with stub launchers, in a sandbox (no network, read-only files, its own process tree)"
-            fix = "nothing to fix"
-        else:
-            said = "run under bash with stub launchers, without a sandbox (" + how.partition(": ")[2] + ")"
-            fix = "run validate where unprivileged user namespaces are allowed (util-linux unshare) to sandbox it"
-        if not rendered_unchanged(path) or how != "run":
-            run.add("SCRIPT001", rel, None, f"{Path(rel).name} was {said}.", fix)
+        report_script_reading(run, path, execute, args.how)
     world = ctx.world if ctx.world is not None else args.world_size
     for f in check_megatron_args(args, world):
         run.findings.append(from_megatron(f, rel))

@@ -1,5 +1,5 @@
-"""torchtitan's wing: its schedules, FSDP2 state and layout rules (rules), the ``torchtitan.train`` command line
-(render)."""
+"""torchtitan's wing: its schedules, FSDP2 state, activation checkpointing and layout rules (rules, checkpointing),
+the ``torchtitan.train`` command line (render) and its check against plan.json (validate)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ SPEC = EngineSpec(
     ENGINE,
     __name__,
     lacks={
-        "validate": "not built yet: validate checks a torchtitan plan directory's plan.json only",
-        "smoke": "not built yet: a torchtitan plan is not run by planner smoke",
-        "logs": "not built yet: torchtitan's log lines are not read by calibrate",
+        "smoke": (
+            "torchtitan.train does not start on a CPU-only torch: 0.3.0's llama3 model registry imports its MoE token "
+            "dispatcher's triton kernels, and triton ships with CUDA builds of torch only; `planner validate` checks the "
+            "rendered command line against plan.json (and with torchtitan's own ConfigManager where it imports)"
+        ),
+        "logs": "not built yet: torchtitan's log lines (tps, memory) are not read by planner calibrate",
         "runner": "torchtitan.train builds and trains its own model; the launch script imports nothing of the planner",
     },
     entry_file="launch_torchtitan.sh",

@@ -50,6 +50,9 @@ FLAVORS = (
 )
 
 PRECISION = {"bf16": "bfloat16", "fp32": "float32"}
+#: our recompute mode -> the tyro subcommand of Trainer.Config.activation_checkpoint (torchtitan 0.3.0
+#: distributed/activation_checkpoint.py ActivationCheckpointingConfig: selective, full, memory-budget, none)
+AC_SUBCOMMANDS = {"none": "none", "selective": "selective", "full": "full"}
 
 
 def piece_fqn(name: str, block: str | None) -> str:
@@ -154,7 +157,7 @@ def override_groups(plan: Plan) -> list[list[str]]:
     if lay.pp > 1:  # Trainer.Config._validate_cuda_graphs: "CUDA graphs do not support pipeline parallelism yet"
         groups.append(["--training.disable_cuda_graphs"])
     # tyro subcommand for Trainer.Config.activation_checkpoint (every registry function sets its own); it must come last
-    groups.append(["activation-checkpoint:full" if lay.recompute == "full" else "activation-checkpoint:none"])
+    groups.append([f"activation-checkpoint:{AC_SUBCOMMANDS[lay.recompute]}"])
     return groups
 
 

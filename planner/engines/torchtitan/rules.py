@@ -37,7 +37,8 @@ import numpy as np
 
 from planner.engines.base import whole_block_cuts
 from planner.engines.pipelining import PipeliningEngine
-from planner.records import ModelCosts
+from planner.engines.torchtitan.checkpointing import checkpointed, selective_work
+from planner.records import ModelCosts, RecomputeWork
 from planner.solve.memory import DTYPE_BYTES, OPTIMIZER_STATE_BYTES, StateRecipe, state_recipe
 from planner.solve.plan import Layout
 
@@ -66,7 +67,10 @@ class TorchtitanEngine(PipeliningEngine):
     searched_schedules = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
     zero_levels = (0, 3)
     sub_block_cuts = False
-    recompute_modes = ("none", "full")
+    #: torchtitan 0.3.0's activation checkpointing policies the planner prices (planner.engines.torchtitan.checkpointing):
+    #: selective is its per-op SAC, the Trainer's default
+    recompute_modes = ("none", "selective", "full")
+    checkpoints_itself = True
     own_loss = "torchtitan's own cross-entropy of the next token (torchtitan builds the model from its model registry; the model file's loss does not run)"
 
     def state_recipe(self, precision: str, zero: int, optimizer: str = "adam", layout: Layout | None = None) -> StateRecipe:
@@ -78,6 +82,22 @@ class TorchtitanEngine(PipeliningEngine):
         gathered = DTYPE_BYTES["bf16"] if precision == "bf16" else DTYPE_BYTES["fp32"]
         master = DTYPE_BYTES["fp32"] - gathered
         return StateRecipe(gathered, 4.0, master, OPTIMIZER_STATE_BYTES[optimizer], sharded, sharded, sharded, copy_bytes=copies)
+
+    def layer_activations(
+        self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str, etp: int = 1, modules: frozenset[str] = frozenset()
+    ) -> ModelCosts:
+        """What torchtitan's activation checkpointing keeps of each traced piece (:func:`checkpointed`)."""
+        return checkpointed(costs, recompute)
+
+    def recompute_work(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, modules: frozenset[str]) -> tuple[RecomputeWork, ...] | None:
+        """SelectiveAC's recomputed matmuls and memory-bound operators (:func:`selective_work`)."""
+        return selective_work(costs)
+
+    def selective_applies(self, costs: ModelCosts) -> bool:
+        return any(l.block is not None and l.compute_op_names for l in costs.layers)
+
+    def recomputes_attention_core(self, modules: frozenset[str]) -> bool:
+        return False  # SelectiveAC keeps the attention op's output
 
     def sends_output_copies(self, schedule: str) -> bool:
         return False  # torchtitan's stages are its own modules, not the rendered copying stages of the torch engine

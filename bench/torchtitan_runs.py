@@ -1,0 +1,121 @@
+"""torchtitan's published runs (bench/data/torchtitan_runs.yaml), predicted by the torchtitan engine's plan: the
+per-GPU reserved-memory peak and the tokens per second per GPU, row by row, with the error of each priced row and why
+the others are not priced (a feature the torchtitan engine does not model yet). Nothing is fitted to these rows.
+
+Predicted reserved memory: the plan's most loaded rank's total less the runtime overhead outside PyTorch's caching
+allocator (the CUDA context and NCCL's buffers, planner.solve.memory.RuntimeOverhead), since the source measures
+``reserved_bytes.all.peak``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "bench" / "data" / "torchtitan_runs.yaml"
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    model: dict
+    gpus: int
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    local_batch: int
+    seq: int
+    ac: str
+    compile: bool
+    float8: bool
+    async_tp: bool
+    tps: float
+    memory_gib: float
+    schedule: str = "1f1b"
+
+
+def load() -> list[Row]:
+    doc = yaml.safe_load(DATA.read_text())
+    rows = []
+    for r in doc["rows"]:
+        r = dict(r)
+        r.pop("source")
+        r["model"] = doc["models"][r["model"]]
+        rows.append(Row(**r))
+    return rows
+
+
+def not_priced(row: Row) -> str | None:
+    """Why the torchtitan engine cannot price ``row`` as it ran (None: it can)."""
+    missing = [
+        what
+        for what, used in (
+            ("tensor parallelism", row.tp > 1),
+            ("context parallelism", row.cp > 1),
+            ("pipeline parallelism with FSDP and TP at 512 GPUs", row.pp > 1),
+            ("torch.compile", row.compile),
+            ("Float8", row.float8),
+            ("async TP", row.async_tp),
+        )
+        if used
+    ]
+    return ", ".join(missing) or None
+
+
+def predict(row: Row) -> tuple[float, float]:
+    """(predicted reserved GiB per GPU, predicted tokens/s per GPU) of a priceable row."""
+    from planner.planning import PlanRequest, plan_model
+
+    args = {"preset": "llama-7b", **row.model, "seq_len": row.seq}
+    req = PlanRequest(
+        model_file=str(ROOT / "examples" / "llama.py"),
+        model_args=args,
+        gpus=f"{row.gpus}xH100-96GB",
+        engine="torchtitan",
+        pp=row.pp,
+        dp=row.dp,
+        zero=3,
+        micro_batch=row.local_batch,
+        global_batch=row.local_batch * row.dp,
+        recompute=row.ac,
+        mem_target=1.0,
+    )
+    plan = plan_model(req)[0]
+    worst = max(plan.ranks, key=lambda r: r.memory_bytes["total"])
+    overhead = plan.assumptions["runtime_overhead_bytes"]
+    reserved = worst.memory_bytes["total"] - overhead["context"] - overhead["communicator"]
+    return reserved / GiB, plan.predicted.tokens_per_s / plan.layout.world
+
+
+def markdown() -> str:
+    lines = [
+        "| row | layout | measured GiB | predicted GiB | error | measured tok/s/GPU | predicted | error |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    mem_err, tps_err = [], []
+    for row in load():
+        layout = f"{row.gpus} GPUs, dp {row.dp} tp {row.tp} pp {row.pp} cp {row.cp}, b {row.local_batch} x {row.seq}, AC {row.ac}"
+        why = not_priced(row)
+        if why:
+            lines.append(f"| {row.name} | {layout} | {row.memory_gib} | not priced: {why} | | {row.tps:,.0f} | | |")
+            continue
+        mem, tps = predict(row)
+        me, te = (mem - row.memory_gib) / row.memory_gib, (tps - row.tps) / row.tps
+        mem_err.append(abs(me))
+        tps_err.append(abs(te))
+        lines.append(f"| {row.name} | {layout} | {row.memory_gib} | {mem:.1f} | {me:+.1%} | {row.tps:,.0f} | {tps:,.0f} | {te:+.1%} |")
+    if mem_err:
+        lines.append("")
+        lines.append(
+            f"Priced rows: {len(mem_err)} of {len(load())}; mean absolute error {sum(mem_err) / len(mem_err):.1%} (memory), "
+            f"{sum(tps_err) / len(tps_err):.1%} (tokens/s)."
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown())
