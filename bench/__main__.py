@@ -91,6 +91,7 @@ def main() -> None:
         planning_speed,
         published_runs,
         smoke_vs_prediction,
+        torchtitan_runs,
     )
 
     started = time.time()
@@ -124,6 +125,10 @@ def main() -> None:
     )
     t = time.time()
     sections.append(("A host-issue floor per operator (what-if)", host_issue.__doc__.strip() + "\n\n" + host_issue.markdown(host_issue.run()), time.time() - t))
+    t = time.time()
+    sections.append(
+        ("torchtitan's published runs: per-GPU memory and throughput", torchtitan_runs.__doc__.strip() + "\n\n" + torchtitan_runs.markdown(), time.time() - t)
+    )
     t = time.time()
     sections.append(("Planning speed and memory", planning_speed.__doc__.strip() + "\n\n" + planning_speed.markdown(planning_speed.run_all()), time.time() - t))
     t = time.time()
