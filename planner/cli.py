@@ -7,9 +7,13 @@ input, 1 for a request with no answer), never as a traceback.
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import signal
 import stat
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -195,7 +199,7 @@ def inspect(
             "tied": [g.to_dict() for g in c.tied],
             "notes": list(c.notes),
         }
-        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        stdout().write(json.dumps(doc, indent=2) + "\n")
         return
     table = Table(title=f"{model.name}: {c.n} pieces, micro-batch {c.micro_batch}, {c.dtype}", show_lines=False)
     for col, just in [
@@ -381,7 +385,7 @@ def plan(
     if as_json:
         from planner.fileio import dumps_json
 
-        sys.stdout.write(dumps_json(doc))
+        stdout().write(dumps_json(doc))
         return
     if quiet:
         out.print(the_plan.layout.short())
@@ -668,7 +672,7 @@ def validate(
         args = _model_args(model_arg) if model_arg else None
         with _user_code(model or Path("the model file"), limit, initial_phase="model"):
             code, text = validate_paths(paths, gpus=gpus, model=model, strict=strict, fmt=fmt, pp=pp, model_args=args, run_scripts=run_scripts)
-    sys.stdout.write(text)  # plain: messages contain [brackets] that rich would read as markup
+    stdout().write(text)  # plain: messages contain [brackets] that rich would read as markup
     raise typer.Exit(code)
 
 
@@ -696,23 +700,101 @@ def version() -> None:
     out.print(__version__)
 
 
-def main() -> None:
-    """Entry point: unexpected exceptions (bugs) print one line and exit 3; PLANNER_DEBUG=1 shows the traceback."""
-    import os
+#: the planner's own standard output once main() reserved it (None: sys.stdout, as under typer's CliRunner)
+_STDOUT: Any = None
 
+
+def stdout() -> Any:
+    """Where the planner writes its results (--json documents, tables): its reserved stream, else sys.stdout."""
+    return _STDOUT if _STDOUT is not None else sys.stdout
+
+
+def _reserve_stdout() -> Any:
+    """From process start, file descriptor 1 is the planner's alone: keep a private copy for its output, point
+    descriptor 1 and sys.stdout at stderr, so whatever else writes to stdout (a model file's prints, its threads,
+    atexit handlers, forked children, C code) lands on stderr and --json stays JSON. None when there is no stdout."""
+    global _STDOUT
+    try:
+        fd = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:
+        return None
+    _STDOUT = os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace", closefd=True)
+    sys.stdout = _MainThreadStdout(_STDOUT)
+    out.file = _STDOUT
+    return _STDOUT
+
+
+class _MainThreadStdout(io.TextIOBase):
+    """sys.stdout once descriptor 1 is reserved: the main thread's writes (the planner's own: typer's help) go to the
+    planner's stream, any other thread's (a model file's timers and workers) to stderr. While user code runs, the
+    guard points sys.stdout at stderr outright (planner.model.guard)."""
+
+    def __init__(self, mine: Any):
+        super().__init__()
+        self._mine = mine
+
+    def _stream(self) -> Any:
+        return self._mine if threading.current_thread() is threading.main_thread() else sys.stderr
+
+    def write(self, text: str) -> int:
+        return self._stream().write(text)
+
+    def flush(self) -> None:
+        self._stream().flush()
+
+    def isatty(self) -> bool:
+        return bool(self._stream().isatty())
+
+    def fileno(self) -> int:
+        return int(self._stream().fileno())
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return str(self._mine.encoding)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    from planner.model.guard import Terminated
+
+    raise Terminated(signum)
+
+
+def main() -> None:
+    """Entry point: unexpected exceptions (bugs) print one line and exit 3; PLANNER_DEBUG=1 shows the traceback.
+
+    The exit status is 0, 1 (no answer) or 2 (bad input; a model file that ends or signals the process included), 3
+    for a planner bug. The process ends with os._exit once its output is flushed, so a model file's lingering thread
+    or atexit handler can neither hang it nor write after it."""
+    _reserve_stdout()
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    code = 0
     try:
         app()
-    except SystemExit:
-        raise
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     except KeyboardInterrupt:
         err.print("interrupted")
-        raise SystemExit(130) from None
-    except Exception as e:  # noqa: BLE001
+        code = 130
+    except BaseException as e:  # noqa: BLE001
         if os.environ.get("PLANNER_DEBUG"):
-            raise
-        import traceback
+            import traceback
 
-        last = traceback.extract_tb(e.__traceback__)[-1]
-        err.print(_styled("bold red", "internal error:", f" {type(e).__name__}: {e} (at {Path(last.filename).name}:{last.lineno})"))
-        err.print("This is a planner bug. Re-run with PLANNER_DEBUG=1 for the traceback and report it with the command you ran.")
-        raise SystemExit(3) from None
+            traceback.print_exc()
+            code = 3
+        else:
+            import traceback
+
+            tb = traceback.extract_tb(e.__traceback__)
+            where = f" (at {Path(tb[-1].filename).name}:{tb[-1].lineno})" if tb else ""
+            err.print(_styled("bold red", "internal error:", f" {type(e).__name__}: {e}{where}"))
+            err.print("This is a planner bug. Re-run with PLANNER_DEBUG=1 for the traceback and report it with the command you ran.")
+            code = 3
+    finally:
+        for stream in (_STDOUT, sys.stdout, sys.stderr):
+            try:
+                if stream is not None:
+                    stream.flush()
+            except (OSError, ValueError):
+                pass
+    os._exit(code)

@@ -57,18 +57,50 @@ def json_depth(text: str) -> int:
     return deepest
 
 
+#: the longest integer a JSON input may hold (digits): no count, size or time the planner reads is longer, and Python
+#: refuses to convert integers of over 4,300 digits
+MAX_INT_DIGITS = 30
+
+
+def _bounded_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {digits:,} digits ({text[:12]}...), longer than any the planner reads ({MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name}, which is not JSON (a JSON number is finite)")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key[:60]!r} is written twice in one object")
+        out[key] = value
+    return out
+
+
+def strict_json(text: str) -> Any:
+    """``json.loads`` as strict as the files the planner writes: integers of at most :data:`MAX_INT_DIGITS` digits, no
+    NaN or Infinity, no key written twice in an object. Raises ValueError (RecursionError for absurd nesting)."""
+    return json.loads(text, parse_int=_bounded_int, parse_constant=_not_json, object_pairs_hook=_unique_keys)
+
+
 def loads_json_bounded(text: str, what: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """``json.loads`` with the nesting bounded: deeper input is a UsageError, never a RecursionError."""
+    """:func:`strict_json` with the nesting bounded: deeper or malformed input is a UsageError, never a RecursionError."""
     if json_depth(text) > max_depth:
         raise UsageError(f"{what} nests deeper than {max_depth} levels.", "It is not a file the planner wrote; check it.")
     try:
-        return json.loads(text)
+        return strict_json(text)
     except ValueError as e:
         raise UsageError(f"{what} is not valid JSON: {e}.") from None
 
 
-def read_text_bounded(path: str | os.PathLike[str], what: str, max_bytes: int = MAX_INPUT_BYTES) -> str:
-    """The UTF-8 text of a regular file of at most ``max_bytes`` (FIFOs and devices are refused, never read)."""
+def read_text_bounded(path: str | os.PathLike[str], what: str, max_bytes: int = MAX_INPUT_BYTES, errors: str = "strict") -> str:
+    """The UTF-8 text of a regular file of at most ``max_bytes`` (FIFOs and devices are refused by type, never opened);
+    ``errors="replace"`` reads damaged bytes as U+FFFD instead of refusing the file."""
     path = Path(path)
     try:
         st = path.stat()
@@ -79,7 +111,7 @@ def read_text_bounded(path: str | os.PathLike[str], what: str, max_bytes: int = 
     if st.st_size > max_bytes:
         raise UsageError(f"{what} {str(path)!r} is {st.st_size:,} bytes; the limit is {max_bytes:,}.")
     try:
-        return path.read_bytes().decode("utf-8")
+        return path.read_bytes().decode("utf-8", errors=errors)
     except UnicodeDecodeError as e:
         raise UsageError(f"{what} {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start}).") from None
     except OSError as e:

@@ -42,15 +42,60 @@ class JsonDoc:
 _TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"(\s*:)?|[{}\[\],]')
 
 
+#: the longest integer a document may hold (digits): larger ones are no count, size or time any planner file holds,
+#: and Python refuses to convert integers of over 4,300 digits anyway
+MAX_INT_DIGITS = 30
+
+
+class _Refused:
+    """A value the planner refuses (NaN, an integer too long), kept where it stood so its key path can be named."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+
+def _bounded_int(text: str) -> int | _Refused:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        return _Refused(f"an integer of {digits:,} digits ({text[:12]}...), longer than any the planner reads ({MAX_INT_DIGITS} digits)")
+    return int(text)
+
+
+def _no_constant(name: str) -> _Refused:
+    return _Refused(f"{name}, which is not JSON (a JSON number is finite)")
+
+
+def _first_refused(value: Any, path: tuple[Any, ...] = ()) -> tuple[tuple[Any, ...], _Refused] | None:
+    """The key path and reason of the first refused value in document order, else None (iterative: any depth)."""
+    stack: list[tuple[tuple[Any, ...], Any]] = [(path, value)]
+    while stack:
+        here, v = stack.pop()
+        if isinstance(v, _Refused):
+            return here, v
+        if isinstance(v, dict):
+            stack.extend(reversed([(here + (k,), x) for k, x in v.items()]))
+        elif isinstance(v, list):
+            stack.extend(reversed([(here + (i,), x) for i, x in enumerate(v)]))
+    return None
+
+
 def parse_json(text: str) -> JsonDoc:
-    """Parse ``text``, keeping each object key's line and every duplicated key. Raises JsonError."""
+    """Parse ``text``, keeping each object key's line and every duplicated key. Raises JsonError, also for integers of
+    more than :data:`MAX_INT_DIGITS` digits and for NaN and Infinity (not JSON, though Python's json reads them), naming
+    the key that holds one."""
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_int=_bounded_int, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         raise JsonError(f"not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})", e.lineno) from None
     except RecursionError:
         raise JsonError("nested too deeply to parse (JSON objects and arrays inside each other thousands of levels deep)", None) from None
     lines, dups = key_lines(text)
+    refused = _first_refused(value)
+    if refused is not None:
+        path, r = refused
+        where = ".".join(map(str, path)) or "the document"
+        line = next((lines[path[:k]] for k in range(len(path), 0, -1) if path[:k] in lines), None)
+        raise JsonError(f"not a document the planner reads: {where} is {r.why}", line)
     return JsonDoc(value, lines, dups)
 
 

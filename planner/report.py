@@ -11,7 +11,6 @@ alone. Text is deterministic: fixed number formats, plan order.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from planner.engines import get_engine
+from planner.escape import code_span, markdown_text
 from planner.report_svg import COMPONENT_COLOURS, COMPONENTS, memory_bars, memory_svg, timeline_svg
 from planner.solve.plan import Layout, Plan, Predicted, StagePlan, load_plan
 from planner.solve.schedules import SCHEDULE_INFO
@@ -336,25 +336,6 @@ def explain(console: Console, plan_dir: str | Path) -> Plan:
 # ------------------------------------------------------------------- report.md
 
 
-_MD_ESCAPE = {"&": "&amp;", "<": "&lt;", ">": "&gt;", "\r": " ", "\n": " "}
-_MD_PUNCT = set("\\`*[]|")
-
-
-def _md(s: Any) -> str:
-    """User text as literal Markdown inline text (safe in a table cell): HTML characters become entities and
-    Markdown punctuation is backslash-escaped, so a value such as ``--><script>`` or ``*x*`` renders as typed."""
-    return "".join(_MD_ESCAPE.get(c) or ("\\" + c if c in _MD_PUNCT else c) for c in str(s))
-
-
-def _code(s: Any) -> str:
-    """An inline code span that survives backticks in ``s`` (the fence is longer than any backtick run in it)."""
-    s = str(s).replace("\r", " ").replace("\n", " ")
-    longest = max((len(run) for run in re.findall(r"`+", s)), default=0)
-    fence = "`" * (longest + 1)
-    pad = " " if longest else ""
-    return f"{fence}{pad}{s}{pad}{fence}"
-
-
 def _model_name(plan: Plan) -> str:
     """``gpt2.py (preset=gpt2-xl)``: the model file's name and its arguments, for titles."""
     name = Path(str(plan.inputs.get("model_file", "model"))).name
@@ -419,8 +400,8 @@ def _report_context(plan: Plan, command: str) -> dict[str, Any]:
             {
                 "index": s.index,
                 "rank": s.rank,
-                "first": _md(s.layers[0]),
-                "last": _md(s.layers[1]),
+                "first": markdown_text(s.layers[0]),
+                "last": markdown_text(s.layers[1]),
                 "pieces": f"{s.pieces[0]}..{s.pieces[1] - 1}",
                 "params": _count(s.params),
                 "fwd": _ms(s.time_fwd_s),
@@ -454,19 +435,19 @@ def _report_context(plan: Plan, command: str) -> dict[str, Any]:
         diffs = layout_differences(a.layout, lay)
         alt_rows.append(
             _AltRow(
-                _code(a.layout.short()),
+                code_span(a.layout.short()),
                 f"{_ms(a.predicted.step_time_s)} ms ({_slower(a.predicted, pr)})",
                 ("differs in " + ", ".join(diffs) + ". " if diffs else "") + compare_predicted(a.predicted, pr) + ".",
             )
         )
-    rej_rows = [_AltRow(_code(a.layout.short()), "rejected", _md(a.rejected or "")) for a in rejected]
+    rej_rows = [_AltRow(code_span(a.layout.short()), "rejected", markdown_text(a.rejected or "")) for a in rejected]
     if priced:
         best_alt = priced[0]
         assert best_alt.predicted is not None
         why = (
             f"It has the shortest predicted step of the {plan.assumptions.get('layouts_priced', len(priced) + 1)} layouts priced: "
             f"{_ms(pr.step_time_s)} ms against {_ms(best_alt.predicted.step_time_s)} ms ({_slower(best_alt.predicted, pr)}) for the "
-            f"runner-up, {_code(best_alt.layout.short())}"
+            f"runner-up, {code_span(best_alt.layout.short())}"
             + (f", which differs in {', '.join(layout_differences(best_alt.layout, lay))}" if layout_differences(best_alt.layout, lay) else "")
             + "."
         )
@@ -478,8 +459,8 @@ def _report_context(plan: Plan, command: str) -> dict[str, Any]:
         peak = d.get("peak_flops", {})
         devices.append(
             {
-                "key": _code(key),
-                "name": _md(d.get("name", key)),
+                "key": code_span(key),
+                "name": markdown_text(d.get("name", key)),
                 "peak": f"{peak[dtype] / 1e12:,.0f}" if dtype in peak else "n/a",
                 "memory": _gib(d.get("memory_bytes", 0)),
                 "hbm": f"{d.get('memory_bandwidth', 0) / 1e9:,.0f}",
@@ -489,26 +470,26 @@ def _report_context(plan: Plan, command: str) -> dict[str, Any]:
                 "sustained": f"{d.get('sustained_matmul', 1.0):.2f}",
                 "fp8_eff": f"{d['matmul_fp8_efficiency']:.3f}" if d.get("matmul_fp8_efficiency") else None,
                 "memory_eff": f"{d.get('memory_efficiency', 0):.2f}",
-                "sources": [(k, _md(v)) for k, v in sorted(d.get("sources", {}).items())],
+                "sources": [(k, markdown_text(v)) for k, v in sorted(d.get("sources", {}).items())],
             }
         )
     overhead = plan.assumptions.get("runtime_overhead_bytes", {})
     src = list(plan.assumptions.get("time_sources", ["analytical"]))
     return {
         "command": command,
-        "command_code": _code(command),
-        "model_file": _code(plan.inputs.get("model_file", "?")),
-        "model_name": _md(_model_name(plan)),
-        "model_args": _md(", ".join(f"{k}={v}" for k, v in sorted(plan.inputs.get("model_args", {}).items())) or "none"),
-        "sha256": _code(plan.inputs.get("model_file_sha256", "")),
+        "command_code": code_span(command),
+        "model_file": code_span(plan.inputs.get("model_file", "?")),
+        "model_name": markdown_text(_model_name(plan)),
+        "model_args": markdown_text(", ".join(f"{k}={v}" for k, v in sorted(plan.inputs.get("model_args", {}).items())) or "none"),
+        "sha256": code_span(plan.inputs.get("model_file_sha256", "")),
         "params": _count(plan.model.get("params", 0)),
         "seq_len": plan.model.get("seq_len"),
         "dtype": dtype,
-        "cluster": _md(plan.cluster.get("spec") or plan.inputs.get("gpus", "")),
-        "cluster_notes": [_md(n) for n in plan.cluster.get("notes", [])],
+        "cluster": markdown_text(plan.cluster.get("spec") or plan.inputs.get("gpus", "")),
+        "cluster_notes": [markdown_text(n) for n in plan.cluster.get("notes", [])],
         "world": world,
         "lay": lay,
-        "short": _code(lay.short()),
+        "short": code_span(lay.short()),
         "overlaps": overlaps_line(lay),
         "experts": experts_line(plan),
         "schedule_description": info.description if info else lay.schedule,
@@ -545,8 +526,8 @@ def _report_context(plan: Plan, command: str) -> dict[str, Any]:
         "time_sources": src,
         "measured": "measured" in src,
         "all_measured": src == ["measured"],
-        "profile": _code(plan.inputs.get("profile") or "profile.json"),
-        "notes": [_md(n) for n in plan.notes],
+        "profile": code_span(plan.inputs.get("profile") or "profile.json"),
+        "notes": [markdown_text(n) for n in plan.notes],
     }
 
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from html import escape
 from typing import Any
 
+from planner.escape import xml_text
 from planner.solve.plan import Plan
 from planner.solve.schedules import Action, build_schedule
 from planner.solve.simulate import SimResult, StageTimes, simulate
@@ -111,7 +111,7 @@ def _lighten(hex_colour: str, amount: float) -> str:
 
 def _text(x: float, y: float, s: str, size: float = 11, anchor: str = "start", weight: str = "normal", fill: str = "#222222", extra: str = "") -> str:
     w = f' font-weight="{weight}"' if weight != "normal" else ""
-    return f'<text x="{_f(x)}" y="{_f(y)}" font-size="{size:g}" text-anchor="{anchor}" fill="{fill}"{w}{extra}>{escape(s, quote=False)}</text>'
+    return f'<text x="{_f(x)}" y="{_f(y)}" font-size="{size:g}" text-anchor="{anchor}" fill="{fill}"{w}{extra}>{xml_text(s)}</text>'
 
 
 def _svg(width: float, height: float, body: list[str], title: str, command: str | None = None) -> str:
@@ -122,8 +122,8 @@ def _svg(width: float, height: float, body: list[str], title: str, command: str 
         '<?xml version="1.0" encoding="UTF-8"?>\n'
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{_f(width)}" height="{_f(height)}" '
         f'viewBox="0 0 {_f(width)} {_f(height)}" font-family="{FONT}">\n'
-        f"<title>{escape(title, quote=False)}</title>\n"
-        f"<desc>{escape(desc, quote=False)}</desc>\n"
+        f"<title>{xml_text(title)}</title>\n"
+        f"<desc>{xml_text(desc)}</desc>\n"
         f'<rect x="0" y="0" width="{_f(width)}" height="{_f(height)}" fill="#FFFFFF"/>\n'
     )
     return head + "\n".join(body) + "\n</svg>\n"

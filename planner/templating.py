@@ -8,17 +8,15 @@ from typing import Any
 import jinja2
 
 from planner import __version__
+from planner.escape import code_span, html_comment, markdown_text, one_line
 from planner.resources import templates_dir
+
+__all__ = ["environment", "one_line", "render_template", "shell_quote"]
 
 
 def shell_quote(value: Any) -> str:
     """Quote any value for POSIX shell: the result is one word, never expanded."""
     return shlex.quote(str(value))
-
-
-def one_line(text: Any) -> str:
-    """``text`` safe inside a ``#`` comment: line breaks spelled out, so nothing after them becomes code."""
-    return str(text).replace("\\", "\\\\").replace("\r", "\\r").replace("\n", "\\n")
 
 
 def environment() -> jinja2.Environment:
@@ -34,6 +32,9 @@ def environment() -> jinja2.Environment:
     env.filters["shq"] = shell_quote
     env.filters["pyrepr"] = repr
     env.filters["one_line"] = one_line
+    env.filters["html_comment"] = html_comment
+    env.filters["md"] = markdown_text
+    env.filters["code"] = code_span
     return env
 
 

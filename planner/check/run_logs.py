@@ -14,7 +14,6 @@ of the rest.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import statistics
@@ -23,8 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import UsageError
+from planner.fileio import loads_json_bounded, read_text_bounded
 
 MIB = 2**20
+#: the largest training log read (bytes): months of per-iteration lines
+MAX_LOG_BYTES = 1024 * MIB
 GIB = 2**30
 
 
@@ -69,12 +71,9 @@ def read_smoke(path: str | Path) -> RunMeasurement:
     slowest rank's is the step) and peak memory. Reads ``per_rank`` (step times already past warm-up,
     ``peak_allocated_bytes``, ``peak_reserved_bytes``) when present, else ``ranks_stats``."""
     path = Path(path)
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise UsageError(f"cannot read {path}: {e.strerror or e}.", "Run `planner smoke PLAN_DIR` first: it writes PLAN_DIR/smoke.json.") from None
-    except json.JSONDecodeError as e:
-        raise _bad(str(path), f"is not valid JSON ({e.msg}, line {e.lineno}).", "Re-run `planner smoke` to write it again.") from None
+    if not path.exists():
+        raise UsageError(f"cannot read {path}: no such file.", "Run `planner smoke PLAN_DIR` first: it writes PLAN_DIR/smoke.json.")
+    doc = loads_json_bounded(read_text_bounded(path, "smoke.json"), str(path))
     if not isinstance(doc, dict):
         raise _bad(str(path), "is not a smoke.json (not a JSON object).", "Re-run `planner smoke` to write it again.")
     failed = [c for c in doc.get("checks") or [] if isinstance(c, dict) and not c.get("ok", True)]
@@ -175,10 +174,9 @@ def read_log(path: str | Path) -> RunMeasurement:
     from planner.engines import ENGINES
 
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError as e:
-        raise UsageError(f"cannot read log {path}: {e.strerror or e}.", "Pass the file the training run's stdout was written to.") from None
+    if not path.exists():
+        raise UsageError(f"cannot read log {path}: no such file.", "Pass the file the training run's stdout was written to.")
+    text = read_text_bounded(path, "log", MAX_LOG_BYTES, errors="replace")
     lines = text.splitlines()
     _check_failed(str(path), lines)
     readers = [spec.part("logs") for spec in ENGINES.values() if spec.has("logs")]

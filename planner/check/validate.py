@@ -38,9 +38,11 @@ from typing import Any
 from planner.check.plan_fields import plan_problems
 from planner.engines import ENGINES
 from planner.errors import PlannerError, UsageError
+from planner.escape import from_one_line
+from planner.fileio import read_text_bounded, strict_json
 from planner.findings import Finding, exit_code, format_findings, sort_findings
 from planner.json_doc import JsonError, parse_json
-from planner.model_ref import ref_exists, resolve_recorded, split_ref
+from planner.model_ref import ref_exists, resolve_recorded, resolve_ref, split_ref
 
 GiB = 1024**3
 
@@ -93,8 +95,8 @@ def classify(path: Path, text: str) -> str | None:
         return None
     if suffix == ".json" or text.lstrip().startswith("{"):
         try:
-            value = json.loads(text)
-        except (json.JSONDecodeError, RecursionError):
+            value = strict_json(text)
+        except (ValueError, RecursionError):
             value = None
             if path.name == "plan.json":
                 return "plan"
@@ -294,7 +296,10 @@ def _load_plan(run: _Run, u: Unit) -> tuple[Any, dict[str, Any] | None]:
     rel = display(path)
     fix = "re-run `planner plan ... --out DIR` (plan.json is written by the planner; do not edit it by hand)"
     try:
-        doc = parse_json(path.read_bytes().decode("utf-8"))
+        doc = parse_json(read_text_bounded(path, "plan.json"))
+    except PlannerError as e:
+        run.add("PLAN005", rel, 1, e.message, e.hint or fix)
+        return None, None
     except UnicodeDecodeError as e:
         run.add("PLAN005", rel, 1, f"plan.json is not UTF-8 text (byte {e.start}: {e.reason}).", fix)
         return None, None
@@ -304,7 +309,10 @@ def _load_plan(run: _Run, u: Unit) -> tuple[Any, dict[str, Any] | None]:
     except JsonError as e:
         run.add("PLAN005", rel, e.line, f"plan.json is {e}.", fix)
         return None, None
-    problems = plan_problems(doc.value)
+    problems = plan_problems(doc.value) + [
+        (path, f"plan.json writes {'.'.join(map(str, path))} twice (line {line}; first on line {first})") for path, line, first in doc.duplicates
+    ]
+    problems += recorded_path_problems(doc.value, u.directory, run.opts.model)
     for key_path, message in problems:
         run.add("PLAN005", rel, doc.line(*key_path) or 1, message + ".", fix)
     if problems:
@@ -316,6 +324,60 @@ def _load_plan(run: _Run, u: Unit) -> tuple[Any, dict[str, Any] | None]:
     except (KeyError, TypeError, ValueError) as e:
         run.add("PLAN005", rel, 1, f"plan.json is not a planner plan (missing or unexpected field {e}).", fix)
     return None, None
+
+
+def repository_root(directory: Path, model: str | None = None) -> Path:
+    """The repository a plan directory is validated in: the git work tree holding it, else the working directory when
+    the plan directory is inside it, else the plan directory's parent (where `planner plan MODEL --out DIR` put both),
+    widened to hold the model file named with --model (the user named that tree on the command line)."""
+    d = directory.resolve()
+    for parent in (d, *d.parents):
+        if (parent / ".git").exists():
+            return parent
+    cwd = Path.cwd().resolve()
+    root = cwd if cwd == d or cwd in d.parents else d.parent
+    if model and ":" not in model:
+        try:
+            root = Path(os.path.commonpath([root, Path(model).resolve().parent]))
+        except (OSError, ValueError, RuntimeError):
+            pass
+    return root
+
+
+def recorded_path_problems(doc: Any, directory: Path, model: str | None = None) -> list[tuple[tuple[Any, ...], str]]:
+    """Files plan.json names (the model file, hardware profiles, a measured profile) that resolve outside the repository
+    being validated, or are not regular files: never opened, each a problem. Library specs (hf:, timm:, torchvision:)
+    name their config file the same way."""
+    inputs = doc.get("inputs") if isinstance(doc, dict) else None
+    if not isinstance(inputs, dict):
+        return []
+    root = repository_root(directory, model)
+    # the model file is never opened from plan.json (only --model is), so it may live anywhere
+    named: list[tuple[tuple[Any, ...], Any]] = [(("inputs", "profile"), inputs.get("profile"))]
+    profiles = inputs.get("hardware_profiles")
+    if isinstance(profiles, list):
+        named += [(("inputs", "hardware_profiles", i), v) for i, v in enumerate(profiles)]
+    out = []
+    for path, value in named:
+        if value is None:
+            continue
+        if not isinstance(value, str) or not value or len(value) > 4096:
+            out.append((path, f"plan.json {'.'.join(map(str, path))} must be a path of at most 4,096 characters"))
+            continue
+        prefix, _, rest = value.partition(":")
+        if prefix in ("timm", "torchvision"):
+            continue  # a library model name, no file
+        rel = Path(rest if prefix == "hf" else value)
+        try:
+            target = (rel if rel.is_absolute() else directory / rel).resolve()
+        except (OSError, ValueError, RuntimeError):
+            out.append((path, f"plan.json {'.'.join(map(str, path))} ({value[:80]!r}) does not resolve to a path"))
+            continue
+        if target != root and root not in target.parents:
+            out.append((path, f"plan.json {'.'.join(map(str, path))} names {value[:80]!r}, outside the repository validated ({root}); it is not opened"))
+        elif target.exists() and not target.is_file() and not target.is_dir():
+            out.append((path, f"plan.json {'.'.join(map(str, path))} names {value[:80]!r}, which is not a regular file (a device or FIFO); it is not opened"))
+    return out
 
 
 def _json_line(text: str, key: str) -> int | None:
@@ -502,11 +564,18 @@ _MODEL_HINT = "Pass the model file the plan was made from, or its library spec (
 
 
 def _model_path(run: _Run, ctx: _Ctx) -> tuple[Path | None, str]:
-    """The model file to analyse: only the one --model names. plan.json's inputs.model_file is never imported
-    (validating someone else's plan directory must not run their code)."""
+    """The model to analyse: the one --model names, else a library spec plan.json records (``hf:CONFIG.json``,
+    ``timm:NAME``, ``torchvision:NAME``: data, no user code; an hf config resolved from the plan directory and checked
+    inside the repository by :func:`recorded_path_problems`). plan.json's model file is never imported (validating
+    someone else's plan directory must not run their code)."""
     if run.opts.model:
         return Path(run.opts.model), "--model"
     recorded = ctx.plan.inputs.get("model_file") if ctx.plan is not None else None
+    if isinstance(recorded, str) and split_ref(recorded)[0] is not None:
+        spec = resolve_ref(recorded, ctx.unit.directory)
+        if not ref_exists(spec):
+            return None, f"plan.json's library spec {recorded!r} names a config file that is not there"
+        return Path(spec), "plan.json's library spec"
     if recorded:
         return None, f"plan.json names {str(recorded)!r}, but validate imports a model file only when --model names it"
     return None, ""
@@ -591,20 +660,6 @@ def _memory_fix(layout) -> str:
 # --------------------------------------------------------------------------- drift
 
 
-def _unescape(text: str) -> str:
-    """Inverse of planner.render.one_line."""
-    out, i = [], 0
-    while i < len(text):
-        c = text[i]
-        if c == "\\" and i + 1 < len(text) and text[i + 1] in "\\nr":
-            out.append({"\\": "\\", "n": "\n", "r": "\r"}[text[i + 1]])
-            i += 2
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
-
-
 def read_command(directory: Path) -> tuple[str | None, str | None]:
     """(planner version, command) from the first ``Generated by planner X: <command>`` header of the committed files."""
     for p in sorted(directory.iterdir(), key=lambda p: (p.suffix not in (".sh", ".py"), p.name)):
@@ -616,7 +671,7 @@ def read_command(directory: Path) -> tuple[str | None, str | None]:
         for raw in text.splitlines()[:6]:
             m = _HEADER.match(raw.strip())
             if m:
-                return m.group(1), _unescape(m.group(2))
+                return m.group(1), from_one_line(m.group(2))
     return None, None
 
 
@@ -650,11 +705,12 @@ def _check_drift(run: _Run, ctx: _Ctx) -> None:
 
     plan, u = ctx.plan, ctx.unit
     rel_plan = ctx.plan_file
-    if not run.opts.model:
+    found, _ = _model_path(run, ctx)
+    if found is None:
         run.add("DRIFT004", rel_plan, 1, "drift not checked: pass --model to re-plan and compare the committed files.", "add --model path/to/model.py")
         return
-    model = Path(run.opts.model)
-    ref = str(run.opts.model)
+    model = found
+    ref = str(found)
     if not ref_exists(ref):
         raise UsageError(f"--model {ref!r} is not a file.", _MODEL_HINT)
     inputs = dict(plan.inputs)

@@ -23,19 +23,33 @@ from planner.solve.plan import Layout
 from planner.solve.schedules import SCHEDULE_INFO, schedule_constraints
 
 
+def repeated_layers(blocks: Sequence[str | None]) -> list[str | None]:
+    """Each piece's block (``blocks``: module paths, None outside any block) where that block is one of the model's
+    repeated layers, else None. The layers are the blocks of the parent module that holds the most blocks (the first
+    such parent on a tie): ``transformer.h.0 .. h.11`` of a nanoGPT file, not its custom final norm ``transformer.ln_f``
+    (a block of the ``transformer`` container too). A model whose blocks share one parent keeps them all."""
+    order = list(dict.fromkeys(b for b in blocks if b is not None))
+    if not order:
+        return list(blocks)
+    parents = [b.rpartition(".")[0] for b in order]
+    counts = {p: parents.count(p) for p in dict.fromkeys(parents)}
+    layer_parent = max(counts, key=lambda p: counts[p])  # max keeps the first of equals
+    return [b if b is not None and b.rpartition(".")[0] == layer_parent else None for b in blocks]
+
+
 def whole_block_cuts(costs: ModelCosts) -> np.ndarray:
-    """(n + 1,) booleans: cuts only between whole repeated blocks, the pieces before the first block (embedding)
-    kept with it and those after the last block (final norm, output layer, loss) kept with it, so the first and
-    last stages always hold a block. Every cut is allowed when the model has no blocks."""
+    """(n + 1,) booleans: cuts only between whole repeated layers (:func:`repeated_layers`), the pieces before the
+    first layer (embedding) kept with it and those after the last layer (final norm, output layer, loss) kept with it,
+    so the first and last stages always hold a layer. Every cut is allowed when the model has no blocks."""
     n = costs.n
     allowed = np.ones(n + 1, dtype=bool)
-    blocks = [i for i, layer in enumerate(costs.layers) if layer.block is not None]
-    if not blocks:
+    layers = repeated_layers([layer.block for layer in costs.layers])
+    at = [i for i, b in enumerate(layers) if b is not None]
+    if not at:
         return allowed
-    first, last = blocks[0], blocks[-1]
+    first, last = at[0], at[-1]
     for k in range(1, n):
-        prev, cur = costs.layers[k - 1], costs.layers[k]
-        whole = cur.block is None or cur.block != prev.block
+        whole = layers[k] is None or layers[k] != layers[k - 1]
         allowed[k] = whole and first < k <= last
     return allowed
 

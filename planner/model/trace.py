@@ -23,6 +23,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
+import sys
+import tempfile
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -202,6 +205,31 @@ def _quiet_torch_logs() -> Iterator[None]:
 
 
 @contextmanager
+def _stderr_kept_aside() -> Iterator[None]:
+    """torch.export writes graphs it fails on straight to file descriptor 2 (kilobytes of generated code, from below
+    Python's sys.stderr); the planner reports one paragraph instead. What was written is dropped, or shown again when
+    PLANNER_DEBUG is set."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield
+        return
+    with tempfile.TemporaryFile() as aside:
+        os.dup2(aside.fileno(), 2)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if os.environ.get("PLANNER_DEBUG"):
+                aside.seek(0)
+                sys.stderr.write(aside.read(1 << 20).decode("utf-8", "replace"))
+
+
+@contextmanager
 def _no_stack_traces() -> Iterator[None]:
     """torch.export records the Python stack of every node it creates (a fifth of its time on a long graph, and the
     source text of every frame in the generated code); the planner reads no node's stack, so none is recorded."""
@@ -219,7 +247,7 @@ def _export_trace(model: nn.Module, inputs: tuple[torch.Tensor, ...], names: tup
     """torch.export's graph of ``model`` on ``inputs`` (positional, or keyword arguments ``names`` in forward()'s order)."""
     args, kwargs = ((), dict(zip(names, inputs))) if names else (inputs, None)
     try:
-        with _quiet_torch_logs(), _no_stack_traces():
+        with _quiet_torch_logs(), _no_stack_traces(), _stderr_kept_aside():
             ep = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:
         raise TraceFailure(None, _where(e), e) from e
@@ -335,10 +363,17 @@ class LayerGraph:
     blocks: list[str]
     notes: list[str] = field(default_factory=list)
     batch_dims: dict[fx.Node, int | None] = field(default_factory=dict)
+    _free: set[fx.Node] | None = field(default=None, repr=False, compare=False)
 
     @property
     def n(self) -> int:
         return len(self.pieces)
+
+    def free_nodes(self) -> set[fx.Node]:
+        """:func:`_free_nodes` of the traced graph, found once (every stage module asks; the graph does not change)."""
+        if self._free is None:
+            self._free = _free_nodes(self.gm.graph)
+        return self._free
 
     def cut_tensors(self, k: int) -> tuple[TensorInfo, ...]:
         """Tensors crossing cut k, flattened from the live values."""
@@ -373,7 +408,7 @@ class PiecesModule(nn.Module):
         env: dict[fx.Node, fx.Node] = {}
         for node in lg.boundaries[start]:
             env[node] = graph.placeholder(node.name)
-        free = _free_nodes(lg.gm.graph)
+        free = lg.free_nodes()
 
         def copy(node: fx.Node) -> fx.Node:
             if node in env:
@@ -779,6 +814,11 @@ def _run_error(e: BaseException, model: nn.Module) -> UsageError:
     )
 
 
+def _is_branch(cause: str) -> bool:
+    """Whether a tracer's error says the code branched on a tensor's value."""
+    return "control flow" in cause or "data-dependent" in cause.lower()
+
+
 def _trace_error(fx_err: TraceFailure | None, export_err: TraceFailure | None, model: nn.Module) -> UsageError:
     """The error for a model neither tracer could trace: each tracer's real cause, and only hints not yet tried."""
     main = fx_err or export_err
@@ -796,7 +836,7 @@ def _trace_error(fx_err: TraceFailure | None, export_err: TraceFailure | None, m
         parts.append(f"torch.export: {_failure_text(export_err)}")
     msg = f"Cannot trace {mod}. " + "; ".join(parts) + "."
     causes = " ".join(str(f.cause) for f in (fx_err, export_err) if f is not None)
-    branch = "control flow" in causes or "data-dependent" in causes.lower()
+    branch = _is_branch(causes)
     if branch:
         msg += " Its forward() branches on tensor values, which a static trace cannot follow."
     hints = []
@@ -807,7 +847,8 @@ def _trace_error(fx_err: TraceFailure | None, export_err: TraceFailure | None, m
         )
     if path:
         hints.append(f"make that module a single piece with --leaf {cls}")
-    elif branch:
+    elif branch and fx_err is not None and _is_branch(str(fx_err.cause)):
+        # torch.fx stopped at the branch itself: a leaf module around it keeps fx going (torch.export has no leaves)
         hints.append("move the branch into a submodule and name its class with --leaf")
     if export_err is None:
         hints.append("try --tracer export")

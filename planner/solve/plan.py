@@ -7,7 +7,6 @@ file is stable and readable; nothing time- or host-dependent is written.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from typing import Any
 
 from planner import __version__
 from planner.errors import UsageError
+from planner.fileio import loads_json_bounded, read_text_bounded
 from planner.solve.mesh import Mesh
 
 SCHEMA_VERSION = 1
@@ -283,6 +283,10 @@ class Plan:
         )
 
 
+#: the most stages a plan holds (pipeline ranks x stages per rank): far above any real run, low enough to print
+MAX_STAGES = 4096
+
+
 def load_plan(path: str | os.PathLike[str]) -> Plan:
     """Read plan.json (a file or a plan directory) with a clear error when it is missing or malformed."""
     p = Path(path)
@@ -290,10 +294,10 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
         p = p / "plan.json"
     if not p.is_file():
         raise UsageError(f"No plan at {str(p)!r}.", "Run `planner plan MODEL.py --gpus SPEC --out DIR` first.")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{p} is not valid JSON: {e}.") from e
+    data = loads_json_bounded(read_text_bounded(p, "plan.json"), str(p))
+    stages = data.get("stages") if isinstance(data, dict) else None
+    if isinstance(stages, list) and len(stages) > MAX_STAGES:
+        raise UsageError(f"{p} holds {len(stages):,} stages; a plan has at most {MAX_STAGES:,}.", "It is not a plan the planner wrote; re-plan.")
     try:
         return Plan.from_dict(data)
     except (KeyError, TypeError) as e:

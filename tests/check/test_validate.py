@@ -782,10 +782,15 @@ def test_a_plan_of_an_hf_config_validates_with_its_spec_from_any_directory(tmp_p
         found = validate([out], Options(model=ref))
         assert [f for f in found.findings if f.severity != "info"] == [], (cwd, ref, found.findings)
         assert found.memory and found.memory[0].rank_total_bytes  # memory was checked, with the model built from the spec
+        # without --model: plan.json's own spec is data, not code, so it is re-planned too (drift and memory checked)
+        found = validate([out], Options())
+        assert [f for f in found.findings if f.rule in ("DRIFT004", "MEM003") or f.severity != "info"] == [], (cwd, found.findings)
+        assert found.memory and found.memory[0].rank_total_bytes
     doc = json.loads(cfg.read_text())
     doc["vocab_size"] = 1024
     cfg.write_text(json.dumps(doc))
     assert "DRIFT002" in _rules(validate([out], Options(model=f"hf:{cfg}")).findings)
+    assert "DRIFT002" in _rules(validate([out], Options()).findings)
 
 
 # --------------------------------------------------------------------------- validate runs nothing it did not render

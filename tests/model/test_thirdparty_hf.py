@@ -512,3 +512,28 @@ def test_a_type_without_a_base_model_class_takes_its_task_class():
     with torch.device("meta"):
         model = transformers.PPLCNetForImageClassification(transformers.PPLCNetConfig.from_json_file(HF / "pp_lcnet.json"))
     assert doc["totals"]["params"] == sum(p.numel() for p in model.parameters())
+
+
+def test_a_failed_trace_is_one_paragraph_not_a_graph_dump(tmp_path):
+    """wav2vec2 (transformers' own class, its LayerDrop branching on torch.rand in training mode): torch.export writes
+    the graph it failed on to file descriptor 2 (6 KB here, 22 KB at the default size); inspect's stderr is the
+    planner's one paragraph (under 4 KB), its first line the error, and the hint offers no --leaf (torch.fx failed at the
+    root, and torch.export has no leaf modules)."""
+    import subprocess
+    import sys
+
+    f = tmp_path / "w2v.py"
+    f.write_text(
+        "import torch\n"
+        "from transformers import Wav2Vec2Config, Wav2Vec2Model\n"
+        "def build_model():\n"
+        "    return Wav2Vec2Model(Wav2Vec2Config(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=2,\n"
+        "        conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2))\n"
+        "def example_inputs(batch_size=1):\n"
+        "    return (torch.randn(batch_size, 1600),)\n"
+    )
+    r = subprocess.run([sys.executable, "-m", "planner", "inspect", str(f)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert len(r.stderr.encode()) < 4096, r.stderr[:3000]
+    assert r.stderr.startswith("error: Cannot trace the model (Wav2Vec2Model)"), r.stderr[:500]
+    assert "def forward" not in r.stderr and "--leaf" not in r.stderr

@@ -9,6 +9,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+class LayerNorm(nn.Module):
+    """LayerNorm with an optional bias, nanoGPT's own class (a custom module: the final norm is a block of the
+    ``transformer`` ModuleDict as the layers are of ``transformer.h``)."""
+
+    def __init__(self, ndim, bias=True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, input):
+        return F.layer_norm(input, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd, n_head, block_size):
         super().__init__()
@@ -41,9 +54,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, n_embd, n_head, block_size):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(n_embd)
+        self.ln_1 = LayerNorm(n_embd)
         self.attn = CausalSelfAttention(n_embd, n_head, block_size)
-        self.ln_2 = nn.LayerNorm(n_embd)
+        self.ln_2 = LayerNorm(n_embd)
         self.mlp = MLP(n_embd)
 
     def forward(self, x):
@@ -60,7 +73,7 @@ class GPT(nn.Module):
                 wte=nn.Embedding(vocab_size, n_embd),
                 wpe=nn.Embedding(block_size, n_embd),
                 h=nn.ModuleList([Block(n_embd, n_head, block_size) for _ in range(n_layer)]),
-                ln_f=nn.LayerNorm(n_embd),
+                ln_f=LayerNorm(n_embd),
             )
         )
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
@@ -109,4 +122,4 @@ def loss_fn(output, target):
 
 def architecture(n_layer=4):
     return {"num_layers": n_layer, "hidden_size": 32, "num_attention_heads": 2, "seq_length": 16, "max_position_embeddings": 16, "vocab_size": 96,
-            "ffn_hidden_size": 128, "normalization": "LayerNorm", "position_embedding_type": "learned_absolute", "untie_embeddings_and_output_weights": False}
+            "ffn_hidden_size": 128, "normalization": "LayerNorm", "activation": "gelu", "position_embedding": "learned_absolute", "tied_embeddings": True}

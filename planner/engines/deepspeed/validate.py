@@ -4,7 +4,6 @@ DeepSpeed's own config class and the rules of planner.engines.deepspeed.config_r
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from planner.check.validate import _costs, _Ctx, _memory, _read, _Run, display
 from planner.engines.deepspeed.config_class import partition_balanced
 from planner.engines.deepspeed.config_rules import RULES, DSConfig, DSContext, check_ds_config, looks_like_ds_config
 from planner.errors import UsageError
+from planner.fileio import strict_json
 from planner.solve.plan import Layout
 
 #: the kinds of file this wing recognises (planner.check.validate.classify), and what they are
@@ -29,8 +29,8 @@ def classify(path: Path, text: str) -> str | None:
     if path.suffix.lower() != ".json" and not text.lstrip().startswith("{"):
         return None
     try:
-        value = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+        value = strict_json(text)
+    except (ValueError, RecursionError):
         return "deepspeed" if path.name != "plan.json" and path.suffix.lower() == ".json" and _DS_KEY.search(text) else None
     return "deepspeed" if looks_like_ds_config(value) else None
 

@@ -79,6 +79,37 @@ RULES: dict[str, tuple[str, str]] = {
 }
 
 
+#: flags whose value is a size or count Megatron-LM divides by or allocates: 0 or less divides by zero or builds nothing
+#: in arguments.py validate_args and the model (core_v0.16.1); beyond MAX_SIZE no run exists
+POSITIVE_SIZES = frozenset(
+    {
+        "--tensor-model-parallel-size",
+        "--pipeline-model-parallel-size",
+        "--context-parallel-size",
+        "--expert-model-parallel-size",
+        "--expert-tensor-parallel-size",
+        "--num-layers",
+        "--hidden-size",
+        "--ffn-hidden-size",
+        "--num-attention-heads",
+        "--num-query-groups",
+        "--kv-channels",
+        "--seq-length",
+        "--max-position-embeddings",
+        "--micro-batch-size",
+        "--global-batch-size",
+        "--vocab-size",
+        "--num-experts",
+        "--moe-router-topk",
+        "--moe-ffn-hidden-size",
+        "--num-virtual-stages-per-pipeline-rank",
+        "--num-layers-per-virtual-pipeline-stage",
+        "--microbatch-group-size-per-virtual-pipeline-stage",
+    }
+)
+MAX_SIZE = 2**31
+
+
 @dataclass(frozen=True)
 class Finding:
     """One rule violation: which rule, how bad, where, what, and how to fix it."""
@@ -198,6 +229,15 @@ class _Checker:
 
     def _check_values(self, f: Flag, spec: FlagSpec) -> None:
         n = len(f.values)
+        size = as_int(f.values[0]) if f.name in POSITIVE_SIZES and n == 1 else None
+        if size is not None and not 1 <= size <= MAX_SIZE:
+            self.add(
+                "MEG027",
+                f.line,
+                f"{f.name} is {f.values[0][:40]}; it must be a whole number from 1 to {MAX_SIZE:,} (Megatron-LM divides by it or builds that many).",
+                f"give {f.name} a positive size",
+            )
+            return
         if spec.nargs == "0":
             return  # extra words after a switch are positional arguments; argparse rejects them but they are rare
         want = {"1": (1, 1), "3": (3, 3), "+": (1, None), "*": (0, None)}[spec.nargs]

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
+from planner.engines.base import repeated_layers
 from planner.engines.megatron.architecture import (
     MEGATRON_VERSION,
     EnvVar,
@@ -82,7 +83,7 @@ def planned_stage_layers(plan: Plan) -> list[int]:
     than the embedding sits before the first layer's stage or after the last one's, or when the block
     count differs from architecture()["num_layers"].
     """
-    blocks: Sequence[str | None] = plan.model.get("blocks") or []
+    blocks: Sequence[str | None] = repeated_layers(plan.model.get("blocks") or [])
     pieces: Sequence[str] = plan.model.get("pieces") or []
     if not blocks:
         raise UsageError("plan.json has no model.blocks (which piece belongs to which transformer layer); re-run `planner plan`.")

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from planner.engines.base import Engine, whole_block_cuts
+from planner.engines.base import Engine, repeated_layers, whole_block_cuts
 from planner.engines.megatron.activations import CORE_ATTN, LayerShape, PartBytes, part_bytes
 from planner.engines.megatron.architecture import (
     ARCHITECTURE,
@@ -96,11 +96,12 @@ def megatron_layer(arch: dict[str, Any]) -> bool:
 
 
 def block_pieces(costs: ModelCosts) -> dict[str, list[int]]:
-    """Indices of each transformer block's pieces, by block path, in execution order."""
+    """Indices of each transformer layer's pieces (:func:`repeated_layers`: a final norm that is a block of its own is
+    not a layer), by block path, in execution order."""
     blocks: dict[str, list[int]] = {}
-    for k, l in enumerate(costs.layers):
-        if l.block is not None:
-            blocks.setdefault(l.block, []).append(k)
+    for k, b in enumerate(repeated_layers([l.block for l in costs.layers])):
+        if b is not None:
+            blocks.setdefault(b, []).append(k)
     return blocks
 
 

@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from planner.check.validate import _costs, _cp_text, _Ctx, _memory, _Run, display, rendered_unchanged, report_script_reading
+from planner.engines.base import repeated_layers
 from planner.engines.megatron.architecture import RULES
 from planner.errors import PlannerError
 from planner.findings import from_megatron
@@ -216,7 +217,7 @@ def _memory_megatron(run: _Run, ctx: _Ctx, rel: str, args, world: int | None) ->
         return
     if not any(l.num_experts for l in costs.layers):  # a dense model: Megatron's expert sizes (etp defaults to tp) build nothing
         layout = replace(layout, ep=1, etp=1)
-    blocks = [l.block for l in costs.layers]
+    blocks = repeated_layers([l.block for l in costs.layers])
     order = list(dict.fromkeys(b for b in blocks if b is not None))
     if len(order) != sum(counts):
         run.add(

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from planner.engines.base import repeated_layers
 from planner.engines.torchtitan.rules import SCHEDULE_NAMES
 from planner.errors import UsageError
 from planner.launch import cluster_shape
@@ -104,7 +105,7 @@ def torchtitan_stage_ranks(schedule: str, pp: int, stages: int) -> list[int]:
 def closest_flavor(plan: Plan) -> Flavor:
     """The registry function whose model is nearest the planned one (layers and hidden size, on a log scale)."""
     arch = plan.model.get("architecture") or {}
-    layers = int(arch.get("num_layers") or sum(1 for b in set(plan.model["blocks"]) if b))
+    layers = int(arch.get("num_layers") or len({b for b in repeated_layers(plan.model["blocks"]) if b}))
     dim = int(arch.get("hidden_size") or 0)
 
     def distance(f: Flavor) -> float:
