@@ -62,15 +62,28 @@ def json_depth(text: str) -> int:
 MAX_INT_DIGITS = 30
 
 
-def _bounded_int(text: str) -> int:
+def oversized_int(text: str) -> str | None:
+    """Why the JSON integer literal ``text`` is refused (over :data:`MAX_INT_DIGITS` digits), else None."""
     digits = len(text.lstrip("-"))
     if digits > MAX_INT_DIGITS:
-        raise ValueError(f"an integer of {digits:,} digits ({text[:12]}...), longer than any the planner reads ({MAX_INT_DIGITS})")
+        return f"an integer of {digits:,} digits ({text[:12]}...), longer than any the planner reads ({MAX_INT_DIGITS} digits)"
+    return None
+
+
+def not_finite(name: str) -> str:
+    """Why the constant ``name`` (NaN, Infinity, -Infinity) that Python's json reads is refused."""
+    return f"{name}, which is not JSON (a JSON number is finite)"
+
+
+def _bounded_int(text: str) -> int:
+    why = oversized_int(text)
+    if why:
+        raise ValueError(why)
     return int(text)
 
 
 def _not_json(name: str) -> Any:
-    raise ValueError(f"{name}, which is not JSON (a JSON number is finite)")
+    raise ValueError(not_finite(name))
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -13,6 +13,8 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
+from planner.fileio import not_finite, oversized_int
+
 
 class JsonError(ValueError):
     """Not a JSON document; ``line`` is 1-based (None when unknown)."""
@@ -42,11 +44,6 @@ class JsonDoc:
 _TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"(\s*:)?|[{}\[\],]')
 
 
-#: the longest integer a document may hold (digits): larger ones are no count, size or time any planner file holds,
-#: and Python refuses to convert integers of over 4,300 digits anyway
-MAX_INT_DIGITS = 30
-
-
 class _Refused:
     """A value the planner refuses (NaN, an integer too long), kept where it stood so its key path can be named."""
 
@@ -55,14 +52,12 @@ class _Refused:
 
 
 def _bounded_int(text: str) -> int | _Refused:
-    digits = len(text.lstrip("-"))
-    if digits > MAX_INT_DIGITS:
-        return _Refused(f"an integer of {digits:,} digits ({text[:12]}...), longer than any the planner reads ({MAX_INT_DIGITS} digits)")
-    return int(text)
+    why = oversized_int(text)
+    return _Refused(why) if why else int(text)
 
 
 def _no_constant(name: str) -> _Refused:
-    return _Refused(f"{name}, which is not JSON (a JSON number is finite)")
+    return _Refused(not_finite(name))
 
 
 def _first_refused(value: Any, path: tuple[Any, ...] = ()) -> tuple[tuple[Any, ...], _Refused] | None:
@@ -81,7 +76,7 @@ def _first_refused(value: Any, path: tuple[Any, ...] = ()) -> tuple[tuple[Any, .
 
 def parse_json(text: str) -> JsonDoc:
     """Parse ``text``, keeping each object key's line and every duplicated key. Raises JsonError, also for integers of
-    more than :data:`MAX_INT_DIGITS` digits and for NaN and Infinity (not JSON, though Python's json reads them), naming
+    more than :data:`~planner.fileio.MAX_INT_DIGITS` digits and for NaN and Infinity (not JSON, though Python's json reads them), naming
     the key that holds one."""
     try:
         value = json.loads(text, parse_int=_bounded_int, parse_constant=_no_constant)
