@@ -23,7 +23,7 @@ from tests.conftest import derived_architecture
 HF = Path(__file__).resolve().parents[1] / "models" / "hf"
 runner = CliRunner()
 MODELS = ["gpt2", "llama", "qwen2", "mixtral", "bert", "t5", "bart", "vit", "clip", "resnet", "convnext", "roberta"]
-DECODERS = ["gpt2", "llama", "qwen2"]
+DECODERS = ["gpt2", "llama", "qwen2", "phi3"]
 
 
 def _config(name: str) -> dict:
@@ -537,3 +537,32 @@ def test_a_failed_trace_is_one_paragraph_not_a_graph_dump(tmp_path):
     assert len(r.stderr.encode()) < 4096, r.stderr[:3000]
     assert r.stderr.startswith("error: Cannot trace the model (Wav2Vec2Model)"), r.stderr[:500]
     assert "def forward" not in r.stderr and "--leaf" not in r.stderr
+
+
+def test_phi3_plans_for_megatron_and_megatron_core_builds_it(tmp_path):
+    """issue: the hf: Phi-3 config was refused for Megatron while the same model with a hand-written architecture()
+    planned. Phi-3's fused qkv_proj and gate_up_proj (no biases, up * silu(gate)) are Megatron's linear_qkv and
+    --swiglu linear_fc1; the rendered flags pass the planner's Megatron rules and megatron-core's TransformerConfig, with
+    the layer count, widths and query groups of the config."""
+    import warnings
+
+    from planner.engines.megatron.architecture import check_megatron_args
+    from planner.engines.megatron.core_check import core_config
+    from planner.engines.megatron.render import render as render_megatron
+    from planner.engines.megatron.script import parse_megatron_args
+    from planner.planning import PlanRequest, plan_model
+
+    plan = plan_model(PlanRequest(model_file=f"hf:{HF / 'phi3.json'}", model_args={}, gpus="4xA100", engine="megatron", pp=2))[0]
+    args = parse_megatron_args(render_megatron(plan, "c", tmp_path)["pretrain_gpt.sh"])
+    assert check_megatron_args(args) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = core_config(args)
+    c = _config("phi3")
+    assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_query_groups) == (
+        c["num_hidden_layers"],
+        c["hidden_size"],
+        c["intermediate_size"],
+        c["num_key_value_heads"],
+    )
+    assert cfg.gated_linear_unit and not cfg.add_bias_linear

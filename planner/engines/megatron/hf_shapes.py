@@ -42,8 +42,11 @@ def hf_activation(model_type: str, act_name: str) -> str:
 #: attention, MLP and residuals; the MoE types' routing is checked by :func:`hf_moe_architecture`). Other decoders differ
 #: in ways Megatron's flags cannot express: Gemma's gated GeLU, sandwich norms, logit soft-capping and embedding scale,
 #: OLMo's weightless LayerNorm, OLMo 2's and GLM-4's post-norms, GPT-NeoX's and Falcon's parallel residual, Granite's
-#: multipliers, SmolLM3's layers without rope.
-MEGATRON_HF_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "stablelm", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+#: multipliers, SmolLM3's layers without rope. Phi-3's fused projections (transformers 5 Phi3Attention.qkv_proj,
+#: Phi3MLP.gate_up_proj, both without bias; the MLP is ``up * silu(gate)`` with gate the first half) are Megatron's own
+#: fused linear_qkv and linear_fc1 under --swiglu (the first half gated), so its layer is Llama's; its LongRoPE variants
+#: keep the rope type by name and are refused by rope_problems.
+MEGATRON_HF_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "stablelm", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 #: MEGATRON_HF_TYPES whose attention has q/k/v biases and no other linear biases (transformers' Qwen2Attention,
 #: Qwen2MoeAttention: ``bias=True`` on q_proj, k_proj and v_proj)
 QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")
