@@ -2,6 +2,10 @@
 and the mixture-of-experts searches (ep x etp searched too) of Mixtral 8x7B on 64 and DeepSeek-V3 on 1024 H100 (Megatron).
 
 Each model runs in its own process (``python -m bench.planning_speed MODEL``) so peak RSS is that model's alone.
+
+``python -m bench.planning_speed whole`` times the whole command as a user runs it (``planner plan ... --engine
+megatron --quiet``: import, trace, cost, search and render) for the four cases of the planning-speed targets, each the
+median of ``WHOLE_RUNS`` runs, wall and CPU seconds (the child's user + system time).
 """
 
 from __future__ import annotations
@@ -60,6 +64,46 @@ def measure(preset: str) -> dict:
     }
 
 
+#: the whole-command cases: (name, model file, preset, --gpus), targets of the planning-speed issue in seconds (cold)
+WHOLE_CASES = (
+    ("GPT-3 175B on 1024 H100", "gpt2.py", "gpt3-175b", "1024xH100", 10.0),
+    ("Llama 70B on 1024 H100", "llama.py", "llama-70b", "1024xH100", 8.0),
+    ("Llama 405B on 16384 H100", "llama.py", "llama-405b", "16384xH100", 15.0),
+    ("DeepSeek-V3 on 1024 H100", "moe.py", "deepseek-v3", "1024xH100", 10.0),
+)
+WHOLE_RUNS = 3
+
+
+def whole_command(model: str, preset: str, gpus: str, runs: int = WHOLE_RUNS) -> dict:
+    """Median wall and CPU seconds of ``planner plan`` run as its own process, and the layout it picks."""
+    import os
+    import statistics
+    import tempfile
+
+    walls, cpus, picked = [], [], ""
+    for _ in range(runs):
+        with tempfile.TemporaryDirectory() as tmp:
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            t0 = time.perf_counter()
+            proc = subprocess.run(
+                [sys.executable, "-m", "planner", "plan", str(ROOT / "examples" / model), "--model-arg", f"preset={preset}", "--gpus", gpus,
+                 "--engine", "megatron", "--quiet", "--out", os.path.join(tmp, "plan")],
+                cwd=ROOT, capture_output=True, text=True, check=True,
+            )  # fmt: skip
+            walls.append(time.perf_counter() - t0)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpus.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+            picked = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus), "runs": runs, "layout": picked}
+
+
+def whole_markdown(rows: list[tuple[str, float, dict]]) -> str:
+    lines = ["| case | wall (median) | CPU (median) | target | layout |", "|---|---:|---:|---:|---|"]
+    for name, target, r in rows:
+        lines.append(f"| {name} | {r['wall_s']:.1f} s | {r['cpu_s']:.1f} s | {target:g} s | `{r['layout']}` |")
+    return "\n".join(lines)
+
+
 def run_all() -> list[dict]:
     out = []
     for preset in (*PRESETS, *MOE_CASES):
@@ -99,4 +143,7 @@ def markdown(results: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure(sys.argv[1])))
+    if sys.argv[1:] == ["whole"]:
+        print(whole_markdown([(name, target, whole_command(model, preset, gpus)) for name, model, preset, gpus, target in WHOLE_CASES]))
+    else:
+        print(json.dumps(measure(sys.argv[1])))

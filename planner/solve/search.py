@@ -23,9 +23,11 @@ fraction of the time. Rejected candidates keep their reason.
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -115,6 +117,9 @@ class SearchOptions:
         default_factory=dict, metadata=KNOB
     )  # device key -> piece -> (fwd, bwd) s at the costed micro-batch
     exhaustive: bool = field(default=False, metadata=KNOB)  # price every candidate (no bound pruning): for tests and benchmarks
+    #: processes pricing layouts (0: one per CPU this process may run on, at most MAX_JOBS, or PLANNER_JOBS); the pick
+    #: and every figure are the same for any value (:func:`search`)
+    jobs: int = field(default=0, metadata=KNOB)
     cp: int | None = None  # context-parallel size (searched from CP_SIZES for long sequences when None)
     tp_comm_overlap: bool | None = None  # None: searched (on and off) where the engine has it and tp > 1
     overlap_grad_reduce: bool | None = None  # None: on where the engine has it and there is a data-parallel group
@@ -1214,29 +1219,133 @@ def search(
     ranked: list[Evaluation] = []
     priced = 0
     no_fit: dict[tuple[object, ...], list[Rejection]] = {}  # memory rejections by _dominance_group
-    for i, (lb, _, lay) in enumerate(bounded):
-        if progress:
-            progress("search", i + 1, len(bounded))
-        if not opts.exhaustive and len(ranked) >= opts.top_k and lb > ranked[opts.top_k - 1].predicted.step_time_s:
-            break
-        lighter = None if opts.exhaustive else next((x for x in no_fit.get(_dominance_group(lay), ()) if _needs_no_less_memory(lay, x.layout)), None)
-        if lighter is not None:
-            reason = f"needs at least the memory of {lighter.layout.short()}, which does not fit"
-            rejected.append(Rejection(lay, reason, RejectKind.DOMINATED, lb, lighter.need_bytes, lighter.capacity_bytes))
-            continue
-        res = evaluate_layout(ctx, lay, dtype, explain=len(rejected) < 4 * opts.top_k)
-        priced += 1
-        if isinstance(res, Rejection):
-            res.lower_bound = lb
-            rejected.append(res)
-            if res.kind is RejectKind.MEMORY:
-                no_fit.setdefault(_dominance_group(lay), []).append(res)
-            continue
-        ranked.append(res)
-        ranked.sort(key=lambda e: (e.predicted.step_time_s, _layout_key(e.layout)))
+    pool = _Pricer(ctx, dtype, _jobs(opts.jobs) if len(bounded) >= PARALLEL_MIN_LAYOUTS else 1)
+    try:
+        for i, (lb, _, lay) in enumerate(bounded):
+            if progress:
+                progress("search", i + 1, len(bounded))
+            if not opts.exhaustive and len(ranked) >= opts.top_k and lb > ranked[opts.top_k - 1].predicted.step_time_s:
+                break
+            lighter = None if opts.exhaustive else next((x for x in no_fit.get(_dominance_group(lay), ()) if _needs_no_less_memory(lay, x.layout)), None)
+            if lighter is not None:
+                reason = f"needs at least the memory of {lighter.layout.short()}, which does not fit"
+                rejected.append(Rejection(lay, reason, RejectKind.DOMINATED, lb, lighter.need_bytes, lighter.capacity_bytes))
+                continue
+            explain = len(rejected) < 4 * opts.top_k
+            pool.ahead(bounded, i, explain)
+            res = pool.result(i, lay, explain)
+            priced += 1
+            if isinstance(res, Rejection):
+                res.lower_bound = lb
+                rejected.append(res)
+                if res.kind is RejectKind.MEMORY:
+                    no_fit.setdefault(_dominance_group(lay), []).append(res)
+                continue
+            ranked.append(res)
+            ranked.sort(key=lambda e: (e.predicted.step_time_s, _layout_key(e.layout)))
+    finally:
+        pool.close()
     if progress:
         progress("search", len(bounded), len(bounded))
     return SearchResult(ranked[0] if ranked else None, ranked, rejected, len(layouts), priced, gb)
+
+
+#: the most processes a search prices layouts in, and the fewest candidates worth starting them for
+MAX_JOBS = 8
+PARALLEL_MIN_LAYOUTS = 48
+#: candidates priced ahead per process: what the sequential loop would price next, in its order
+AHEAD_PER_JOB = 4
+
+
+def _jobs(asked: int) -> int:
+    """Processes to price in: ``asked``, else PLANNER_JOBS, else the CPUs this process may run on (at most MAX_JOBS);
+    1 where fork is not available."""
+    import multiprocessing
+    import os
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    if asked > 0:
+        return min(asked, MAX_JOBS)
+    env = os.environ.get("PLANNER_JOBS", "")
+    if env.isdigit() and int(env) > 0:
+        return min(int(env), MAX_JOBS)
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, MAX_JOBS))
+
+
+#: the search context forked pricing processes read (set in the parent just before the fork; never pickled)
+_FORKED: tuple[Context, str] | None = None
+
+
+def _forked_start() -> None:
+    """A pricing process ends quietly when the search terminates it (not through the CLI's SIGTERM handler)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _price_forked(job: tuple[Layout, bool]) -> Evaluation | Rejection:
+    assert _FORKED is not None
+    ctx, dtype = _FORKED
+    return evaluate_layout(ctx, job[0], dtype, explain=job[1])
+
+
+class _Pricer:
+    """Prices the search's candidates in order, speculatively ahead in forked processes when ``jobs`` > 1.
+
+    Pricing is a pure function of (context, layout, explain), so a result priced ahead is the one the sequential loop
+    would compute; the loop still decides, in its order, which candidates are priced (bound, dominance) and uses only
+    those results, so the pick, the ranking and every rejection are the same for any number of processes. A candidate
+    priced ahead with ``explain`` True where the loop then asks False (more rejections arrived meanwhile) is priced
+    again in this process: the two differ in the rejection's wording only."""
+
+    def __init__(self, ctx: Context, dtype: str, jobs: int):
+        self.ctx, self.dtype, self.jobs = ctx, dtype, jobs
+        self.pool: Any = None
+        self.pending: dict[int, tuple[bool, Any]] = {}
+        self.next_ahead = 0
+
+    def ahead(self, bounded: Sequence[tuple[float, int, Layout]], i: int, explain: bool) -> None:
+        if self.jobs <= 1:
+            return
+        if self.pool is None:
+            import multiprocessing
+
+            global _FORKED
+            _FORKED = (self.ctx, self.dtype)
+            # the parent's objects move to the collector's permanent generation before the fork: a child's collections
+            # then never walk (and so never copy, page by page) the planner's whole heap - the traced model included
+            gc.freeze()
+            try:
+                self.pool = multiprocessing.get_context("fork").Pool(self.jobs, initializer=_forked_start)
+            finally:
+                _FORKED = None
+                gc.unfreeze()
+        self.next_ahead = max(self.next_ahead, i)
+        while self.next_ahead < min(len(bounded), i + self.jobs * AHEAD_PER_JOB):
+            k = self.next_ahead
+            self.pending[k] = (explain, self.pool.apply_async(_price_forked, ((bounded[k][2], explain),)))
+            self.next_ahead += 1
+
+    def result(self, i: int, lay: Layout, explain: bool) -> Evaluation | Rejection:
+        got = self.pending.pop(i, None)
+        if got is not None:
+            was, handle = got
+            res: Evaluation | Rejection = handle.get()
+            if was == explain or not isinstance(res, Rejection):
+                return res
+        return evaluate_layout(self.ctx, lay, self.dtype, explain=explain)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+            self.pool = None
 
 
 _RECOMPUTE_MEMORY = {"full": 0, "selective": 1, "none": 2}

@@ -83,3 +83,21 @@ def test_the_mixed_cluster_context_parallel_case():
     assert fast.best.layout == full.best.layout and (fast.best.layout.pp, fast.best.layout.cp, fast.best.layout.dp) == (2, 4, 2)
     pinned = search(costs, cl, SearchOptions(**opts, pp=2, cp=4, dp=2), get_engine("megatron"))
     assert fast.best.predicted.step_time_s == pinned.best.predicted.step_time_s
+
+
+@pytest.mark.parametrize("exhaustive", [False, True])
+@pytest.mark.parametrize(("engine", "model"), [("megatron", "dense"), ("megatron", "moe"), ("deepspeed", "dense"), ("torch", "dense")])
+def test_pricing_in_several_processes_changes_nothing(engine, model, exhaustive, monkeypatch):
+    """Candidates priced ahead in forked processes (SearchOptions.jobs): the pick, the whole ranking with its figures,
+    and every rejection with its wording are those of pricing in one process."""
+    import planner.solve.search as search_module
+
+    monkeypatch.setattr(search_module, "PARALLEL_MIN_LAYOUTS", 1)  # processes for every search here, however small
+    costs = _costs(model)
+    cl = hardware.parse_gpus(CLUSTERS["mixed slow-first"])
+    opts = {"engine": engine, "top_k": 3, "global_batch": 64, "exhaustive": exhaustive}
+    one = search(costs, cl, SearchOptions(**opts, jobs=1), get_engine(engine))
+    two = search(costs, cl, SearchOptions(**opts, jobs=2), get_engine(engine))
+    assert (one.priced, one.considered) == (two.priced, two.considered)
+    assert [(e.layout, e.predicted, e.bounds, e.rank_memory) for e in one.ranked] == [(e.layout, e.predicted, e.bounds, e.rank_memory) for e in two.ranked]
+    assert [(r.layout, r.reason, r.kind, r.lower_bound) for r in one.rejected] == [(r.layout, r.reason, r.kind, r.lower_bound) for r in two.rejected]
