@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -1250,9 +1251,11 @@ def search(
     return SearchResult(ranked[0] if ranked else None, ranked, rejected, len(layouts), priced, gb)
 
 
-#: the most processes a search prices layouts in, and the fewest candidates worth starting them for
+#: the most processes a search prices layouts in, the fewest candidates worth starting them for, and the seconds a
+#: search prices in this process first (a small search ends before it; the processes then start with its caches warm)
 MAX_JOBS = 8
 PARALLEL_MIN_LAYOUTS = 48
+PARALLEL_AFTER_S = 1.0
 #: candidates priced ahead per process: what the sequential loop would price next, in its order
 AHEAD_PER_JOB = 4
 
@@ -1309,11 +1312,14 @@ class _Pricer:
         self.pool: Any = None
         self.pending: dict[int, tuple[bool, Any]] = {}
         self.next_ahead = 0
+        self.started = time.perf_counter()
 
     def ahead(self, bounded: Sequence[tuple[float, int, Layout]], i: int, explain: bool) -> None:
         if self.jobs <= 1:
             return
         if self.pool is None:
+            if time.perf_counter() - self.started < PARALLEL_AFTER_S:
+                return
             import multiprocessing
 
             global _FORKED

@@ -93,6 +93,7 @@ def test_pricing_in_several_processes_changes_nothing(engine, model, exhaustive,
     import planner.solve.search as search_module
 
     monkeypatch.setattr(search_module, "PARALLEL_MIN_LAYOUTS", 1)  # processes for every search here, however small
+    monkeypatch.setattr(search_module, "PARALLEL_AFTER_S", 0.0)  # and from its first candidate
     costs = _costs(model)
     cl = hardware.parse_gpus(CLUSTERS["mixed slow-first"])
     opts = {"engine": engine, "top_k": 3, "global_batch": 64, "exhaustive": exhaustive}
