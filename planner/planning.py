@@ -17,6 +17,7 @@ from planner.errors import InfeasibleError, UsageError
 from planner.hardware import Cluster
 from planner.hardware.gpus import MAX_WORLD_SIZE
 from planner.model.analyze import Analysis, analyze
+from planner.model.coupling import COUPLED_MIN_MICRO_BATCH
 from planner.model.profile_match import match_profile
 from planner.records import ModelCosts
 from planner.solve.memory import GiB
@@ -117,6 +118,10 @@ def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | Non
     modules = engine.recompute_module_problems(req.recompute_modules, analysis.costs)
     if modules:
         raise UsageError(f"--recompute-modules {','.join(req.recompute_modules)}: {'; '.join(modules)}.", "Drop the modules named, or plan another model.")
+    loss = analysis.costs.loss
+    if loss is not None and loss.coupling and req.micro_batch is None:
+        # a micro-batch of one sample makes a batch-coupled loss degenerate (a contrastive loss over one pair is 0)
+        req = replace(req, micro_batches=tuple(b for b in req.micro_batches if b >= COUPLED_MIN_MICRO_BATCH))
     measured: dict[str, dict[int, tuple[float, float]]] = {}
     profile_notes: list[str] = []
     if req.profile:
@@ -419,7 +424,7 @@ def _fits(costs: ModelCosts, cluster: Cluster, req: PlanRequest) -> bool:
     """Whether any layout fits; only the leanest options are tried (micro-batch 1, full recompute, ZeRO) unless pinned."""
     lean = replace(
         req,
-        micro_batch=req.micro_batch or 1,
+        micro_batch=req.micro_batch or min(req.micro_batches),
         recompute=req.recompute or "full",
         zero=req.zero if req.zero is not None else max(get_engine(req.engine).zero_levels),
     )

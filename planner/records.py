@@ -227,18 +227,21 @@ _SCALED = (
 class TrainedLoss:
     """The loss a plan trains (planner.model.losses.choose_loss): ``source`` is ``loss_fn``, ``model output`` or
     ``default``; ``text`` one line for plan.json, the rendered README and the smoke; ``where`` the output's field that
-    holds the loss for ``model output`` (``loss``, ``[1]``)."""
+    holds the loss for ``model output`` (``loss``, ``[1]``); ``coupling`` how micro-batching changes it, if it does."""
 
     source: str
     text: str
     where: str = ""
+    #: how the loss couples the samples of a micro-batch (planner.model.coupling), empty where it is a mean over them
+    coupling: str = ""
 
     def to_dict(self) -> dict[str, str]:
-        return {"source": self.source, "text": self.text, "where": self.where}
+        d = {"source": self.source, "text": self.text, "where": self.where}
+        return d | {"coupling": self.coupling} if self.coupling else d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainedLoss:
-        return cls(str(d["source"]), str(d.get("text", "")), str(d.get("where", "")))
+        return cls(str(d["source"]), str(d.get("text", "")), str(d.get("where", "")), str(d.get("coupling", "")))
 
 
 @dataclass(frozen=True)

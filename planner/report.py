@@ -323,6 +323,8 @@ def trained_loss_text(plan: Plan) -> str:
     """Which loss the plan's scripts train: the engine's own where it builds the model, else plan.json's model.loss."""
     loss = plan.model.get("loss")
     recorded = str(loss["text"]) if isinstance(loss, dict) and loss.get("text") else "not recorded (a plan made by an older planner)"
+    if isinstance(loss, dict) and loss.get("coupling"):
+        recorded += f"; it couples the samples of a micro-batch ({loss['coupling']}), so the micro-batch size is part of the objective"
     return get_engine(plan.layout.engine).trained_loss(recorded)
 
 

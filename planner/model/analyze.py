@@ -14,6 +14,7 @@ from torch import nn
 from planner.errors import UsageError
 from planner.model.cost import cost_layers
 from planner.model.load import ModelFile, load_model_file
+from planner.model.meta_policies import meta_allowed
 from planner.model.sources import transformers_config
 from planner.model.trace import LayerGraph, build_layer_graph, idle_modules
 from planner.records import ModelCosts
@@ -48,7 +49,14 @@ def infer_seq_len(arch: dict[str, Any] | None, inputs: tuple[torch.Tensor, ...])
     return None
 
 
-def analyze(
+def analyze(*args: Any, **kwargs: Any) -> Analysis:
+    """``_analyze`` (below) with the device checks that refuse meta tensors before operators that run on meta lifted
+    (planner.model.meta_policies: flex attention)."""
+    with meta_allowed():
+        return _analyze(*args, **kwargs)
+
+
+def _analyze(
     path: str | Path,
     model_args: dict[str, Any] | None = None,
     micro_batch: int = 1,

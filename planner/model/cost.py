@@ -25,7 +25,7 @@ shapes) are costed once.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from planner.errors import UsageError
+from planner.model.coupling import batchnorm_layers, loss_split_gap, meeting_in_loss, split_gap_words
 from planner.model.experts import expert_parameters, router_parameters
 from planner.model.flops import REGISTRY, flop_counter, uncounted_compute
 from planner.model.losses import choose_loss, default_loss, floating_outputs, loss_function, tensor_leaves
@@ -53,7 +54,23 @@ class GpuKernels(TorchFunctionMode):
             return _sdpa(*args, **kwargs)
         if func is F.dropout or func is torch.dropout:
             return _dropout(*args, **kwargs)
+        if func is _FLEX_ATTENTION:
+            return _flex_attention(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+#: torch.nn.attention.flex_attention's operator (torch 2.13 torch/_higher_order_ops/flex_attention.py FlexAttentionHOP)
+_FLEX_ATTENTION = getattr(torch.ops.higher_order, "flex_attention", None)
+
+
+def _flex_attention(query, key, value, score_mod, block_mask, scale, kernel_options, *buffers):
+    """FlexAttention as a GPU runs it: one fused kernel over (batch, heads, seq, head dim) that keeps the output and
+    the log-sum-exp for backward, as flash attention does; costed as scaled_dot_product_attention (no causal or
+    block-sparse discount: the block mask's sparsity is data the meta device does not have). Returns (output,
+    log-sum-exp, max scores) as FlexAttentionHOP does."""
+    out = _sdpa(query, key, value, scale=scale, enable_gqa=key.size(-3) != query.size(-3))
+    stats = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
+    return out, stats, torch.empty_like(stats)
 
 
 #: torch functions that multiply an activation by a weight when a parameter is among their arguments (linear layers)
@@ -163,8 +180,29 @@ class _OpMeter(TorchDispatchMode):
         s = self.seq_len
         return bool(s and s > 1 and any(_is_scores(t, s, self.batch) for t in tensors))
 
+    #: higher-order operators (flex attention) reach __torch_dispatch__ whole: torch's formulas count them
+    supports_higher_order_operators = True
+
+    def _higher_order(self, func, args, kwargs):  # type: ignore[no-untyped-def]
+        """A higher-order operator (one GpuKernels does not route), run whole below this mode: FLOPs from torch's
+        formula where it has one, else named as uncounted."""
+        out = func(*args, **kwargs)
+        outs = tensor_leaves(out)
+        formula = REGISTRY.get(func)
+        name = str(getattr(func, "_name", func))
+        if formula is None:
+            self.uncounted.add(name)
+            return out
+        flops = float(formula(*args, **kwargs, out_val=out))
+        self.op_flops.append(flops)
+        self.compute_ops.append((name, float(sum(_tensor_bytes(t) for t in outs)), flops))
+        self.max_out = max(self.max_out, sum(_tensor_bytes(t) for t in outs))
+        return out
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return self._higher_order(func, args, kwargs)
         out = func(*args, **kwargs)
         ins = tensor_leaves((args, kwargs))
         outs = tensor_leaves(out)
@@ -405,18 +443,47 @@ class _LastPieceLoss:
 
     def __init__(self, model_file, batch_size: int):
         self.model_file, self.choice = model_file, None
-        self.target = None
-        if model_file is not None and model_file.has("example_target"):
-            with torch.device("meta"):
-                target = model_file.call("example_target", batch_size)
-            self.target = torch.utils._pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, target)
+        self.batch_size = batch_size
+        self.output: Any = None  # the last piece's first output, at batch_size samples
+        self.target = self._target(batch_size)
+
+    def _target(self, batch_size: int) -> Any:
+        if self.model_file is None or not self.model_file.has("example_target"):
+            return None
+        with torch.device("meta"):
+            target = self.model_file.call("example_target", batch_size)
+        return torch.utils._pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, target)
 
     def __call__(self, output: Any) -> torch.Tensor:
         if self.model_file is None:
             return default_loss(output)
         if self.choice is None:
             self.choice = choose_loss(self.model_file, output)
+            self.output = output
         return loss_function(self.model_file, self.choice, self.target)(output)
+
+    def coupling(self, lg: LayerGraph) -> str:
+        """How the trained loss couples the samples of a micro-batch (planner.model.coupling), in words; empty where
+        it is a mean over samples that never meet. BatchNorm is said in the plan's notes, not here."""
+        found = [lg.samples_meet] if lg.samples_meet else []
+        if self.choice is not None and self.choice.source == "loss_fn" and self.output is not None and lg.output_2x is not None:
+            fn = self.model_file.funcs["loss_fn"]
+            leaves = tensor_leaves(self.output)
+            shapes = [s for s, _, _ in lg.output_2x.tensors]
+            if len(shapes) == len(leaves):
+                it = iter(shapes)
+                output_2x = torch.utils._pytree.tree_map(
+                    lambda t: torch.empty(next(it), dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t, self.output
+                )
+                target_2x = self._target(2 * self.batch_size)
+                meets = meeting_in_loss(lambda: fn(self.output, self.target), lambda: fn(output_2x, target_2x))
+                if meets and not found:
+                    found.append(meets)
+                gap = loss_split_gap(fn, self.output, output_2x, self.target, target_2x)
+                words = split_gap_words(*gap) if gap else None
+                if words and not meets and not found:
+                    found.append(words)
+        return found[0] if found else ""
 
 
 def cost_layers(
@@ -530,6 +597,18 @@ def cost_layers(
         if progress:
             progress(i + 1, lg.n)
     tied = tuple(TiedGroup(param_info[pid][0], param_info[pid][1], tuple(owners)) for pid, owners in param_owner.items() if len(owners) > 1)
+    coupling = loss.coupling(lg)
+    batchnorm = batchnorm_layers(lg.model)
+    coupled_notes = []
+    if coupling:
+        coupled_notes.append(
+            f"the loss couples the samples of a batch ({coupling}): a pipeline computes it per micro-batch, so the "
+            "micro-batch size is part of the objective; the search keeps it at 2 or more, --micro-batch pins it, and the "
+            "smoke compares against a single process run on the same micro-batches"
+        )
+    if batchnorm:
+        shown = ", ".join(batchnorm[:3]) + (f" and {len(batchnorm) - 3} more" if len(batchnorm) > 3 else "")
+        coupled_notes.append(f"BatchNorm ({shown}) normalises over each micro-batch, not the global batch: micro-batching changes its statistics")
     cuts = tuple(Cut(k, lg.cut_kinds[k], lg.cut_tensors(k)) for k in range(lg.n + 1))
     return ModelCosts(
         layers=tuple(layers),
@@ -539,8 +618,9 @@ def cost_layers(
         seq_len=seq_len,
         tied=tied,
         architecture=architecture,
-        loss=loss.choice,
+        loss=replace(loss.choice, coupling=coupling) if loss.choice is not None and coupling else loss.choice,
         notes=tuple(lg.notes)
+        + tuple(coupled_notes)
         + tuple(
             f"{op} (in {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) has no FLOP formula: its arithmetic is "
             "not counted, only its memory traffic; the compute time of these pieces is underestimated"

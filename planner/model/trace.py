@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from planner.errors import UsageError
+from planner.model.coupling import meeting_in_shapes
+from planner.model.meta_policies import meta_allowed
 from planner.records import TensorInfo
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -80,11 +82,36 @@ def find_blocks(model: nn.Module, leaf_classes: Iterable[str] = ()) -> list[str]
     return blocks
 
 
+def _block_mask_function() -> Callable[..., Any] | None:
+    try:
+        from torch.nn.attention import flex_attention as fa
+    except ImportError:
+        return None
+    return getattr(fa, "create_block_mask", None)
+
+
+class _BlockMaskOf:
+    """``create_block_mask(mask_mod, ...)`` as one graph call: fx cannot hold a function among a node's arguments,
+    so the mask function goes into the call's target. Run at replay on the values given (meta tensors and sizes)."""
+
+    def __init__(self, make: Callable[..., Any], mask_mod: Callable[..., Any]):
+        self.make, self.mask_mod = make, mask_mod
+        self.__name__ = f"create_block_mask_{getattr(mask_mod, '__name__', 'mask')}"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.make(self.mask_mod, *args, **kwargs)
+
+
 class _Tracer(fx.Tracer):
-    """fx tracer that traces into blocks but keeps each block's children (and opaque blocks) as leaves."""
+    """fx tracer that traces into blocks but keeps each block's children (and opaque blocks) as leaves.
+
+    flex attention's ``create_block_mask`` is recorded as one call (_BlockMaskOf), not traced into: its body runs
+    torch.func.vmap, whose level bookkeeping a graph cut into pieces cannot replay."""
 
     def __init__(self, blocks: set[str], opaque: set[str], leaf_classes: set[str]):
-        super().__init__()
+        make = _block_mask_function()
+        super().__init__(autowrap_functions=(make,) if make is not None else ())
+        self._make_block_mask = make
         self.blocks = blocks
         self.opaque = opaque
         self.leaf_classes = leaf_classes
@@ -95,6 +122,12 @@ class _Tracer(fx.Tracer):
         if qualname.rpartition(".")[0] in self.blocks:
             return True
         return super().is_leaf_module(m, qualname)
+
+    def create_proxy(self, kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *rest: Any, **more: Any) -> Any:
+        make = self._make_block_mask
+        if kind == "call_function" and make is not None and target is make and args and callable(args[0]):
+            target, args = _BlockMaskOf(make, args[0]), args[1:]
+        return super().create_proxy(kind, target, args, kwargs, *rest, **more)
 
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
@@ -363,6 +396,10 @@ class LayerGraph:
     blocks: list[str]
     notes: list[str] = field(default_factory=list)
     batch_dims: dict[fx.Node, int | None] = field(default_factory=dict)
+    #: where a value holds two dimensions that grow with the batch (samples meet: planner.model.coupling), else None
+    samples_meet: str | None = None
+    #: the model output's tensors at twice the traced micro-batch (shape, dtype, requires_grad), where traced so
+    output_2x: ValueMeta | None = None
     _free: set[fx.Node] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -566,7 +603,14 @@ def _param_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def build_layer_graph(
+def build_layer_graph(*args: Any, **kwargs: Any) -> LayerGraph:
+    """``_build_layer_graph`` (below) with the device checks that refuse meta tensors before operators that run on
+    meta lifted (planner.model.meta_policies: flex attention); for the planner's trace and the scripts' alike."""
+    with meta_allowed():
+        return _build_layer_graph(*args, **kwargs)
+
+
+def _build_layer_graph(
     model: nn.Module,
     inputs: tuple[torch.Tensor, ...],
     inputs_2x: tuple[torch.Tensor, ...] | None = None,
@@ -640,6 +684,15 @@ def build_layer_graph(
                 diff = [i for i, (a, b) in enumerate(zip(s1, s2)) if a != b]
                 dim = diff[0] if diff else None
             batch_dims[node] = dim
+        meets = meeting_in_shapes(
+            [
+                (f"the model's {node.name}", [t[0] for t in m.tensors], [t[0] for t in m2.tensors])
+                for node, m in metas.items()
+                if (m2 := metas2.get(node)) is not None
+            ]
+        )
+        outs = [n for n in metas if n.op == "output"]
+        output_2x = metas2.get(outs[0]) if outs else None
 
     if used == "fx" and inputs_2x is not None:
         notes += _bake_constants(gm, consts, consts2, set(blocks), model)
@@ -647,6 +700,8 @@ def build_layer_graph(
     lg = _split(model, gm, metas, blocks, used, sub_block_cuts, whole)
     lg.notes = notes + lg.notes
     lg.batch_dims = batch_dims
+    if inputs_2x is not None:
+        lg.samples_meet, lg.output_2x = meets, output_2x
     return lg
 
 
@@ -668,10 +723,12 @@ def _bake_constants(gm: fx.GraphModule, consts: dict[fx.Node, Any], consts2: dic
         value = consts[node]
         if value != consts2[node] or not node.all_input_nodes:
             continue
-        # only values whose reads span another module's code could have a cut between them
+        # only values whose reads span another module's code could have a cut between them; and the sizes a block
+        # mask is made from (fixed, the mask is made again in every piece that reads it: it depends on no input)
         last = max(index[u] for u in node.users)
         mine = owners[index[node]]
-        if not any(o is not None and o != mine for o in owners[index[node] + 1 : last]):
+        makes_mask = any(isinstance(u.target, _BlockMaskOf) for u in node.users)
+        if not makes_mask and not any(o is not None and o != mine for o in owners[index[node] + 1 : last]):
             continue
         crossing.append(node.name)
         for user in list(node.users):
