@@ -82,10 +82,11 @@ def priced_step(run: pr.PublishedRun, **device: float) -> float:
     """Seconds per step of the row's pinned layout with these DeviceProfile fields replaced (memory check lifted)."""
     from planner.engines import get_engine
     from planner.solve import search
+    from planner.solve.settings import Settings
 
     costs = pr.costs_for(run)
     lay = pr.layout_for(run)
-    opts = search.SearchOptions(engine="megatron", global_batch=run.global_batch, mem_target=pr.UNCHECKED, cp=run.cp, fp8=lay.fp8)
+    opts = Settings.of(engine="megatron", global_batch=run.global_batch, mem_target=pr.UNCHECKED, cp=run.cp, fp8=lay.fp8)
     ctx = search.Context(costs, _cluster(run, **device), opts, get_engine("megatron"))
     ev = search.price_layout(ctx, lay, costs.dtype, pr.stage_bounds(run, costs))
     if isinstance(ev, search.Rejection):

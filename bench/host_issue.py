@@ -41,14 +41,13 @@ def priced_step(run: pr.PublishedRun, host_us: float) -> float | None:
     from planner import hardware
     from planner.engines import get_engine
     from planner.solve import search
+    from planner.solve.settings import Settings
 
     costs = pr.costs_for(run)
     lay = pr.layout_for(run)
     c = hardware.parse_gpus(f"{run.gpus}x{pr.DEVICE_PROFILE[run.source.device]}")
     cluster = dataclasses.replace(c, groups=tuple(dataclasses.replace(g, device=dataclasses.replace(g.device, host_op_s=host_us * 1e-6)) for g in c.groups))
-    opts = search.SearchOptions(
-        engine="megatron", global_batch=run.global_batch, mem_target=pr.UNCHECKED, cp=run.cp, fp8=lay.fp8, **pr._moe_pins(run, search.SearchOptions)
-    )
+    opts = Settings.of(engine="megatron", global_batch=run.global_batch, mem_target=pr.UNCHECKED, cp=run.cp, fp8=lay.fp8, **pr._moe_pins(run))
     ev = search.evaluate_layout(search.Context(costs, cluster, opts, get_engine("megatron")), lay, costs.dtype, pr.stage_bounds(run, costs))
     return None if isinstance(ev, search.Rejection) else ev.predicted.step_time_s
 

@@ -30,7 +30,8 @@ def measure(preset: str) -> dict:
     from planner import hardware
     from planner.engines import get_engine
     from planner.model.analyze import analyze
-    from planner.solve.search import SearchOptions, search
+    from planner.solve.search import search
+    from planner.solve.settings import Settings
 
     moe = preset in MOE_CASES
     t0 = time.perf_counter()
@@ -42,7 +43,7 @@ def measure(preset: str) -> dict:
         cluster = hardware.parse_gpus(gpus)
         for engine in MOE_ENGINES if moe else ENGINES:
             t0 = time.perf_counter()
-            res = search(costs, cluster, SearchOptions(engine=engine), get_engine(engine))
+            res = search(costs, cluster, Settings.of(engine=engine), get_engine(engine))
             rows.append(
                 {
                     "gpus": gpus,

@@ -353,9 +353,9 @@ def model_file(run: PublishedRun) -> tuple[Path, dict]:
     return ROOT / "examples" / "llama.py", args
 
 
-def _moe_pins(run: PublishedRun, options_cls) -> dict:
-    """ep (and etp) pinned in the search options, once they have those fields."""
-    return {k: v for k, v in (("ep", run.ep), ("etp", run.etp)) if _has_field(options_cls, k)}
+def _moe_pins(run: PublishedRun) -> dict:
+    """ep and etp pinned in the search settings."""
+    return {"ep": run.ep, "etp": run.etp}
 
 
 def layout_for(run: PublishedRun, recompute: str | None = None, fp8: bool | None = None):
@@ -486,12 +486,11 @@ def predict(run: PublishedRun) -> Prediction:
     from planner import hardware
     from planner.engines import get_engine
     from planner.solve.search import (
-        DEFAULT_MEM_TARGET,
         Context,
         Rejection,
-        SearchOptions,
         evaluate_layout,
     )
+    from planner.solve.settings import DEFAULT_MEM_TARGET, Settings
 
     why = not_expressible(run)
     if why:
@@ -503,7 +502,7 @@ def predict(run: PublishedRun) -> Prediction:
     results = {}
     bounds = stage_bounds(run, costs)
     for target in (1.0, DEFAULT_MEM_TARGET, UNCHECKED):
-        opts = SearchOptions(engine="megatron", global_batch=run.global_batch, mem_target=target, cp=run.cp, fp8=lay.fp8, **_moe_pins(run, SearchOptions))
+        opts = Settings.of(engine="megatron", global_batch=run.global_batch, mem_target=target, cp=run.cp, fp8=lay.fp8, **_moe_pins(run))
         results[target] = evaluate_layout(Context(costs, cluster, opts, get_engine("megatron")), lay, costs.dtype, bounds)
     ev, ev_default = results[1.0], results[DEFAULT_MEM_TARGET]
     rejected_default = ev_default.reason if isinstance(ev_default, Rejection) else None
@@ -596,13 +595,12 @@ def _evaluate(run: PublishedRun, recompute: str | None = None, fp8: bool | None 
     from planner import hardware
     from planner.engines import get_engine
     from planner.solve import search
+    from planner.solve.settings import Settings
 
     costs = costs_for(run)
     cluster = hardware.parse_gpus(f"{run.gpus}x{DEVICE_PROFILE[run.source.device]}")
     lay = layout_for(run, recompute, fp8)
-    opts = search.SearchOptions(
-        engine="megatron", global_batch=run.global_batch, mem_target=mem_target, cp=run.cp, fp8=lay.fp8, **_moe_pins(run, search.SearchOptions)
-    )
+    opts = Settings.of(engine="megatron", global_batch=run.global_batch, mem_target=mem_target, cp=run.cp, fp8=lay.fp8, **_moe_pins(run))
     ctx = search.Context(costs, cluster, opts, get_engine("megatron"))
     bounds = stage_bounds(run, costs)
     if tp_comm:
@@ -688,14 +686,13 @@ def moe_breakdown(run: PublishedRun) -> dict:
     from planner.engines import get_engine
     from planner.solve import search
     from planner.solve.plan import ep_overlap_allowed
+    from planner.solve.settings import Settings
     from planner.solve.timing import bytes_time, expert_dispatch_time, expert_gemm_time, moe_dispatcher_terms, ops_time
 
     costs = costs_for(run)
     cluster = hardware.parse_gpus(f"{run.gpus}x{DEVICE_PROFILE[run.source.device]}")
     lay = layout_for(run)
-    opts = search.SearchOptions(
-        engine="megatron", global_batch=run.global_batch, mem_target=UNCHECKED, cp=run.cp, fp8=lay.fp8, **_moe_pins(run, search.SearchOptions)
-    )
+    opts = Settings.of(engine="megatron", global_batch=run.global_batch, mem_target=UNCHECKED, cp=run.cp, fp8=lay.fp8, **_moe_pins(run))
     ctx = search.Context(costs, cluster, opts, get_engine("megatron"))
     ev = search.evaluate_layout(ctx, lay, costs.dtype)
     split = lay.tp if lay.sequence_parallel and lay.tp > 1 else 1

@@ -25,8 +25,9 @@ def run() -> dict:
     from planner.fileio import write_text_atomic
     from planner.hardware.calibrated import profile_to_hardware_yaml
     from planner.model.profile import profile_model, write_profile
-    from planner.planning import PlanRequest, plan_model
+    from planner.planning import plan_model
     from planner.render import write_plan_dir
+    from planner.solve.settings import Settings
 
     work = Path(tempfile.mkdtemp(prefix="planner-bench-smoke-"))
     # each of the 2 ranks runs on one core (OMP_NUM_THREADS=1): measure and calibrate the same way
@@ -46,7 +47,7 @@ def run() -> dict:
         ("calibrated on this CPU", {"gpus": "2xcpu-calibrated", "hardware_profiles": (str(hw),)}),
         ("measured per-piece times", {"profile": str(work / "profile.json")}),
     ):
-        plan, _, _ = plan_model(PlanRequest(**{**base, **extra}))
+        plan, _, _ = plan_model(Settings.of(**{**base, **extra}))
         predictions[name] = plan
     plan = predictions["bundled cpu profile"]
     write_plan_dir(work / "plan", plan, "planner plan (bench)")

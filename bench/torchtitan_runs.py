@@ -68,10 +68,11 @@ def not_priced(row: Row) -> str | None:
 
 def predict(row: Row) -> tuple[float, float]:
     """(predicted reserved GiB per GPU, predicted tokens/s per GPU) of a priceable row."""
-    from planner.planning import PlanRequest, plan_model
+    from planner.planning import plan_model
+    from planner.solve.settings import Settings
 
     args = {"preset": "llama-7b", **row.model, "seq_len": row.seq}
-    req = PlanRequest(
+    req = Settings.of(
         model_file=str(ROOT / "examples" / "llama.py"),
         model_args=args,
         gpus=f"{row.gpus}xH100-96GB",

@@ -254,125 +254,108 @@ def _check_pins(engine: str, pp, tp, dp, vp, micro_batch, global_batch, schedule
     cv.choice("--zero", zero, eng.zero_levels)
 
 
-@app.command()
+#: the typer annotation of a settings field's type (planner.solve.settings declares each field's type as text)
+_CLI_TYPES: dict[str, Any] = {
+    "str": str,
+    "int": int,
+    "float": float,
+    "bool": bool,
+    "str | None": Optional[str],
+    "int | None": Optional[int],
+    "float | None": Optional[float],
+    "bool | None": Optional[bool],
+    "tuple[str, ...]": Optional[List[str]],
+    "dict[str, Any]": Optional[List[str]],
+}
+#: settings fields whose command-line form differs from the record's: (typer annotation, record value from the option)
+_CLI_FORMS: dict[str, tuple[Any, Callable[[Any], Any]]] = {
+    "model_file": (Path, str),
+    "model_args": (Optional[List[str]], lambda v: _model_args(v)),
+    "leaf": (Optional[List[str]], lambda v: tuple(v or ())),
+    "hardware_profiles": (Optional[List[Path]], lambda v: tuple(str(p) for p in v or ())),
+    "profile": (Optional[Path], lambda v: str(v) if v else None),
+    "recompute_modules": (Optional[List[str]], lambda v: v),  # parsed with the engine: cli_values.recompute_modules
+}
+#: settings fields `planner plan` requires although the record has a default (the search alone needs neither)
+_CLI_REQUIRED = ("model_file", "gpus")
+
+
+def _settings_options() -> list[Any]:
+    """One typer parameter per field of the settings record that `planner plan` takes (planner.solve.settings: its
+    flag, default and help), each in the help panel of its section; the model file first, as the argument."""
+    import dataclasses
+    import inspect as _inspect
+
+    from planner.solve.settings import SECTIONS, Settings
+
+    engine_field = next(f for f in dataclasses.fields(Settings) if f.name == "engine")
+    listed: list[tuple[str, Any]] = [("Engine", engine_field)]
+    listed += [(section.title(), f) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls) if f.metadata["cli"]]
+    params = []
+    for panel, f in listed:
+        meta = f.metadata
+        annotation, _ = _CLI_FORMS.get(f.name, (_CLI_TYPES[str(f.type)], None))
+        help_text = meta["help"] if f.name != "engine" else " | ".join(ENGINES)
+        default = ... if f.name in _CLI_REQUIRED else (None if f.name in _CLI_FORMS and f.name != "model_file" else f.default)
+        if meta["flag"] == "MODEL":
+            option = typer.Argument(..., help=help_text)
+        else:
+            flag = meta["flag"] or "--" + f.name.replace("_", "-")
+            if str(f.type) == "bool | None":
+                flag = f"{flag}/--no-{flag[2:]}"
+            option = typer.Option(default, flag, help=help_text, rich_help_panel=panel)
+        name = "model" if meta["flag"] == "MODEL" else f.name
+        params.append(_inspect.Parameter(name, _inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation))
+    return params
+
+
+def _settings_from_options(given: dict[str, Any]) -> dict[str, Any]:
+    """The settings record's fields from `planner plan`'s options (flat names; the argument ``model`` is
+    ``model_file``), in the record's own forms."""
+    named = {("model_file" if name == "model" else name): value for name, value in given.items()}
+    return {name: _CLI_FORMS[name][1](value) if name in _CLI_FORMS else value for name, value in named.items()}
+
+
 def plan(
-    model: Path = typer.Argument(..., help="Model file defining build_model() and example_inputs(), or hf:CONFIG.json, timm:NAME, torchvision:NAME."),
-    gpus: str = typer.Option(..., "--gpus", help="Cluster, e.g. 8xA100, 64xH100, 4x8xA100-80GB, 8xA100+8xV100."),
-    engine: str = typer.Option("deepspeed", "--engine", help="deepspeed | megatron | torch"),
     out_dir: Optional[Path] = typer.Option(
         None, "--out", help="Write plan.json, the engine's configs and launch scripts, and the report here (other files there are kept)."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print plan.json to stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the one-line layout."),
     force: bool = typer.Option(False, "--force", help="Replace files in --out that the planner did not write."),
-    model_arg: Optional[List[str]] = ModelArg,
-    dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp16 | fp32 | fp8 (Transformer Engine FP8 GEMMs; Megatron, H100/H200/B200)"),
-    leaf: Optional[List[str]] = Leaf,
-    tracer: str = typer.Option("auto", "--tracer", help="auto | fx | export"),
-    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="Override the profile's GPUs per node."),
-    inter_node_gbps: Optional[float] = typer.Option(None, "--inter-node-gbps", help="Inter-node bandwidth per GPU, Gb/s (as NICs are quoted)."),
-    hardware_profile: Optional[List[Path]] = typer.Option(None, "--hardware-profile", help="Extra hardware profile YAML (file or folder)."),
-    global_batch: Optional[int] = typer.Option(None, "--global-batch", help="Samples per optimizer step (default: 8 per GPU)."),
-    pp: Optional[int] = typer.Option(None, "--pp", help="Pin the pipeline-parallel degree."),
-    tp: Optional[int] = typer.Option(None, "--tp", help="Pin the tensor-parallel degree (Megatron)."),
-    dp: Optional[int] = typer.Option(None, "--dp", help="Pin the data-parallel degree."),
-    vp: Optional[int] = typer.Option(None, "--vp", help="Pin virtual stages per rank (interleaved)."),
-    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Pin the micro-batch size."),
-    schedule: Optional[str] = typer.Option(None, "--schedule", help="Pin the schedule: gpipe | 1f1b | interleaved | zb-h1 | zbv."),
-    recompute: Optional[str] = typer.Option(None, "--recompute", help="Pin recomputation: none | selective | full."),
-    recompute_modules: Optional[List[str]] = typer.Option(
-        None,
-        "--recompute-modules",
-        help="What selective recomputation recomputes (Megatron --recompute-modules), comma-separated: core_attn (default), mla_up_proj, mlp; pins --recompute selective.",
-    ),
-    zero: Optional[int] = typer.Option(None, "--zero", help="Pin the ZeRO stage (0 or 1 with a pipeline)."),
-    mem_target: float = typer.Option(0.85, "--mem-target", help="Fraction of usable GPU memory a plan may use."),
-    profile: Optional[Path] = typer.Option(None, "--profile", help="Measured per-layer times from `planner profile`."),
-    cp: Optional[int] = typer.Option(None, "--cp", help="Pin the context-parallel degree (Megatron; sequence divisible by 2 x cp)."),
-    ep: Optional[int] = typer.Option(None, "--ep", help="Pin the expert-parallel degree (Megatron, MoE models; divides the experts)."),
-    etp: Optional[int] = typer.Option(None, "--etp", help="Pin the expert tensor-parallel degree (Megatron, MoE models)."),
-    tp_comm_overlap: Optional[bool] = typer.Option(
-        None, "--tp-comm-overlap/--no-tp-comm-overlap", help="Pin TP communication overlap (Megatron, needs tp > 1)."
-    ),
-    overlap_grad_reduce: Optional[bool] = typer.Option(
-        None, "--overlap-grad-reduce/--no-overlap-grad-reduce", help="Pin the gradient-reduce overlap (Megatron)."
-    ),
-    overlap_param_gather: Optional[bool] = typer.Option(
-        None, "--overlap-param-gather/--no-overlap-param-gather", help="Pin the parameter all-gather overlap (Megatron, zero 1)."
-    ),
-    ep_comm_overlap: Optional[bool] = typer.Option(
-        None,
-        "--overlap-moe-expert-parallel-comm/--no-overlap-moe-expert-parallel-comm",
-        help="Pin the expert-parallel all-to-all overlap (Megatron, ep > 1, vp when pp > 1, no full recompute).",
-    ),
-    main_grads_dtype: str = typer.Option("fp32", "--main-grads-dtype", help="fp32 | bf16: gradients kept and reduced in (Megatron)."),
-    optimizer_state_dtype: str = typer.Option("fp32", "--optimizer-state-dtype", help="fp32 | bf16 | fp16: Adam moments (Megatron, zero 1)."),
-    fp8_param_gather: bool = typer.Option(
-        False, "--fp8-param-gather", help="FP8 primary weights, no bf16 copy (Megatron --fp8-param-gather; needs --dtype fp8 and zero 1)."
-    ),
-    microbatch_group: Optional[int] = typer.Option(
-        None,
-        "--microbatch-group",
-        help="Pin the interleaved schedule's micro-batches per chunk group (Megatron --microbatch-group-size-per-virtual-pipeline-stage; p to m).",
-    ),
     timeout: float = Timeout,
+    **given: Any,
 ) -> None:
-    """Choose the layout and stage split, predict step time and memory, and write the configs."""
-    from planner.planning import PlanRequest, plan_model
+    """Choose the layout and stage split, predict step time and memory, and write the configs.
+
+    The options after the first five are the settings record's (planner.solve.settings), one per field."""
+    from planner.planning import plan_model
+    from planner.solve.settings import Settings
 
     with _errors():
-        _check_pins(engine, pp, tp, dp, vp, micro_batch, global_batch, schedule, recompute, zero, mem_target)
-        cv.choice("--dtype", dtype, cv.PLAN_DTYPES)
-        cv.choice("--tracer", tracer, cv.TRACERS)
-        modules = cv.recompute_modules(recompute_modules, recompute, engine)
-        limit = _timeout(timeout)
-        req = PlanRequest(
-            model_file=str(model),
-            model_args=_model_args(model_arg),
-            gpus=gpus,
-            engine=engine,
-            dtype=dtype,
-            leaf=tuple(leaf or ()),
-            tracer=tracer,
-            gpus_per_node=gpus_per_node,
-            inter_node_gbps=inter_node_gbps,
-            hardware_profiles=tuple(str(p) for p in hardware_profile or ()),
-            global_batch=global_batch,
-            pp=pp,
-            tp=tp,
-            dp=dp,
-            vp=vp,
-            micro_batch=micro_batch,
-            schedule=schedule,
-            recompute="selective" if modules else recompute,
-            recompute_modules=modules,
-            zero=zero,
-            mem_target=mem_target,
-            profile=str(profile) if profile else None,
-            cp=cp,
-            ep=ep,
-            etp=etp,
-            tp_comm_overlap=tp_comm_overlap,
-            overlap_grad_reduce=overlap_grad_reduce,
-            overlap_param_gather=overlap_param_gather,
-            ep_comm_overlap=ep_comm_overlap,
-            main_grads_dtype=main_grads_dtype,
-            optimizer_state_dtype=optimizer_state_dtype,
-            fp8_param_gather=fp8_param_gather,
-            microbatch_group=microbatch_group,
+        v = given
+        _check_pins(
+            v["engine"], v["pp"], v["tp"], v["dp"], v["vp"], v["micro_batch"], v["global_batch"], v["schedule"], v["recompute"], v["zero"], v["mem_target"]
         )
-        cv.positive_int("--cp", cp)
-        cv.positive_int("--microbatch-group", microbatch_group, cv.MAX_GLOBAL_BATCH)
-        cv.fp8_param_gather(fp8_param_gather, dtype, engine, zero)
-        cv.positive_int("--ep", ep)
-        cv.positive_int("--etp", etp)
-        cv.choice("--main-grads-dtype", main_grads_dtype, ("fp32", "bf16"))
-        cv.choice("--optimizer-state-dtype", optimizer_state_dtype, ("fp32", "bf16", "fp16"))
+        cv.choice("--dtype", v["dtype"], cv.PLAN_DTYPES)
+        cv.choice("--tracer", v["tracer"], cv.TRACERS)
+        modules = cv.recompute_modules(v["recompute_modules"], v["recompute"], v["engine"])
+        limit = _timeout(timeout)
+        values = _settings_from_options(given)
+        values.update(recompute_modules=modules, recompute="selective" if modules else v["recompute"])
+        req = Settings.of(**values)
+        cv.positive_int("--cp", v["cp"])
+        cv.positive_int("--microbatch-group", v["microbatch_group"], cv.MAX_GLOBAL_BATCH)
+        cv.fp8_param_gather(v["fp8_param_gather"], v["dtype"], v["engine"], v["zero"])
+        cv.positive_int("--ep", v["ep"])
+        cv.positive_int("--etp", v["etp"])
+        cv.choice("--main-grads-dtype", v["main_grads_dtype"], ("fp32", "bf16"))
+        cv.choice("--optimizer-state-dtype", v["optimizer_state_dtype"], ("fp32", "bf16", "fp16"))
         if out_dir is not None:
             from planner.render import check_output_dir
 
             check_output_dir(out_dir, force)
-        with progress_reporter(not (as_json or quiet)) as report, _user_code(model, limit) as g:
+        with progress_reporter(not (as_json or quiet)) as report, _user_code(Path(req.model.model_file), limit) as g:
             the_plan, analysis, result = plan_model(req, progress=g.wrap(report))
         notes: list[str] = []
         if out_dir is not None:
@@ -394,7 +377,22 @@ def plan(
 
     print_summary(out, the_plan, result)
     if out_dir is not None:
-        out.print(f"wrote {out_dir}/ (plan.json and the {engine} files)")
+        out.print(f"wrote {out_dir}/ (plan.json and the {req.engine} files)")
+
+
+def _with_settings_signature(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``command`` as typer sees it: the settings options first (the model argument leading), then its own."""
+    import inspect as _inspect
+
+    own = [p for p in _inspect.signature(command).parameters.values() if p.kind is not _inspect.Parameter.VAR_KEYWORD]
+    own = [p.replace(kind=_inspect.Parameter.KEYWORD_ONLY, annotation=_OWN_TYPES[p.name]) for p in own]
+    command.__signature__ = _inspect.Signature(_settings_options() + own)  # type: ignore[attr-defined]
+    return command
+
+
+#: the annotations of plan's own options (the module's annotations are text under ``from __future__ import annotations``)
+_OWN_TYPES: dict[str, Any] = {"out_dir": Optional[Path], "as_json": bool, "quiet": bool, "force": bool, "timeout": float}
+app.command(name="plan")(_with_settings_signature(plan))
 
 
 def _hardware_profiles(paths: Optional[List[Path]]):

@@ -30,14 +30,14 @@ def cluster_shape(plan: Plan) -> tuple[int, int]:
 
 def model_path_for(plan: Plan, out_dir: Path | None) -> str:
     """The model file's path as the scripts see it: relative to the plan directory when both are known."""
-    model = str(plan.inputs["model_file"])
+    model = str(plan.settings.model.model_file)
     if out_dir is None:
         return model
     return relative_ref(model, out_dir)
 
 
 def job_name(plan: Plan) -> str:
-    stem = ref_stem(str(plan.inputs.get("model_file", "train")))
+    stem = ref_stem(str(plan.settings.model.model_file or "train"))
     return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{stem}-{plan.layout.engine}")[:64] or "planner"
 
 

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,113 +23,59 @@ from planner.records import ModelCosts
 from planner.solve.memory import GiB
 from planner.solve.plan import Alternative, Layout, Plan, RankMemory, StagePlan
 from planner.solve.rules import RejectKind
-from planner.solve.search import Context, Evaluation, Rejection, SearchOptions, SearchResult, evaluate_layout, search, with_options
+from planner.solve.search import Context, Evaluation, Rejection, SearchResult, evaluate_layout, search, with_options
+from planner.solve.settings import Settings
 
 
-@dataclass(frozen=True)
-class PlanRequest(SearchOptions):
-    """Everything `planner plan` was asked: the model and the cluster here, the engine, pins, memory target and
-    optimizer in :class:`SearchOptions` (keyword-only); recorded in plan.json's ``inputs``."""
-
-    model_file: str
-    model_args: dict[str, Any]
-    gpus: str
-    dtype: str = "bf16"
-    cost_micro_batch: int = 1
-    leaf: tuple[str, ...] = ()
-    tracer: str = "auto"
-    gpus_per_node: int | None = None
-    inter_node_gbps: float | None = None
-    hardware_profiles: tuple[str, ...] = ()
-    profile: str | None = None
-    bounds: tuple[int, ...] | None = None  # fixed stage boundaries (piece indices); needs every layout dimension pinned
-
-    @classmethod
-    def recorded(cls) -> tuple[str, ...]:
-        """The settings plan.json records: every field but the search's knobs (SearchOptions fields marked KNOB)."""
-        return tuple(f.name for f in fields(cls) if not f.metadata.get("knob"))
-
-    def to_inputs(self) -> dict[str, Any]:
-        full = asdict(self)
-        d = {k: full[k] for k in self.recorded()}
-        d["leaf"] = list(self.leaf)
-        d["hardware_profiles"] = list(self.hardware_profiles)
-        d["recompute_modules"] = list(self.recompute_modules)
-        if self.bounds is None:
-            d.pop("bounds")
-        else:
-            d["bounds"] = list(self.bounds)
-        return d
-
-    @classmethod
-    def pinned_to(cls, inputs: dict[str, Any], layout: Layout, bounds: tuple[int, ...] | None, **overrides: Any) -> PlanRequest:
-        """The request recorded in a plan.json's ``inputs`` with every dimension the layout fixes pinned to it (each
-        :class:`SearchOptions` field the :class:`Layout` also has), the stage boundaries ``bounds``, memory target 1.0
-        (the layout is priced, not questioned) and no measured profile; ``overrides`` applied last."""
-        shared = {f.name for f in fields(SearchOptions)} & {f.name for f in fields(Layout)}
-        pins: dict[str, Any] = {name: getattr(layout, name) for name in sorted(shared)}
-        pins.update(mem_target=1.0, profile=None, bounds=bounds)
-        pins.update(overrides)
-        return cls.from_inputs(inputs, **pins)
-
-    @classmethod
-    def from_inputs(cls, inputs: dict[str, Any], **overrides: Any) -> PlanRequest:
-        """The request recorded in a plan.json's ``inputs`` (unknown keys ignored), with ``overrides`` applied."""
-        values = {k: inputs[k] for k in cls.recorded() if k in inputs}
-        for key in ("leaf", "hardware_profiles", "bounds", "recompute_modules"):
-            if values.get(key) is not None:
-                values[key] = tuple(values[key])
-        values.update(overrides)
-        return cls(**values)
-
-
-def plan_model(req: PlanRequest, progress: Callable[[str, int, int], None] | None = None) -> tuple[Plan, Analysis, SearchResult]:
+def plan_model(req: Settings, progress: Callable[[str, int, int], None] | None = None) -> tuple[Plan, Analysis, SearchResult]:
     """Plan ``req``: returns (Plan, Analysis, SearchResult). Raises InfeasibleError (exit 1) when nothing fits."""
     engine = get_engine(req.engine)  # unknown engine: a clear error before any work
     cluster = hardware.parse_gpus(
-        req.gpus,
-        gpus_per_node=req.gpus_per_node,
-        inter_node_gbps=req.inter_node_gbps,
-        profiles=hardware.available_profiles(req.hardware_profiles),
+        req.cluster.gpus,
+        gpus_per_node=req.cluster.gpus_per_node,
+        inter_node_gbps=req.cluster.inter_node_gbps,
+        profiles=hardware.available_profiles(req.cluster.hardware_profiles),
     )
-    if req.dtype == "fp8":  # Transformer Engine FP8: bf16 weights and activations, FP8 GEMMs
-        req = replace(req, fp8=True)
+    if req.model.dtype == "fp8":  # Transformer Engine FP8: bf16 weights and activations, FP8 GEMMs
+        req = req.but(fp8=True)
     analysis = analyze_model(
-        req.model_file,
-        req.model_args,
-        req.cost_micro_batch,
-        "bf16" if req.fp8 else req.dtype,
-        list(req.leaf),
-        req.tracer,
+        req.model.model_file,
+        req.model.model_args,
+        req.model.cost_micro_batch,
+        "bf16" if req.memory.fp8 else req.model.dtype,
+        list(req.model.leaf),
+        req.model.tracer,
         sub_block_cuts=True,
         progress=progress,
     )
-    problem = engine.architecture_problem(analysis.costs.architecture, Path(req.model_file).name)
+    problem = engine.architecture_problem(analysis.costs.architecture, Path(req.model.model_file).name)
     gap = engine.architecture_from_config(*analysis.transformers, analysis.costs.seq_len)[1] if analysis.transformers else None
     if problem and analysis.costs.architecture is None and gap is not None:
         # a transformers model: say why no shape was derived, not that a file lacks a function
         runs_as_is = [s.name for s in ENGINES.values() if s.rules.runs_model_file]
         problem = (
-            f"{req.model_file}: {engine.name} builds its own model from flags, and no shape for it is derived from its transformers config: {gap}.",
+            f"{req.model.model_file}: {engine.name} builds its own model from flags, and no shape for it is derived from its transformers config: {gap}.",
             f"Plan it with {' or '.join(f'--engine {n}' for n in runs_as_is)}, which run the model as transformers builds it.",
         )
     if problem:
         raise UsageError(*problem)
-    modules = engine.recompute_module_problems(req.recompute_modules, analysis.costs)
+    modules = engine.recompute_module_problems(req.memory.recompute_modules, analysis.costs)
     if modules:
-        raise UsageError(f"--recompute-modules {','.join(req.recompute_modules)}: {'; '.join(modules)}.", "Drop the modules named, or plan another model.")
+        raise UsageError(
+            f"--recompute-modules {','.join(req.memory.recompute_modules)}: {'; '.join(modules)}.", "Drop the modules named, or plan another model."
+        )
     loss = analysis.costs.loss
-    if loss is not None and loss.coupling and req.micro_batch is None:
+    if loss is not None and loss.coupling and req.pins.micro_batch is None:
         # a micro-batch of one sample makes a batch-coupled loss degenerate (a contrastive loss over one pair is 0)
-        req = replace(req, micro_batches=tuple(b for b in req.micro_batches if b >= COUPLED_MIN_MICRO_BATCH))
+        req = req.but(micro_batches=tuple(b for b in req.knobs.micro_batches if b >= COUPLED_MIN_MICRO_BATCH))
     measured: dict[str, dict[int, tuple[float, float]]] = {}
     profile_notes: list[str] = []
-    if req.profile:
-        measured, profile_notes = match_profile(req.profile, analysis, cluster)
-    if req.bounds is not None:
-        result = evaluate_pinned(analysis.costs, cluster, replace(req, measured=measured))
+    if req.cluster.profile:
+        measured, profile_notes = match_profile(req.cluster.profile, analysis, cluster)
+    if req.pins.bounds is not None:
+        result = evaluate_pinned(analysis.costs, cluster, req.but(measured=measured))
     else:
-        result = search(analysis.costs, cluster, replace(req, measured=measured), engine, progress=progress)
+        result = search(analysis.costs, cluster, req.but(measured=measured), engine, progress=progress)
     if result.best is None:
         raise InfeasibleError(*_nothing_fits(analysis.costs, cluster, req, result))
     extra = {
@@ -165,18 +111,33 @@ def analyze_model(*args: Any, **kwargs: Any) -> Analysis:
     return analysis if derived is None else replace(analysis, costs=replace(analysis.costs, architecture=derived))
 
 
-def evaluate_pinned(costs: ModelCosts, cluster: Cluster, req: PlanRequest) -> SearchResult:
+def evaluate_pinned(costs: ModelCosts, cluster: Cluster, req: Settings) -> SearchResult:
     """Price the one layout and stage split ``req`` pins completely (what `smoke` and `validate` re-price)."""
     need = ("pp", "tp", "dp", "vp", "micro_batch", "global_batch", "schedule", "recompute", "zero")
-    missing = [k for k in need if getattr(req, k) is None]
+    given = req.flat()
+    missing = [k for k in need if given[k] is None]
     if missing:
         raise UsageError(f"fixed stage boundaries need the whole layout pinned; missing: {', '.join(missing)}.")
-    pp, tp, dp, vp, b, gb, zero = (int(getattr(req, k)) for k in ("pp", "tp", "dp", "vp", "micro_batch", "global_batch", "zero"))
+    pp, tp, dp, vp, b, gb, zero = (int(given[k]) for k in ("pp", "tp", "dp", "vp", "micro_batch", "global_batch", "zero"))
     base = Layout(
-        req.engine, pp, tp, dp, vp, b, gb // (dp * b), gb, str(req.schedule), str(req.recompute), zero, tp > 1, cp=req.cp or 1, ep=req.ep or 1, etp=req.etp or 1
+        req.engine,
+        pp,
+        tp,
+        dp,
+        vp,
+        b,
+        gb // (dp * b),
+        gb,
+        str(req.pins.schedule),
+        str(req.memory.recompute),
+        zero,
+        tp > 1,
+        cp=req.pins.cp or 1,
+        ep=req.pins.ep or 1,
+        etp=req.pins.etp or 1,
     )
     lay = with_options(base, req, get_engine(req.engine))[-1]
-    ev = evaluate_layout(Context(costs, cluster, req, get_engine(req.engine)), lay, costs.dtype, bounds=req.bounds)
+    ev = evaluate_layout(Context(costs, cluster, req, get_engine(req.engine)), lay, costs.dtype, bounds=req.pins.bounds)
     if isinstance(ev, Rejection):
         return SearchResult(None, [], [ev], 1, 1, gb)
     return SearchResult(ev, [ev], [], 1, 1, gb)
@@ -208,7 +169,7 @@ def _stage_plans(costs: ModelCosts, ev: Evaluation) -> list[StagePlan]:
     return out
 
 
-def build_plan(costs: ModelCosts, cluster: Cluster, req: PlanRequest, result: SearchResult, extra_inputs: dict[str, Any], notes: list[str]) -> Plan:
+def build_plan(costs: ModelCosts, cluster: Cluster, req: Settings, result: SearchResult, extra_inputs: dict[str, Any], notes: list[str]) -> Plan:
     """The Plan record for the best layout of ``result`` (torch-free)."""
     best = result.best
     assert best is not None
@@ -246,15 +207,12 @@ def build_plan(costs: ModelCosts, cluster: Cluster, req: PlanRequest, result: Se
     }
     if costs.loss is not None:
         model["loss"] = costs.loss.to_dict()
-    inputs = req.to_inputs()
-    inputs.update(extra_inputs)
-    inputs["global_batch"] = result.global_batch
     assumptions = {
         "devices": dev_info,
-        "runtime_overhead_bytes": {"context": opts.overhead.context, "communicator": opts.overhead.communicator},
-        "fragmentation_reserve": opts.overhead.fragmentation,
-        "mem_target": req.mem_target,
-        "optimizer": req.optimizer,
+        "runtime_overhead_bytes": {"context": opts.knobs.overhead.context, "communicator": opts.knobs.overhead.communicator},
+        "fragmentation_reserve": opts.knobs.overhead.fragmentation,
+        "mem_target": req.memory.mem_target,
+        "optimizer": req.memory.optimizer,
         "time_sources": sorted(set(best.time_source)),
         "layouts_considered": result.considered,
         "layouts_priced": result.priced,
@@ -268,7 +226,8 @@ def build_plan(costs: ModelCosts, cluster: Cluster, req: PlanRequest, result: Se
         ranks=ranks,
         predicted=best.predicted,
         alternatives=alts,
-        inputs=inputs,
+        settings=req.but(global_batch=result.global_batch),
+        provenance=dict(extra_inputs),
         model=model,
         cluster=cluster.to_dict(),
         assumptions=assumptions,
@@ -334,7 +293,7 @@ def shortfall(need_bytes: float | None, capacity_bytes: float | None) -> str:
     return f"{short / GiB:.1f} GiB" if short >= 0.1 * GiB else f"{max(1, round(short / 2**20))} MiB"
 
 
-def _nothing_fits(costs: ModelCosts, cluster: Cluster, req: PlanRequest, result: SearchResult) -> tuple[str, str]:
+def _nothing_fits(costs: ModelCosts, cluster: Cluster, req: Settings, result: SearchResult) -> tuple[str, str]:
     """The message and the smallest change that would fit, for an InfeasibleError."""
     mem_rejects = sorted((r for r in result.rejected if r.kind.is_memory and r.need_bytes is not None), key=lambda r: (r.overflow, r.lower_bound))
     closest = ""
@@ -352,13 +311,13 @@ def _nothing_fits(costs: ModelCosts, cluster: Cluster, req: PlanRequest, result:
         )
     msg = f"No layout of {human_count(costs.total_params)} parameters fits on {cluster.spec} ({cluster.world_size} GPUs) with engine {req.engine}.{closest}"
     hints = []
-    if req.recompute not in (None, "full"):
-        if _fits(costs, cluster, replace(req, recompute="full")):
+    if req.memory.recompute not in (None, "full"):
+        if _fits(costs, cluster, req.but(recompute="full")):
             hints.append("--recompute full would fit")
-    if req.micro_batch not in (None, 1):
-        if _fits(costs, cluster, replace(req, micro_batch=1)):
+    if req.pins.micro_batch not in (None, 1):
+        if _fits(costs, cluster, req.but(micro_batch=1)):
             hints.append("--micro-batch 1 would fit")
-    if req.mem_target < 1.0 and _fits(costs, cluster, replace(req, mem_target=1.0)):
+    if req.memory.mem_target < 1.0 and _fits(costs, cluster, req.but(mem_target=1.0)):
         hints.append("--mem-target 1.0 would fit (no headroom: risky)")
     more = _smallest_fitting_cluster(costs, cluster, req)
     if more:
@@ -369,7 +328,7 @@ def _nothing_fits(costs: ModelCosts, cluster: Cluster, req: PlanRequest, result:
     if not hints and experts:
         # an engine without expert parallelism holds all of a layer's experts on every GPU of a stage
         for other in sharding:
-            more = _smallest_fitting_cluster(costs, cluster, replace(req, engine=other.name), start=1)
+            more = _smallest_fitting_cluster(costs, cluster, req.but(engine=other.name), start=1)
             if more:
                 on = "" if more[0] == 1 else f" on {more[1]}"
                 hints.append(f"--engine {other.name} (expert parallelism shards the experts){on} would fit")
@@ -378,7 +337,9 @@ def _nothing_fits(costs: ModelCosts, cluster: Cluster, req: PlanRequest, result:
         hint = "Smallest change that fits: " + "; ".join(hints) + "."
     else:
         # the search already tried full recomputation and micro-batch 1 unless they were pinned to something else
-        untried = [o for o, pinned in (("--recompute full", req.recompute), ("--micro-batch 1", req.micro_batch)) if pinned not in (None, "full", 1)]
+        untried = [
+            o for o, pinned in (("--recompute full", req.memory.recompute), ("--micro-batch 1", req.pins.micro_batch)) if pinned not in (None, "full", 1)
+        ]
         hint = "Try more GPUs, " + ", ".join([*untried, "or a device with more memory."]) if untried else "Try more GPUs or a device with more memory."
     if not engine.tensor_parallel:
         for other in _engines_for(costs, req.engine, lambda e: e.tensor_parallel and (e.expert_parallel or not experts)):
@@ -403,7 +364,7 @@ def _engines_for(costs: ModelCosts, current: str, has: Callable[[Any], bool]) ->
     ]
 
 
-def _smallest_fitting_cluster(costs: ModelCosts, cluster: Cluster, req: PlanRequest, start: int = 2) -> tuple[int, str] | None:
+def _smallest_fitting_cluster(costs: ModelCosts, cluster: Cluster, req: Settings, start: int = 2) -> tuple[int, str] | None:
     """(k, 'N GPUs (spec)') of the smallest k of ``start``, 2 x ``start`` ... 32 such that k times the nodes of a
     one-group ``cluster`` fit a layout (the resolved group: a custom profile, --gpus-per-node and --inter-node-gbps
     included), with the pipeline and data-parallel degrees left to the search; None if none does or the cluster is mixed."""
@@ -414,21 +375,20 @@ def _smallest_fitting_cluster(costs: ModelCosts, cluster: Cluster, req: PlanRequ
     while k <= 32 and g.size * k <= MAX_WORLD_SIZE:
         spec = f"{g.nodes * k}x{g.gpus_per_node}x{g.device.key}"
         bigger = Cluster(groups=(replace(g, nodes=g.nodes * k),), spec=spec, notes=cluster.notes)
-        if _fits(costs, bigger, replace(req, pp=None, dp=None)):
+        if _fits(costs, bigger, req.but(pp=None, dp=None)):
             return k, f"{bigger.world_size} GPUs ({spec})"
         k *= 2
     return None
 
 
-def _fits(costs: ModelCosts, cluster: Cluster, req: PlanRequest) -> bool:
+def _fits(costs: ModelCosts, cluster: Cluster, req: Settings) -> bool:
     """Whether any layout fits; only the leanest options are tried (micro-batch 1, full recompute, ZeRO) unless pinned."""
-    lean = replace(
-        req,
-        micro_batch=req.micro_batch or min(req.micro_batches),
-        recompute=req.recompute or "full",
-        zero=req.zero if req.zero is not None else max(get_engine(req.engine).zero_levels),
+    lean = req.but(
+        micro_batch=req.pins.micro_batch or min(req.knobs.micro_batches),
+        recompute=req.memory.recompute or "full",
+        zero=req.pins.zero if req.pins.zero is not None else max(get_engine(req.engine).zero_levels),
     )
     try:
-        return search(costs, cluster, replace(lean, top_k=1), get_engine(req.engine)).best is not None
+        return search(costs, cluster, lean.but(top_k=1), get_engine(req.engine)).best is not None
     except UsageError:
         return False

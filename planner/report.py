@@ -61,7 +61,7 @@ def most_loaded_rank(plan: Plan) -> int:
 
 
 def _target(plan: Plan) -> float:
-    return float(plan.assumptions.get("mem_target", plan.inputs.get("mem_target", 0.85)) or 0.85)
+    return float(plan.assumptions.get("mem_target", plan.settings.memory.mem_target) or 0.85)
 
 
 def _ms(seconds: float) -> str:
@@ -160,7 +160,7 @@ def memory_bar_text(components: Mapping[str, float], capacity: float, target: fl
 
 def _time_sources_text(plan: Plan) -> str:
     src = list(plan.assumptions.get("time_sources", ["analytical"]))
-    prof = plan.inputs.get("profile")
+    prof = plan.settings.cluster.profile
     if src == ["measured"]:
         return f"measured per-layer times ({prof or 'profile.json'})"
     if "measured" in src:
@@ -257,7 +257,7 @@ def print_summary(console: Console, plan: Plan, result: SearchResult | None = No
     """
     lay, pr = plan.layout, plan.predicted
     world = lay.world
-    spec = plan.cluster.get("spec") or plan.inputs.get("gpus") or f"{world} GPUs"
+    spec = plan.cluster.get("spec") or plan.settings.cluster.gpus or f"{world} GPUs"
     head = Text()
     head.append(f"{lay.engine}", style="bold")
     head.append(f" on {spec}: ")
@@ -340,8 +340,8 @@ def explain(console: Console, plan_dir: str | Path) -> Plan:
 
 def _model_name(plan: Plan) -> str:
     """``gpt2.py (preset=gpt2-xl)``: the model file's name and its arguments, for titles."""
-    name = Path(str(plan.inputs.get("model_file", "model"))).name
-    args = ", ".join(f"{k}={v}" for k, v in sorted(plan.inputs.get("model_args", {}).items()))
+    name = Path(str(plan.settings.model.model_file or "model")).name
+    args = ", ".join(f"{k}={v}" for k, v in sorted((plan.settings.model.model_args or {}).items()))
     return f"{name} ({args})" if args else name
 
 
@@ -456,7 +456,7 @@ def _report_context(plan: Plan, command: str) -> dict[str, Any]:
     else:
         why = "It is the only layout that was priced: every other candidate was rejected (see below) or pinned out by the command."
     devices = []
-    dtype = plan.model.get("dtype") or plan.inputs.get("dtype") or "bf16"
+    dtype = plan.model.get("dtype") or plan.settings.model.dtype or "bf16"
     for key, d in sorted(plan.assumptions.get("devices", {}).items()):
         peak = d.get("peak_flops", {})
         devices.append(
@@ -480,14 +480,14 @@ def _report_context(plan: Plan, command: str) -> dict[str, Any]:
     return {
         "command": command,
         "command_code": code_span(command),
-        "model_file": code_span(plan.inputs.get("model_file", "?")),
+        "model_file": code_span(plan.settings.model.model_file or "?"),
         "model_name": markdown_text(_model_name(plan)),
-        "model_args": markdown_text(", ".join(f"{k}={v}" for k, v in sorted(plan.inputs.get("model_args", {}).items())) or "none"),
-        "sha256": code_span(plan.inputs.get("model_file_sha256", "")),
+        "model_args": markdown_text(", ".join(f"{k}={v}" for k, v in sorted((plan.settings.model.model_args or {}).items())) or "none"),
+        "sha256": code_span(plan.provenance.get("model_file_sha256", "")),
         "params": _count(plan.model.get("params", 0)),
         "seq_len": plan.model.get("seq_len"),
         "dtype": dtype,
-        "cluster": markdown_text(plan.cluster.get("spec") or plan.inputs.get("gpus", "")),
+        "cluster": markdown_text(plan.cluster.get("spec") or plan.settings.cluster.gpus),
         "cluster_notes": [markdown_text(n) for n in plan.cluster.get("notes", [])],
         "world": world,
         "lay": lay,
@@ -524,11 +524,11 @@ def _report_context(plan: Plan, command: str) -> dict[str, Any]:
         "context_gib": f"{overhead.get('context', 0) / GiB:.2f}",
         "communicator_gib": f"{overhead.get('communicator', 0) / GiB:.2f}",
         "fragmentation": f"{float(plan.assumptions.get('fragmentation_reserve', 0)):.0%}",
-        "optimizer": plan.assumptions.get("optimizer", plan.inputs.get("optimizer", "adam")),
+        "optimizer": plan.assumptions.get("optimizer", plan.settings.memory.optimizer),
         "time_sources": src,
         "measured": "measured" in src,
         "all_measured": src == ["measured"],
-        "profile": code_span(plan.inputs.get("profile") or "profile.json"),
+        "profile": code_span(plan.settings.cluster.profile or "profile.json"),
         "notes": [markdown_text(n) for n in plan.notes],
     }
 

@@ -478,7 +478,7 @@ def _stage_list(stages: Sequence[int]) -> str:
 def memory_svg(plan: Plan, command: str | None = None) -> str:
     """memory.svg: stacked memory components per GPU against capacity and the planning target (GiB)."""
     bars = memory_bars(plan)
-    target = float(plan.assumptions.get("mem_target", plan.inputs.get("mem_target", 0.85)) or 0.85)
+    target = float(plan.assumptions.get("mem_target", plan.settings.memory.mem_target) or 0.85)
     n = len(bars)
     slot = max(22.0, min(96.0, 760.0 / max(1, n)))
     bar_w = slot * 0.62

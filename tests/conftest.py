@@ -73,11 +73,12 @@ def model_file(tmp: Path, name: str = "model.py", prelude: str = "", build: str 
 @pytest.fixture(scope="module")
 def tiny_plan(tmp_path_factory):
     """One real plan of the tiny model (deepspeed, 2 GPUs) and its model file."""
-    from planner.planning import PlanRequest, plan_model
+    from planner.planning import plan_model
+    from planner.solve.settings import Settings
 
     d = tmp_path_factory.mktemp("model")
     m = model_file(d)
-    plan, _, _ = plan_model(PlanRequest(model_file=str(m), model_args={}, gpus="2xA100", engine="deepspeed", pp=2))
+    plan, _, _ = plan_model(Settings.of(model_file=str(m), model_args={}, gpus="2xA100", engine="deepspeed", pp=2))
     return plan, m
 
 

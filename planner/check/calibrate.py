@@ -45,10 +45,11 @@ from planner.check.run_logs import RunMeasurement, read_log, read_smoke
 from planner.engines import ENGINES, get_spec
 from planner.errors import UsageError
 from planner.model_ref import ref_exists, resolve_recorded, resolve_ref
-from planner.planning import PlanRequest, evaluate_pinned
+from planner.planning import evaluate_pinned
 from planner.solve.memory import RuntimeOverhead
 from planner.solve.plan import Plan, load_plan
 from planner.solve.search import Evaluation
+from planner.solve.settings import Settings
 
 SENSITIVITY = 0.01  # d log(step) / d log(parameter) below this in every run: the runs do not identify the parameter
 RCOND = 0.05  # singular values below this fraction of the largest are not fitted (ill-determined combinations)
@@ -105,7 +106,7 @@ class Run:
 
     name: str
     plan_dir: str
-    request: PlanRequest
+    request: Settings
     costs: Any  # ModelCosts
     device_key: str
     profiles: dict[str, hardware.DeviceProfile]
@@ -117,7 +118,7 @@ class Run:
         """The planner's evaluation of this run's layout with ``device`` standing for the run's device."""
         profiles = {**self.profiles, self.device_key: replace(device, key=self.device_key)}
         req = self.request
-        cluster = hardware.parse_gpus(req.gpus, gpus_per_node=req.gpus_per_node, inter_node_gbps=req.inter_node_gbps, profiles=profiles)
+        cluster = hardware.parse_gpus(req.cluster.gpus, gpus_per_node=req.cluster.gpus_per_node, inter_node_gbps=req.cluster.inter_node_gbps, profiles=profiles)
         res = evaluate_pinned(self.costs, cluster, req)
         if res.best is None:
             reason = res.rejected[0].reason if res.rejected else "no reason recorded"
@@ -129,7 +130,7 @@ class Run:
 
 def _model_path(plan: Plan, plan_dir: Path) -> str:
     """The model plan.json names (recorded relative to the plan directory), or as recorded by an older plan."""
-    recorded = str(plan.inputs["model_file"])
+    recorded = str(plan.settings.model.model_file)
     here = resolve_ref(recorded, plan_dir)
     return here if ref_exists(here) else recorded
 
@@ -182,33 +183,48 @@ class _Analyses:
     def __init__(self):
         self._cache: dict[tuple[Any, ...], Any] = {}
 
-    def get(self, req: PlanRequest):
+    def get(self, req: Settings):
         from planner.planning import analyze_model
 
-        key = (req.model_file, repr(sorted(req.model_args.items())), req.cost_micro_batch, req.dtype, tuple(req.leaf), req.tracer)
+        key = (
+            req.model.model_file,
+            repr(sorted(req.model.model_args.items())),
+            req.model.cost_micro_batch,
+            req.model.dtype,
+            tuple(req.model.leaf),
+            req.model.tracer,
+        )
         if key not in self._cache:
-            self._cache[key] = analyze_model(req.model_file, req.model_args, req.cost_micro_batch, req.dtype, list(req.leaf), req.tracer, sub_block_cuts=True)
+            self._cache[key] = analyze_model(
+                req.model.model_file,
+                req.model.model_args,
+                req.model.cost_micro_batch,
+                req.model.dtype,
+                list(req.model.leaf),
+                req.model.tracer,
+                sub_block_cuts=True,
+            )
         return self._cache[key]
 
 
-def _finish_run(name: str, plan_dir: Path, plan: Plan, req: PlanRequest, m: RunMeasurement, analyses: _Analyses, notes: list[str]) -> Run:
+def _finish_run(name: str, plan_dir: Path, plan: Plan, req: Settings, m: RunMeasurement, analyses: _Analyses, notes: list[str]) -> Run:
     a = analyses.get(req)
-    want = plan.inputs.get("model_file_sha256")
+    want = plan.provenance.get("model_file_sha256")
     if want and a.model_file.sha256 != want:
         raise _mismatch(
             plan_dir,
-            f"the model file {req.model_file} changed since the plan was made (sha256 {a.model_file.sha256[:12]}..., plan.json recorded {want[:12]}...)",
+            f"the model file {req.model.model_file} changed since the plan was made (sha256 {a.model_file.sha256[:12]}..., plan.json recorded {want[:12]}...)",
             m.source,
         )
-    profiles = hardware.available_profiles(req.hardware_profiles)
-    cluster = hardware.parse_gpus(req.gpus, gpus_per_node=req.gpus_per_node, inter_node_gbps=req.inter_node_gbps, profiles=profiles)
+    profiles = hardware.available_profiles(req.cluster.hardware_profiles)
+    cluster = hardware.parse_gpus(req.cluster.gpus, gpus_per_node=req.cluster.gpus_per_node, inter_node_gbps=req.cluster.inter_node_gbps, profiles=profiles)
     keys = {g.device.key for g in cluster.groups}
     if len(keys) != 1:
         raise UsageError(
             f"run {name} ran on several kinds of device ({', '.join(sorted(keys))}); a profile describes one.",
             "Calibrate each device from runs on that device alone.",
         )
-    return Run(name, str(plan_dir), req, a.costs, keys.pop(), profiles, m, m.step_time(req.global_batch), notes)
+    return Run(name, str(plan_dir), req, a.costs, keys.pop(), profiles, m, m.step_time(req.pins.global_batch), notes)
 
 
 def run_from_smoke(plan_dir: str | Path, analyses: _Analyses | None = None) -> Run:
@@ -225,16 +241,16 @@ def run_from_smoke(plan_dir: str | Path, analyses: _Analyses | None = None) -> R
     req, _ = scaled_request(plan, plan_dir, int(doc.get("ranks") or plan.layout.pp * plan.layout.dp), device, _smoke_model_args(doc))
     ran = doc.get("layout") or {}
     for key in ("pp", "dp", "tp", "vp", "micro_batch", "schedule", "recompute", "zero", "global_batch"):
-        if key in ran and ran[key] != getattr(req, key):
+        if key in ran and ran[key] != req.flat()[key]:
             raise _mismatch(
-                plan_dir, f"smoke.json ran {key} = {ran[key]}, the plan scales to {getattr(req, key)} (was the plan changed after the run?)", m.source
+                plan_dir, f"smoke.json ran {key} = {ran[key]}, the plan scales to {req.flat()[key]} (was the plan changed after the run?)", m.source
             )
     rows = doc.get("per_rank") or doc.get("ranks_stats") or []
-    bounds_ran = _bounds_from_stats(rows) or req.bounds
+    bounds_ran = _bounds_from_stats(rows) or req.pins.bounds
     notes = []
     if bounds_ran is None:
         notes.append("stage boundaries not recorded: re-split by the planner with the base profile")
-    req = replace(req, bounds=bounds_ran, mem_target=1.0, profile=None)
+    req = req.but(bounds=bounds_ran, mem_target=1.0, profile=None)
     analyses = analyses or _Analyses()
     run = _finish_run(f"{plan_dir.name} (smoke)", plan_dir, plan, req, m, analyses, notes)
     recorded = (doc.get("predicted") or {}).get("step_time_s")
@@ -250,10 +266,10 @@ def run_from_smoke(plan_dir: str | Path, analyses: _Analyses | None = None) -> R
     return run
 
 
-def _plan_request(plan: Plan, plan_dir: Path) -> PlanRequest:
+def _plan_request(plan: Plan, plan_dir: Path) -> Settings:
     bounds_ = tuple([s.pieces[0] for s in plan.stages] + [plan.stages[-1].pieces[1]])
-    profiles = resolve_recorded(plan.inputs.get("hardware_profiles") or (), plan_dir)
-    return PlanRequest.pinned_to(plan.inputs, plan.layout, bounds_, model_file=_model_path(plan, plan_dir), hardware_profiles=profiles)
+    profiles = resolve_recorded(plan.settings.cluster.hardware_profiles or (), plan_dir)
+    return Settings.pinned_to(plan.inputs, plan.layout, bounds_, model_file=_model_path(plan, plan_dir), hardware_profiles=profiles)
 
 
 _MEGATRON_LAYOUT = (

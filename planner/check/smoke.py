@@ -127,8 +127,8 @@ def _cuda_count() -> int:
 
 
 def scaled_request(plan: Plan, plan_dir: Path, ranks: int, device: str, model_args: dict[str, Any]):
-    """The PlanRequest that reproduces ``plan`` on ``ranks`` local ranks, and the notes saying what changed."""
-    from planner.planning import PlanRequest
+    """The Settings that reproduces ``plan`` on ``ranks`` local ranks, and the notes saying what changed."""
+    from planner.solve.settings import Settings
 
     lay = plan.layout
     notes: list[str] = []
@@ -156,7 +156,7 @@ def scaled_request(plan: Plan, plan_dir: Path, ranks: int, device: str, model_ar
     # The scaled plan is traced in the plan's dtype and its ranks run in fp32 on CPU (the scripts' --precision, as for
     # the committed files): the tracer's sub-block cuts depend on byte counts (RMSNorm's fp32 upcast splits only an
     # fp32 trace), so a trace in fp32 has other pieces, and the plan's stage boundaries would not fit them.
-    dtype = plan.inputs.get("dtype", "bf16")
+    dtype = plan.settings.model.dtype
     if device == "cpu" and dtype != "fp32":
         notes.append(f"precision {dtype} -> fp32 (CPU; exact comparison with the single-process run)")
         dtype = "bf16" if dtype == "fp8" else dtype  # FP8 GEMMs are a GPU's; their plan traces in bf16
@@ -168,9 +168,9 @@ def scaled_request(plan: Plan, plan_dir: Path, ranks: int, device: str, model_ar
     if pp == lay.pp:
         bounds = tuple([s.pieces[0] for s in plan.stages] + [plan.stages[-1].pieces[1]])
     gpus = f"{world}xcpu" if device == "cpu" else f"{world}x{plan.stages[0].device}"
-    if gpus.lower() != str(plan.inputs.get("gpus", "")).lower():
-        notes.append(f"cluster {plan.inputs.get('gpus')} -> {gpus} (this machine)")
-    req = PlanRequest.pinned_to(
+    if gpus.lower() != str(plan.settings.cluster.gpus).lower():
+        notes.append(f"cluster {plan.settings.cluster.gpus} -> {gpus} (this machine)")
+    req = Settings.pinned_to(
         inputs,
         lay,
         bounds,
@@ -444,7 +444,7 @@ def smoke(
 
     work = Path(tempfile.mkdtemp(prefix="planner-smoke-"))
     try:
-        layout_kept = req.pp == plan.layout.pp and req.dp == plan.layout.dp and not model_args
+        layout_kept = req.pins.pp == plan.layout.pp and req.pins.dp == plan.layout.dp and not model_args
         if layout_kept and (plan_dir / part.SCRIPT).is_file():
             # the committed files themselves run (precision is a flag of the scripts)
             small, run_dir = plan, plan_dir
@@ -505,7 +505,7 @@ def _run(
         "--plan",
         "plan.json",
         "--model",
-        resolve_ref(req.model_file, Path.cwd()),
+        resolve_ref(req.model.model_file, Path.cwd()),
         "--steps",
         str(steps),
         "--seed",
@@ -562,7 +562,7 @@ def _loss_checks(result: SmokeResult, work: Path, small: Plan, req, steps: int, 
     result.losses = losses
     finite = all(math.isfinite(x) for x in losses) and len(losses) == steps
     result.checks.append(Check("every loss finite", finite, f"{len(losses)} steps: " + ", ".join(f"{x:.6g}" for x in losses)))
-    _, ref = reference_run(small, req.model_file, steps, seed, device)
+    _, ref = reference_run(small, req.model.model_file, steps, seed, device)
     result.reference_losses = ref
     diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref)]
     result.max_relative_difference = max(diffs) if diffs else None

@@ -31,7 +31,7 @@ import json
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from planner.fileio import read_text_bounded, strict_json
 from planner.findings import Finding, exit_code, format_findings, sort_findings
 from planner.json_doc import JsonError, parse_json
 from planner.model_ref import ref_exists, resolve_recorded, resolve_ref, split_ref
+from planner.solve.settings import ModelSettings
 
 GiB = 1024**3
 
@@ -410,13 +411,13 @@ def _unit_context(run: _Run, u: Unit) -> _Ctx:
                 ctx.plan_file,
                 _json_line(text, "gpus") or 1,
                 f"--gpus {opts.gpus} is {ctx.world} GPUs but plan.json was planned for {planned_world} "
-                f"({ctx.plan.inputs.get('gpus', '?')}: pp {lay.pp} x tp {lay.tp}{_cp_text(lay)} x dp {lay.dp}).",
+                f"({ctx.plan.settings.cluster.gpus or '?'}: pp {lay.pp} x tp {lay.tp}{_cp_text(lay)} x dp {lay.dp}).",
                 "re-plan for this cluster, or pass the --gpus the plan was made for",
             )
-    elif ctx.plan is not None and ctx.plan.inputs.get("gpus"):
+    elif ctx.plan is not None and ctx.plan.settings.cluster.gpus:
         try:
-            ctx.cluster = run.cluster(ctx.plan.inputs["gpus"], ctx.plan.inputs, u.directory)
-            ctx.cluster_source = f"plan.json ({ctx.plan.inputs['gpus']})"
+            ctx.cluster = run.cluster(ctx.plan.settings.cluster.gpus, ctx.plan.inputs, u.directory)
+            ctx.cluster_source = f"plan.json ({ctx.plan.settings.cluster.gpus})"
         except PlannerError:
             ctx.cluster = None
         ctx.world = planned_world
@@ -546,7 +547,7 @@ def _memory_plan(run: _Run, ctx: _Ctx) -> None:
     if ctx.cluster is None:
         run.add("MEM003", rel, line, "memory not checked: no hardware known.", "pass --gpus SPEC")
         return
-    costs = _costs(run, ctx, rel, line, plan.inputs.get("dtype") or "bf16")
+    costs = _costs(run, ctx, rel, line, plan.settings.model.dtype or "bf16")
     if costs is None:
         return
     stages = sorted(plan.stages, key=lambda s: s.index)
@@ -570,7 +571,7 @@ def _model_path(run: _Run, ctx: _Ctx) -> tuple[Path | None, str]:
     someone else's plan directory must not run their code)."""
     if run.opts.model:
         return Path(run.opts.model), "--model"
-    recorded = ctx.plan.inputs.get("model_file") if ctx.plan is not None else None
+    recorded = ctx.plan.settings.model.model_file if ctx.plan is not None else None
     if isinstance(recorded, str) and split_ref(recorded)[0] is not None:
         spec = resolve_ref(recorded, ctx.unit.directory)
         if not ref_exists(spec):
@@ -589,10 +590,10 @@ def _costs(run: _Run, ctx: _Ctx, rel: str, line: int, dtype: str):
         return None
     if not ref_exists(str(model)):
         raise UsageError(f"--model {str(model)!r} is not a file.", _MODEL_HINT)
-    inputs = ctx.plan.inputs if ctx.plan is not None else {}
-    model_args = run.opts.model_args if run.opts.model_args is not None else dict(inputs.get("model_args") or {})
+    asked = ctx.plan.settings.model if ctx.plan is not None else ModelSettings()
+    model_args = run.opts.model_args if run.opts.model_args is not None else dict(asked.model_args or {})
     try:
-        return run.costs(model, model_args, int(inputs.get("cost_micro_batch") or 1), dtype, inputs.get("leaf") or (), inputs.get("tracer") or "auto")
+        return run.costs(model, model_args, int(asked.cost_micro_batch or 1), dtype, tuple(asked.leaf or ()), asked.tracer or "auto")
     except PlannerError as e:
         run.add("MEM003", rel, line, f"memory not checked: the model file could not be analysed: {e.message}", e.hint or "fix the model file")
         return None
@@ -601,12 +602,13 @@ def _costs(run: _Run, ctx: _Ctx, rel: str, line: int, dtype: str):
 def _memory(run: _Run, ctx: _Ctx, rel: str, line: int, layout, bounds: tuple[Any, ...], split: str, costs) -> None:
     """Price ``layout`` with ``bounds`` (planner.solve.search.evaluate_layout) and report ranks that do not fit."""
     from planner.engines import get_engine
-    from planner.solve.search import Context, Evaluation, SearchOptions, price_layout
+    from planner.solve.search import Context, Evaluation, price_layout
+    from planner.solve.settings import Settings
 
     plan = ctx.plan
-    optimizer = (plan.inputs.get("optimizer") if plan is not None else None) or "adam"
-    target = float((plan.inputs.get("mem_target") if plan is not None else None) or 0.85)
-    opts = SearchOptions(engine=layout.engine, optimizer=optimizer)
+    optimizer = (plan.settings.memory.optimizer if plan is not None else None) or "adam"
+    target = float((plan.settings.memory.mem_target if plan is not None else None) or 0.85)
+    opts = Settings.of(engine=layout.engine, optimizer=optimizer)
     try:  # priced, not judged: capacity and the memory target are compared here
         ev = price_layout(Context(costs, ctx.cluster, opts, get_engine(layout.engine)), layout, costs.dtype, bounds=bounds)
     except PlannerError as e:
@@ -700,8 +702,9 @@ def _diff(rel: str, old: str | None, new: str) -> tuple[str, int]:
 
 
 def _check_drift(run: _Run, ctx: _Ctx) -> None:
-    from planner.planning import PlanRequest, plan_model
+    from planner.planning import plan_model
     from planner.render import MARKER, render_files
+    from planner.solve.settings import Settings
 
     plan, u = ctx.plan, ctx.unit
     rel_plan = ctx.plan_file
@@ -750,15 +753,12 @@ def _check_drift(run: _Run, ctx: _Ctx) -> None:
             same = Path(recorded).is_file() and os.path.samefile(recorded, model)
         except OSError:
             same = False
-    names = {f.name for f in fields(PlanRequest)}
-    kw = {k: v for k, v in inputs.items() if k in names}
-    kw["model_file"] = recorded if same else ref
+    kw: dict[str, Any] = {"model_file": recorded if same else ref}
     if run.opts.model_args is not None:
         kw["model_args"] = dict(run.opts.model_args)
-    kw["leaf"] = tuple(kw.get("leaf") or ())
-    kw["hardware_profiles"] = resolve_recorded(kw.get("hardware_profiles") or (), u.directory)
+    kw["hardware_profiles"] = resolve_recorded(inputs.get("hardware_profiles") or (), u.directory)
     try:
-        new_plan, _, _ = plan_model(PlanRequest(**kw))
+        new_plan, _, _ = plan_model(Settings.from_inputs(inputs, **kw))
     except PlannerError as e:
         replan_failed(e)
         return

@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 import json
 import os
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from planner.model_ref import relative_ref
 from planner.report import report_files
 from planner.safe_dir import Outside, SafeDir, check_rel, sha256_bytes
 from planner.solve.plan import Plan
+from planner.solve.settings import SECTIONS
 from planner.templating import one_line, render_template, shell_quote
 
 __all__ = [
@@ -128,14 +129,15 @@ def check_output_dir(path: str | Path, force: bool = False) -> None:
 def canonical_plan(plan: Plan, out_dir: Path) -> Plan:
     """``plan`` with the files it names (model file, hardware profiles, measured profile) recorded relative to
     ``out_dir``, so the bytes do not depend on where we ran and the recorded command works in the plan directory."""
-    inputs = dict(plan.inputs)
-    if inputs.get("model_file"):
-        inputs["model_file"] = relative_ref(str(inputs["model_file"]), out_dir)
-    if inputs.get("hardware_profiles"):
-        inputs["hardware_profiles"] = [relative_ref(str(p), out_dir) for p in inputs["hardware_profiles"]]
-    if inputs.get("profile"):
-        inputs["profile"] = relative_ref(str(inputs["profile"]), out_dir)
-    return replace(plan, inputs=inputs)
+    model, cluster = plan.settings.model, plan.settings.cluster
+    paths: dict[str, Any] = {}
+    if model.model_file:
+        paths["model_file"] = relative_ref(str(model.model_file), out_dir)
+    if cluster.hardware_profiles:
+        paths["hardware_profiles"] = tuple(relative_ref(str(p), out_dir) for p in cluster.hardware_profiles)
+    if cluster.profile:
+        paths["profile"] = relative_ref(str(cluster.profile), out_dir)
+    return replace(plan, settings=plan.settings.but(**paths))
 
 
 def _arg_text(value: Any) -> str:
@@ -150,37 +152,21 @@ def _arg_text(value: Any) -> str:
     return repr(value)
 
 
-#: (flag, plan.json inputs key, default that is left out)
-_FLAGS = (
-    ("--dtype", "dtype", "bf16"),
-    ("--tracer", "tracer", "auto"),
-    ("--gpus-per-node", "gpus_per_node", None),
-    ("--inter-node-gbps", "inter_node_gbps", None),
-    ("--global-batch", "global_batch", None),
-    ("--pp", "pp", None),
-    ("--tp", "tp", None),
-    ("--dp", "dp", None),
-    ("--vp", "vp", None),
-    ("--micro-batch", "micro_batch", None),
-    ("--schedule", "schedule", None),
-    ("--recompute", "recompute", None),
-    ("--zero", "zero", None),
-    ("--mem-target", "mem_target", 0.85),
-    ("--profile", "profile", None),
-    ("--cp", "cp", None),
-    ("--ep", "ep", None),
-    ("--etp", "etp", None),
-    ("--main-grads-dtype", "main_grads_dtype", "fp32"),
-    ("--optimizer-state-dtype", "optimizer_state_dtype", "fp32"),
-)
-#: (flag when True, flag when False, plan.json inputs key): pinned switches; None (searched or the engine's default) is left out
-_SWITCHES = (
-    ("--tp-comm-overlap", "--no-tp-comm-overlap", "tp_comm_overlap"),
-    ("--overlap-grad-reduce", "--no-overlap-grad-reduce", "overlap_grad_reduce"),
-    ("--overlap-param-gather", "--no-overlap-param-gather", "overlap_param_gather"),
-    ("--overlap-moe-expert-parallel-comm", "--no-overlap-moe-expert-parallel-comm", "ep_comm_overlap"),
-    ("--fp8-param-gather", None, "fp8_param_gather"),
-)
+#: settings written first and by hand in the canonical command: the argument, the cluster, the engine, repeated options
+_FIRST = ("model_file", "gpus", "engine", "model_args", "leaf", "hardware_profiles")
+
+
+def _setting_words(name: str, flag: str, kind: str, value: Any, default: Any) -> list[str]:
+    """The words of one setting in a `planner plan` command (none where it has its default)."""
+    if value is None or value == default or (kind.startswith("tuple") and not value):
+        return []
+    if kind == "bool | None":
+        return [flag] if value else [f"--no-{flag[2:]}"]
+    if kind == "bool":
+        return [flag] if value else []
+    if kind.startswith("tuple"):
+        return [flag, ",".join(str(v) for v in value)]
+    return [flag, f"{value:g}" if isinstance(value, float) else str(value)]
 
 
 def canonical_command(plan: Plan) -> str:
@@ -189,26 +175,17 @@ def canonical_command(plan: Plan) -> str:
     Built from plan.json's inputs (model path as recorded, i.e. relative to the plan directory), never from
     the command as typed: ``--force``, the working directory and the spelling of ``--out`` leave no trace.
     """
-    inp = plan.inputs
-    words = ["planner", "plan", str(inp.get("model_file", "MODEL.py")), "--gpus", str(inp.get("gpus", "")), "--engine", plan.layout.engine]
-    for k, v in sorted((inp.get("model_args") or {}).items()):
+    inp = plan.settings.flat()
+    words = ["planner", "plan", str(inp["model_file"] or "MODEL.py"), "--gpus", str(inp["gpus"] or ""), "--engine", plan.layout.engine]
+    for k, v in sorted((inp["model_args"] or {}).items()):
         words += ["--model-arg", f"{k}={_arg_text(v)}"]
-    for leaf in inp.get("leaf") or ():
+    for leaf in inp["leaf"] or ():
         words += ["--leaf", str(leaf)]
-    for p in inp.get("hardware_profiles") or ():
+    for p in inp["hardware_profiles"] or ():
         words += ["--hardware-profile", str(p)]
-    for flag, key, default in _FLAGS:
-        v = inp.get(key)
-        if v is not None and v != default:
-            words += [flag, f"{v:g}" if isinstance(v, float) else str(v)]
-    if inp.get("recompute_modules"):
-        words += ["--recompute-modules", ",".join(inp["recompute_modules"])]
-    for on, off, key in _SWITCHES:
-        v = inp.get(key)
-        if v is True:
-            words.append(on)
-        elif v is False and off is not None:
-            words.append(off)
+    for f in (f for cls in SECTIONS.values() for f in fields(cls) if f.metadata["cli"] and f.name not in _FIRST):
+        flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+        words += _setting_words(f.name, flag, str(f.type), inp[f.name], f.default)
     words += ["--out", "."]
     return " ".join(shell_quote(w) if i > 1 else w for i, w in enumerate(words))
 

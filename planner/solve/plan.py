@@ -18,6 +18,7 @@ from planner import __version__
 from planner.errors import UsageError
 from planner.fileio import loads_json_bounded, read_text_bounded
 from planner.solve.mesh import Mesh
+from planner.solve.settings import Settings
 
 SCHEMA_VERSION = 1
 
@@ -233,11 +234,19 @@ class Plan:
     ranks: list[RankMemory]
     predicted: Predicted
     alternatives: list[Alternative]
-    inputs: dict[str, Any]
+    #: what the plan was asked (plan.json's ``inputs``: the record's fields)
+    settings: Settings
+    #: what plan.json's ``inputs`` holds beside the settings: the model file's sha256, the tracer used
+    provenance: dict[str, Any]
     model: dict[str, Any]
     cluster: dict[str, Any]
     assumptions: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def inputs(self) -> dict[str, Any]:
+        """plan.json's ``inputs``: the settings' serialised form and the provenance."""
+        return {**self.settings.to_inputs(), **self.provenance}
 
     def to_dict(self) -> dict[str, Any]:
         doc: dict[str, Any] = _round(
@@ -266,6 +275,7 @@ class Plan:
                 f"plan.json has schema_version {version!r}; this planner reads version {SCHEMA_VERSION}.",
                 "Re-run `planner plan` with this planner version to regenerate it.",
             )
+        inputs = d.get("inputs") or {}
         return cls(
             layout=Layout.from_dict(d["layout"]),
             stages=[StagePlan.from_dict(s) for s in d["stages"]],
@@ -275,7 +285,8 @@ class Plan:
                 Alternative(Layout.from_dict(a["layout"]), Predicted(**a["predicted"]) if a.get("predicted") else None, a.get("rejected"))
                 for a in d.get("alternatives", [])
             ],
-            inputs=d.get("inputs", {}),
+            settings=Settings.from_inputs(inputs),
+            provenance={k: v for k, v in inputs.items() if k not in Settings.recorded()},
             model=d.get("model", {}),
             cluster=d.get("cluster", {}),
             assumptions=d.get("assumptions", {}),

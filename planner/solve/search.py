@@ -39,7 +39,6 @@ from planner.solve import partition as part
 from planner.solve import rank_memory as rmem
 from planner.solve.memory import (
     GiB,
-    RuntimeOverhead,
     StateRecipe,
     expert_params_per_gpu,
     expert_range_params,
@@ -53,6 +52,7 @@ from planner.solve.memory import (
 from planner.solve.plan import Layout, Predicted, ep_overlap_allowed
 from planner.solve.rules import EngineRules, RejectKind
 from planner.solve.schedules import build_schedule, interleaved_group_size, normalised_group
+from planner.solve.settings import Settings
 from planner.solve.simulate import SimResult, StageMemory, StageTimes, simulate
 from planner.solve.timing import (
     PieceTimes,
@@ -80,64 +80,10 @@ CP_MIN_SEQ = 8192
 TP_OVERLAP_BUFFERS = 10
 #: --fp8-amax-history-len the Megatron renderer writes (NeMo's and Megatron's FP8 examples use 1024 with amax algo max)
 FP8_AMAX_HISTORY = 1024
-DEFAULT_MEM_TARGET = 0.85
-#: field metadata of a SearchOptions field that is a search knob, not a user's setting (not recorded in plan.json)
-KNOB = {"knob": True}
 #: default global batch: 8 samples per GPU keeps a 1F1B bubble under 1 - 8/(8+1) ~ 11% even at pp = world size
 SAMPLES_PER_GPU = 8
 #: Adam's optimizer step reads and writes per parameter: fp32 master, grad, m, v (4 x 4 read, 3 x 4 written) + the half weights (2 written)
 OPTIMIZER_STEP_BYTES = 30.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class SearchOptions:
-    """What the user fixed (engine, pins, memory target, optimizer), and the search's knobs.
-
-    planner.planning.PlanRequest extends this record with the model and the cluster: the
-    settings are declared once, and the search reads its part of them through this type. A field marked
-    :data:`KNOB` is how the search runs (or is derived from another setting), not a setting: plan.json does not record it.
-    """
-
-    engine: str = "deepspeed"
-    global_batch: int | None = None
-    pp: int | None = None
-    tp: int | None = None
-    dp: int | None = None
-    vp: int | None = None
-    micro_batch: int | None = None
-    schedule: str | None = None
-    recompute: str | None = None
-    zero: int | None = None
-    mem_target: float = DEFAULT_MEM_TARGET
-    optimizer: str = "adam"
-    overhead: RuntimeOverhead = field(default=RuntimeOverhead(), metadata=KNOB)
-    micro_batches: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 32), metadata=KNOB)
-    virtual_stages: tuple[int, ...] = field(default=(2, 3, 4, 6, 8), metadata=KNOB)
-    top_k: int = field(default=5, metadata=KNOB)
-    measured: dict[str, dict[int, tuple[float, float]]] = field(
-        default_factory=dict, metadata=KNOB
-    )  # device key -> piece -> (fwd, bwd) s at the costed micro-batch
-    exhaustive: bool = field(default=False, metadata=KNOB)  # price every candidate (no bound pruning): for tests and benchmarks
-    #: processes pricing layouts (0: one per CPU this process may run on, at most MAX_JOBS, or PLANNER_JOBS); the pick
-    #: and every figure are the same for any value (:func:`search`)
-    jobs: int = field(default=0, metadata=KNOB)
-    cp: int | None = None  # context-parallel size (searched from CP_SIZES for long sequences when None)
-    tp_comm_overlap: bool | None = None  # None: searched (on and off) where the engine has it and tp > 1
-    overlap_grad_reduce: bool | None = None  # None: on where the engine has it and there is a data-parallel group
-    overlap_param_gather: bool | None = None  # None: on with the distributed optimizer where the engine has it
-    main_grads_dtype: str = "fp32"  # "bf16": gradients kept and reduced in bf16
-    optimizer_state_dtype: str = "fp32"  # "bf16" / "fp16": Adam moments in half precision (precision-aware optimizer)
-    fp8: bool = field(default=False, metadata=KNOB)  # set from --dtype fp8; Transformer Engine FP8 GEMMs at the device's FP8 peak
-    fp8_param_gather: bool = False  # FP8 primary weights (Megatron --fp8-param-gather; with fp8 and zero 1)
-    ep: int | None = None  # expert-parallel size (searched over the divisors Megatron allows for MoE models when None)
-    etp: int | None = None  # expert tensor-parallel size (searched in {1, tp} for MoE models when None)
-    #: Megatron --overlap-moe-expert-parallel-comm; None: searched (on and off) where its preconditions hold
-    ep_comm_overlap: bool | None = None
-    #: what selective recomputation recomputes (Megatron --recompute-modules); () : the engine's default (core attention)
-    recompute_modules: tuple[str, ...] = ()
-    #: micro-batches per chunk group of the interleaved schedule (Megatron
-    #: --microbatch-group-size-per-virtual-pipeline-stage); None: the engine's choice (EngineRules.interleaved_groups)
-    microbatch_group: int | None = None
 
 
 @dataclass
@@ -231,7 +177,7 @@ def _node_rules(tp: int, gpus_per_node: int) -> list[str]:
 class Context:
     """Caches shared by the candidates of one search: scaled and sharded costs, piece times, memory prefix sums."""
 
-    def __init__(self, costs: ModelCosts, cluster: Cluster, opts: SearchOptions, engine: EngineRules):
+    def __init__(self, costs: ModelCosts, cluster: Cluster, opts: Settings, engine: EngineRules):
         if engine.name != opts.engine:
             raise ValueError(f"search options are for engine {opts.engine!r}, the rules given are {engine.name!r}'s")
         self.costs = costs
@@ -497,7 +443,7 @@ class Context:
                 self.engine.recomputes_attention_core(modules),
                 dev.host_op_s,
             )
-            measured = self.opts.measured.get(dev.key)
+            measured = self.opts.knobs.measured.get(dev.key)
             if measured and tp == 1 and cp == 1 and not fp8 and ep * etp == 1:
                 f = b / self.costs.micro_batch
                 t = with_measured(t, {k: (fw * f, bw * f) for k, (fw, bw) in measured.items()}, recompute)
@@ -533,45 +479,46 @@ def fixed_costs(device: DeviceProfile) -> tuple[float, float]:
 # --------------------------------------------------------------------------- candidates
 
 
-def enumerate_layouts(costs: ModelCosts, cluster: Cluster, opts: SearchOptions, engine: EngineRules, global_batch: int) -> tuple[list[Layout], list[Rejection]]:
+def enumerate_layouts(costs: ModelCosts, cluster: Cluster, opts: Settings, engine: EngineRules, global_batch: int) -> tuple[list[Layout], list[Rejection]]:
     """All layouts the engine could run for this cluster and global batch (pins applied), and the pinned ones it cannot."""
     world = cluster.world_size
     rules = engine
     gpn = min(g.gpus_per_node for g in cluster.groups)
-    if opts.fp8 and not engine.fp8:
+    if opts.memory.fp8 and not engine.fp8:
         raise UsageError(
             f"engine {engine.name} has no FP8 training (Transformer Engine FP8 GEMMs).",
             f"Use {engine.alternative(lambda e: e.fp8)} for --dtype fp8, or --dtype bf16.",
         )
-    if opts.fp8:
+    if opts.memory.fp8:
         fp8_problems(cluster)
-    if (opts.cp or 1) > 1 and not engine.context_parallel:
+    if (opts.pins.cp or 1) > 1 and not engine.context_parallel:
         raise UsageError(
-            f"engine {engine.name} runs no context parallelism (--cp {opts.cp}).",
+            f"engine {engine.name} runs no context parallelism (--cp {opts.pins.cp}).",
             f"Use {engine.alternative(lambda e: e.context_parallel)} for --cp > 1, or drop --cp.",
         )
-    tps = [opts.tp] if opts.tp else [t for t in divisors(gpn) if t == 1 or rules.tensor_parallel]
+    tps = [opts.pins.tp] if opts.pins.tp else [t for t in divisors(gpn) if t == 1 or rules.tensor_parallel]
     selective = rules.selective_applies(costs)
-    recomputes = [opts.recompute] if opts.recompute else [r for r in rules.recompute_modes if r != "selective" or selective]
-    zeros = [opts.zero] if opts.zero is not None else list(rules.zero_levels)
-    schedules = [opts.schedule] if opts.schedule else list(engine.searched_schedules)
-    if opts.microbatch_group is not None and opts.microbatch_group < 0:
-        raise UsageError(f"--microbatch-group must be at least 1, got {opts.microbatch_group}.", "Give the micro-batches per chunk group, at least --pp.")
-    if opts.microbatch_group:
-        if opts.schedule and opts.schedule != "interleaved":
+    recomputes = [opts.memory.recompute] if opts.memory.recompute else [r for r in rules.recompute_modes if r != "selective" or selective]
+    zeros = [opts.pins.zero] if opts.pins.zero is not None else list(rules.zero_levels)
+    schedules = [opts.pins.schedule] if opts.pins.schedule else list(engine.searched_schedules)
+    if opts.pins.microbatch_group is not None and opts.pins.microbatch_group < 0:
+        raise UsageError(f"--microbatch-group must be at least 1, got {opts.pins.microbatch_group}.", "Give the micro-batches per chunk group, at least --pp.")
+    if opts.pins.microbatch_group:
+        if opts.pins.schedule and opts.pins.schedule != "interleaved":
             raise UsageError(
-                f"--microbatch-group applies to the interleaved schedule, not {opts.schedule!r}.", "Use --schedule interleaved, or drop --microbatch-group."
+                f"--microbatch-group applies to the interleaved schedule, not {opts.pins.schedule!r}.",
+                "Use --schedule interleaved, or drop --microbatch-group.",
             )
         if not engine.microbatch_groups:
             raise UsageError(
-                f"engine {engine.name} runs its schedule's own micro-batch group size (--microbatch-group {opts.microbatch_group}).",
+                f"engine {engine.name} runs its schedule's own micro-batch group size (--microbatch-group {opts.pins.microbatch_group}).",
                 f"Use {engine.alternative(lambda e: e.microbatch_groups)}, or drop --microbatch-group.",
             )
         schedules = ["interleaved"]
-    if opts.cp is not None and opts.cp < 1:
-        raise UsageError(f"--cp must be at least 1, got {opts.cp}.", "Use --cp 1 (no context parallelism) or a divisor of the GPUs left after tp.")
-    if opts.cp:
-        cps = [opts.cp]
+    if opts.pins.cp is not None and opts.pins.cp < 1:
+        raise UsageError(f"--cp must be at least 1, got {opts.pins.cp}.", "Use --cp 1 (no context parallelism) or a divisor of the GPUs left after tp.")
+    if opts.pins.cp:
+        cps = [opts.pins.cp]
     else:
         long_seq = (costs.seq_len or 0) >= CP_MIN_SEQ
         cps = [1] + [c for c in CP_SIZES if engine.context_parallel and long_seq and (costs.seq_len or 0) % (2 * c) == 0]
@@ -583,31 +530,31 @@ def enumerate_layouts(costs: ModelCosts, cluster: Cluster, opts: SearchOptions, 
     for tp in tps:
         for cp in cps:
             model = tp * cp
-            for pp in [opts.pp] if opts.pp else divisors(world // model) if world % model == 0 else []:
+            for pp in [opts.pins.pp] if opts.pins.pp else divisors(world // model) if world % model == 0 else []:
                 if world % (model * pp):
                     continue
                 dp = world // (model * pp)
-                if opts.dp and dp != opts.dp:
+                if opts.pins.dp and dp != opts.pins.dp:
                     continue
-                for b in [opts.micro_batch] if opts.micro_batch else opts.micro_batches:
+                for b in [opts.pins.micro_batch] if opts.pins.micro_batch else opts.knobs.micro_batches:
                     if global_batch % (dp * b):
                         continue
                     m = global_batch // (dp * b)
-                    for sched in schedules if pp > 1 else [opts.schedule or "1f1b"]:
+                    for sched in schedules if pp > 1 else [opts.pins.schedule or "1f1b"]:
                         if sched in ("interleaved", "interleaved-zb", "looped-bfs"):
-                            vs = [opts.vp] if opts.vp else [v for v in opts.virtual_stages if pp * v <= n]
+                            vs = [opts.pins.vp] if opts.pins.vp else [v for v in opts.knobs.virtual_stages if pp * v <= n]
                         elif sched in ("zbv", "dualpipev"):
                             vs = [2]
                         else:
                             vs = [1]
-                        if opts.vp and opts.vp not in vs:
+                        if opts.pins.vp and opts.pins.vp not in vs:
                             continue
                         for v in vs:
                             if pp * v > n or (pp == 1 and v > 1) or (pp == 1 and sched not in ("1f1b", "gpipe")):
                                 continue
                             for rc in recomputes:
                                 for z in zeros:
-                                    if opts.zero is None and not engine.searches_zero(z, costs.dtype, dp):
+                                    if opts.pins.zero is None and not engine.searches_zero(z, costs.dtype, dp):
                                         continue
                                     for group in microbatch_groups(sched, pp, m, opts, engine):
                                         base = Layout(engine.name, pp, tp, dp, v, b, m, global_batch, sched, rc, z, tp > 1, cp=cp, microbatch_group=group)
@@ -618,11 +565,11 @@ def enumerate_layouts(costs: ModelCosts, cluster: Cluster, opts: SearchOptions, 
     return out, rejected
 
 
-def microbatch_groups(sched: str, pp: int, m: int, opts: SearchOptions, engine: EngineRules) -> tuple[int, ...]:
-    """The interleaved micro-batch group sizes to try: ``opts.microbatch_group`` None lets the engine choose, 0 pins the
+def microbatch_groups(sched: str, pp: int, m: int, opts: Settings, engine: EngineRules) -> tuple[int, ...]:
+    """The interleaved micro-batch group sizes to try: ``opts.pins.microbatch_group`` None lets the engine choose, 0 pins the
     schedule's default, a size pins that size (0 when it equals the default); (0,) for the other schedules and without
     pipelining, none of those when a size is pinned."""
-    pinned = opts.microbatch_group
+    pinned = opts.pins.microbatch_group
     if sched != "interleaved" or pp == 1:
         return () if pinned else (0,)  # a pinned group plans interleaved layouts only
     if pinned is None:
@@ -635,61 +582,63 @@ def model_experts(costs: ModelCosts) -> int:
     return max((l.num_experts for l in costs.layers), default=0)
 
 
-def expert_pin_problems(costs: ModelCosts, opts: SearchOptions, engine: EngineRules) -> int:
+def expert_pin_problems(costs: ModelCosts, opts: Settings, engine: EngineRules) -> int:
     """The model's expert count, after checking ``--ep`` / ``--etp`` against the model and the engine (UsageError)."""
     experts = model_experts(costs)
-    for flag, value in (("--ep", opts.ep), ("--etp", opts.etp)):
+    for flag, value in (("--ep", opts.pins.ep), ("--etp", opts.pins.etp)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}.", f"Use {flag} 1 (no expert parallelism) or a divisor of tp x cp x dp.")
-    wants = (opts.ep or 1) > 1 or (opts.etp or 1) > 1
+    wants = (opts.pins.ep or 1) > 1 or (opts.pins.etp or 1) > 1
     if wants and not experts:
         raise UsageError(
-            f"--ep {opts.ep or 1} / --etp {opts.etp or 1}: the model has no routed experts to split.",
+            f"--ep {opts.pins.ep or 1} / --etp {opts.pins.etp or 1}: the model has no routed experts to split.",
             "Drop --ep and --etp for a dense model (expert parallelism applies to mixture-of-experts layers).",
         )
     if wants and not engine.expert_parallel:
         raise UsageError(
-            f"engine {engine.name} runs no expert parallelism (--ep {opts.ep or 1}, --etp {opts.etp or 1}).",
+            f"engine {engine.name} runs no expert parallelism (--ep {opts.pins.ep or 1}, --etp {opts.pins.etp or 1}).",
             f"Use {engine.alternative(lambda e: e.expert_parallel)}, or drop --ep/--etp.",
         )
-    if opts.ep and experts and experts % opts.ep:
-        raise UsageError(f"--ep {opts.ep} does not divide the model's {experts} experts per MoE layer.", "Pick --ep among the divisors of the expert count.")
-    if opts.ep_comm_overlap:
+    if opts.pins.ep and experts and experts % opts.pins.ep:
+        raise UsageError(
+            f"--ep {opts.pins.ep} does not divide the model's {experts} experts per MoE layer.", "Pick --ep among the divisors of the expert count."
+        )
+    if opts.overlaps.ep_comm_overlap:
         flag = "--overlap-moe-expert-parallel-comm"
         if "overlap-moe-expert-parallel-comm" not in engine.overlaps:
             raise UsageError(
                 f"engine {engine.name} has no {flag}.", f"Use {engine.alternative(lambda e: 'overlap-moe-expert-parallel-comm' in e.overlaps)}, or drop {flag}."
             )
-        if not experts or opts.ep == 1:
+        if not experts or opts.pins.ep == 1:
             why = "the model has no routed experts" if not experts else "--ep 1 runs no expert-parallel all-to-all"
             raise UsageError(f"{flag}: {why} to overlap.", f"Drop {flag}, or plan a mixture-of-experts model with ep > 1.")
     return experts
 
 
-def expert_layouts(experts: int, tp: int, cp: int, dp: int, opts: SearchOptions) -> list[tuple[int, int]]:
+def expert_layouts(experts: int, tp: int, cp: int, dp: int, opts: Settings) -> list[tuple[int, int]]:
     """(ep, etp) pairs for a stage of tp x cp x dp GPUs: ep over the divisors of the expert count and etp in
     {1, tp} (or as pinned), such that ep x etp divides tp x cp x dp (Megatron-LM core_v0.16 parallel_state.py:
     world % (etp x ep x pp) == 0; arguments.py: num_experts % ep == 0). A dense model gets only (1, 1)."""
     if not experts:
         return [(1, 1)]
     gpus = tp * cp * dp
-    etps = [opts.etp] if opts.etp else sorted({1, tp})
-    eps = [opts.ep] if opts.ep else [e for e in divisors(gpus) if experts % e == 0]
+    etps = [opts.pins.etp] if opts.pins.etp else sorted({1, tp})
+    eps = [opts.pins.ep] if opts.pins.ep else [e for e in divisors(gpus) if experts % e == 0]
     return [(e, t) for e in eps for t in etps if gpus % (e * t) == 0]
 
 
-def with_options(base: Layout, opts: SearchOptions, engine: EngineRules) -> list[Layout]:
+def with_options(base: Layout, opts: Settings, engine: EngineRules) -> list[Layout]:
     """``base`` with the precision options and overlaps: pinned ones as given, the others as the engine defaults them;
     ``--tp-comm-overlap`` searched both ways where the engine has it and tp > 1."""
     defaults = engine.default_overlaps(base.tp, base.zero, base.dp * base.cp)
-    grad = opts.overlap_grad_reduce if opts.overlap_grad_reduce is not None else defaults.get("overlap_grad_reduce", False)
-    gather = opts.overlap_param_gather if opts.overlap_param_gather is not None else defaults.get("overlap_param_gather", False) and grad
-    if opts.tp_comm_overlap is not None:
-        tpo = [opts.tp_comm_overlap]
+    grad = opts.overlaps.overlap_grad_reduce if opts.overlaps.overlap_grad_reduce is not None else defaults.get("overlap_grad_reduce", False)
+    gather = opts.overlaps.overlap_param_gather if opts.overlaps.overlap_param_gather is not None else defaults.get("overlap_param_gather", False) and grad
+    if opts.overlaps.tp_comm_overlap is not None:
+        tpo = [opts.overlaps.tp_comm_overlap]
     else:
         tpo = [False, True] if "tp-comm-overlap" in engine.overlaps and base.tp > 1 and base.sequence_parallel else [False]
-    if opts.ep_comm_overlap is not None:
-        epo = [opts.ep_comm_overlap]
+    if opts.overlaps.ep_comm_overlap is not None:
+        epo = [opts.overlaps.ep_comm_overlap]
     else:
         epo = [False, True] if "overlap-moe-expert-parallel-comm" in engine.overlaps and ep_overlap_allowed(base) else [False]
     return [
@@ -699,11 +648,11 @@ def with_options(base: Layout, opts: SearchOptions, engine: EngineRules) -> list
             ep_comm_overlap=e,
             overlap_grad_reduce=grad,
             overlap_param_gather=gather,
-            main_grads_dtype=opts.main_grads_dtype,
-            optimizer_state_dtype=opts.optimizer_state_dtype,
-            fp8=opts.fp8,
-            fp8_param_gather=opts.fp8_param_gather,
-            recompute_modules=opts.recompute_modules if base.recompute == "selective" else (),
+            main_grads_dtype=opts.memory.main_grads_dtype,
+            optimizer_state_dtype=opts.memory.optimizer_state_dtype,
+            fp8=opts.memory.fp8,
+            fp8_param_gather=opts.memory.fp8_param_gather,
+            recompute_modules=opts.memory.recompute_modules if base.recompute == "selective" else (),
         )
         for t in tpo
         for e in epo
@@ -720,17 +669,19 @@ def fp8_problems(cluster: Cluster) -> None:
         )
 
 
-def _no_layout_message(world: int, opts: SearchOptions, gb: int, costs: ModelCosts) -> str:
-    pins = {k: getattr(opts, k) for k in ("pp", "tp", "cp", "dp", "vp", "ep", "etp", "micro_batch", "schedule", "microbatch_group") if getattr(opts, k)}
+def _no_layout_message(world: int, opts: Settings, gb: int, costs: ModelCosts) -> str:
+    pins = {
+        k: getattr(opts.pins, k) for k in ("pp", "tp", "cp", "dp", "vp", "ep", "etp", "micro_batch", "schedule", "microbatch_group") if getattr(opts.pins, k)
+    }
     bits = [f"{world} GPUs", f"global batch {gb}"] + [f"{k}={v}" for k, v in pins.items()]
     why = []
     degrees = {k: v for k, v in pins.items() if k in ("pp", "tp", "cp", "dp")}
     if degrees and world % math.prod(degrees.values()):
         why.append(f"{world} is not divisible by {' x '.join(degrees)} = {math.prod(degrees.values())}")
-    if opts.pp and opts.pp > costs.n:
-        why.append(f"the model has only {costs.n} pieces to place on {opts.pp} stages")
-    if opts.micro_batch and opts.dp and gb % (opts.dp * opts.micro_batch):
-        why.append(f"global batch {gb} is not divisible by dp x micro-batch = {opts.dp * opts.micro_batch}")
+    if opts.pins.pp and opts.pins.pp > costs.n:
+        why.append(f"the model has only {costs.n} pieces to place on {opts.pins.pp} stages")
+    if opts.pins.micro_batch and opts.pins.dp and gb % (opts.pins.dp * opts.pins.micro_batch):
+        why.append(f"global batch {gb} is not divisible by dp x micro-batch = {opts.pins.dp * opts.pins.micro_batch}")
     return f"No layout matches {', '.join(bits)}" + (f": {'; '.join(why)}." if why else " (no pp x tp x dp split divides the batch into whole micro-batches).")
 
 
@@ -772,7 +723,7 @@ def evaluate_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int]
     ev = price_layout(ctx, lay, dtype, bounds, explain)
     if isinstance(ev, Rejection):
         return ev
-    return memory_rejection(ev, ctx.opts.mem_target) or ev
+    return memory_rejection(ev, ctx.opts.memory.mem_target) or ev
 
 
 def memory_rejection(ev: Evaluation, mem_target: float) -> Rejection | None:
@@ -819,7 +770,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     n = costs.n
 
     # memory: static bytes (state, buffers, working set) and activation bytes per micro-batch, as (n+1)^2 matrices
-    recipe = ctx.engine.state_recipe(costs.dtype, lay.zero, opts.optimizer, lay)
+    recipe = ctx.engine.state_recipe(costs.dtype, lay.zero, opts.memory.optimizer, lay)
     w, g, o = recipe.per_param(mesh.replicas)  # gradients are reduced and optimizer state sharded over dp x cp
     per_param = w + g + o
     ep, etp = lay.ep, lay.etp
@@ -837,15 +788,17 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         static = static + experts_m * (we + ge + oe - per_param)
     if ctx.engine.sends_output_copies(lay.schedule):
         act = act + ctx.cut_bytes(b, tp, sp, cp)[0][None, :]
-    frag = 1.0 + opts.overhead.fragmentation
+    frag = 1.0 + opts.knobs.overhead.fragmentation
     # the fragmentation reserve is charged on what is allocated and freed every micro-batch (the working set and the
     # point-to-point buffers, trans_m, here; the activations by the rank problem), never on the model state
     held_trans = trans_m * frag
-    fixed = opts.overhead.context + opts.overhead.communicator + feature_buffers(costs, lay) + dispatch_buffer_bytes(sharded, lay)
+    fixed = opts.knobs.overhead.context + opts.knobs.overhead.communicator + feature_buffers(costs, lay) + dispatch_buffer_bytes(sharded, lay)
     points = rmem.order_points(sched.name, p, m if group else _points_m(sched.name, p, m), v, group) if p > 1 else rmem.order_points(sched.name, 1, 1, 1)
     if lay.ep_comm_overlap:
         points = one_more_in_flight(points)
-    rp = rmem.RankProblem(static, act, wgrad, stage_rank, points, frag, (fixed,) * p, tuple(d.memory_bytes * opts.mem_target for d in devices), held_trans)
+    rp = rmem.RankProblem(
+        static, act, wgrad, stage_rank, points, frag, (fixed,) * p, tuple(d.memory_bytes * opts.memory.mem_target for d in devices), held_trans
+    )
     held = rmem.stage_held(points, S)
     # necessary condition, cheap: the ranks' needs summed (a lower bound for any split) must fit in their capacities summed
     total = rmem.lower_bound_total(rp, n)
@@ -854,10 +807,10 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         return Rejection(
             lay,
             f"needs at least {total / p / GiB:.1f} GiB per GPU on average over its {p} pipeline ranks whatever the split (a lower bound), "
-            f"of {cap / GiB:.1f} GiB ({opts.mem_target:.0%} target: {cap * opts.mem_target / GiB:.1f} GiB)",
+            f"of {cap / GiB:.1f} GiB ({opts.memory.mem_target:.0%} target: {cap * opts.memory.mem_target / GiB:.1f} GiB)",
             kind=RejectKind.MEMORY,
             need_bytes=total / p,
-            capacity_bytes=cap * opts.mem_target,
+            capacity_bytes=cap * opts.memory.mem_target,
         )
     if bounds is None and not part.cuttable(ctx.allowed, S):  # what solve_split would answer, before the times are gathered
         return Rejection(lay, f"{n} pieces cannot be cut into {S} stages at the cut points this engine can use", RejectKind.SPLIT)
@@ -976,7 +929,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         rank_mem.append(comp)
     for j, (a, c) in enumerate(rng):
         tensors = sum(stage_mem[j].values())
-        stage_mem[j]["overhead"] = fixed / v + opts.overhead.fragmentation * (stage_mem[j]["activations"] + float(trans_m[a, c]))
+        stage_mem[j]["overhead"] = fixed / v + opts.knobs.overhead.fragmentation * (stage_mem[j]["activations"] + float(trans_m[a, c]))
         stage_mem[j]["total"] = tensors + stage_mem[j]["overhead"]
     # data-parallel gradient exchange (over dp x cp: context-parallel ranks hold the same weights) and optimizer step
     dp_exposed, opt_time = 0.0, 0.0
@@ -1152,7 +1105,7 @@ def _simulate_extrapolated(name: str, p: int, m: int, v: int, times: StageTimes,
     return replace(r2, step_time=step, busy=busy, bubble_fraction=bubble)
 
 
-def _memory_reason(rp: rmem.RankProblem, res: rmem.SplitResult, devices: Sequence[DeviceProfile], opts: SearchOptions, v: int) -> tuple[str, float, float]:
+def _memory_reason(rp: rmem.RankProblem, res: rmem.SplitResult, devices: Sequence[DeviceProfile], opts: Settings, v: int) -> tuple[str, float, float]:
     """Why no split fits: the rank that overflows most in the split that overflows least (reason, need, capacity at the target).
 
     The need is :func:`rank_memory.rank_need` of ``res.closest``, the number plan.json would report for it."""
@@ -1170,7 +1123,7 @@ def _memory_reason(rp: rmem.RankProblem, res: rmem.SplitResult, devices: Sequenc
         split = " with the least-overflowing split found (no split fits; this one is not proven to overflow least)"
     else:
         split = " with the least-overflowing split found (the split search stopped at its node limit, so a split that fits may exist)"
-    reason = f"{what} needs {total / GiB:.1f} GiB of {cap / GiB:.1f} GiB ({opts.mem_target:.0%} target: {rp.capacity[worst] / GiB:.1f} GiB){split}"
+    reason = f"{what} needs {total / GiB:.1f} GiB of {cap / GiB:.1f} GiB ({opts.memory.mem_target:.0%} target: {rp.capacity[worst] / GiB:.1f} GiB){split}"
     return reason, total, rp.capacity[worst]
 
 
@@ -1205,14 +1158,12 @@ def _predicted(
 # --------------------------------------------------------------------------- the search
 
 
-def search(
-    costs: ModelCosts, cluster: Cluster, opts: SearchOptions, engine: EngineRules, progress: Callable[[str, int, int], None] | None = None
-) -> SearchResult:
+def search(costs: ModelCosts, cluster: Cluster, opts: Settings, engine: EngineRules, progress: Callable[[str, int, int], None] | None = None) -> SearchResult:
     """Find the fastest layouts for ``costs`` on ``cluster`` that ``engine`` can run (see the module docstring)."""
-    if not 0 < opts.mem_target <= 1:
-        raise UsageError(f"--mem-target must be in (0, 1], got {opts.mem_target}.")
+    if not 0 < opts.memory.mem_target <= 1:
+        raise UsageError(f"--mem-target must be in (0, 1], got {opts.memory.mem_target}.")
     world = cluster.world_size
-    gb = opts.global_batch or default_global_batch(world)
+    gb = opts.pins.global_batch or default_global_batch(world)
     ctx = Context(costs, cluster, opts, engine)
     layouts, rejected = enumerate_layouts(costs, cluster, opts, engine, gb)
     dtype = costs.dtype
@@ -1220,19 +1171,19 @@ def search(
     ranked: list[Evaluation] = []
     priced = 0
     no_fit: dict[tuple[object, ...], list[Rejection]] = {}  # memory rejections by _dominance_group
-    pool = _Pricer(ctx, dtype, _jobs(opts.jobs) if len(bounded) >= PARALLEL_MIN_LAYOUTS else 1)
+    pool = _Pricer(ctx, dtype, _jobs(opts.knobs.jobs) if len(bounded) >= PARALLEL_MIN_LAYOUTS else 1)
     try:
         for i, (lb, _, lay) in enumerate(bounded):
             if progress:
                 progress("search", i + 1, len(bounded))
-            if not opts.exhaustive and len(ranked) >= opts.top_k and lb > ranked[opts.top_k - 1].predicted.step_time_s:
+            if not opts.knobs.exhaustive and len(ranked) >= opts.knobs.top_k and lb > ranked[opts.knobs.top_k - 1].predicted.step_time_s:
                 break
-            lighter = None if opts.exhaustive else next((x for x in no_fit.get(_dominance_group(lay), ()) if _needs_no_less_memory(lay, x.layout)), None)
+            lighter = None if opts.knobs.exhaustive else next((x for x in no_fit.get(_dominance_group(lay), ()) if _needs_no_less_memory(lay, x.layout)), None)
             if lighter is not None:
                 reason = f"needs at least the memory of {lighter.layout.short()}, which does not fit"
                 rejected.append(Rejection(lay, reason, RejectKind.DOMINATED, lb, lighter.need_bytes, lighter.capacity_bytes))
                 continue
-            explain = len(rejected) < 4 * opts.top_k
+            explain = len(rejected) < 4 * opts.knobs.top_k
             pool.ahead(bounded, i, explain)
             res = pool.result(i, lay, explain)
             priced += 1

@@ -16,7 +16,8 @@ from planner.check.run_logs import RunMeasurement, read_log, read_smoke
 from planner.cli import app
 from planner.engines.deepspeed.logs import parse_deepspeed
 from planner.errors import UsageError
-from planner.planning import PlanRequest, plan_model
+from planner.planning import plan_model
+from planner.solve.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT2 = ROOT / "examples" / "gpt2.py"
@@ -34,7 +35,7 @@ def cli(*args):
 
 def _run(name: str, model_args: dict, **pins) -> cal.Run:
     """A run of examples/gpt2.py on 2 CPU ranks (torch engine, fp32), pinned to the stage split the planner chose."""
-    req = PlanRequest(
+    req = Settings.of(
         model_file=str(GPT2),
         model_args=model_args,
         gpus="2xcpu",
@@ -52,7 +53,7 @@ def _run(name: str, model_args: dict, **pins) -> cal.Run:
     )
     plan, analysis, _ = plan_model(req)
     bounds = tuple([s.pieces[0] for s in plan.stages] + [plan.stages[-1].pieces[1]])
-    req = replace(req, bounds=bounds)
+    req = req.but(bounds=bounds)
     m = RunMeasurement(source=name, kind="smoke", step_times_s=(1.0,))
     return cal.Run(name, "", req, analysis.costs, "cpu", hardware.available_profiles(), m, 1.0)
 
@@ -100,7 +101,7 @@ def test_one_run_fits_only_the_combination_it_identifies(runs):
 def test_efficiency_of_a_real_device_is_bounded_by_one(runs):
     """A GPU profile's peak is a vendor figure: an efficiency cannot exceed 1, so a run faster than peak leaves it at its bound."""
     base = hardware.available_profiles()["a100-80gb"]
-    r = replace(runs[1], request=replace(runs[1].request, gpus="2xa100-80gb"), device_key="a100-80gb")
+    r = replace(runs[1], request=runs[1].request.but(gpus="2xa100-80gb"), device_key="a100-80gb")
     fast = [replace(r, step_time_s=r.price(replace(base, matmul_efficiency=1.0, memory_efficiency=1.0)).predicted.step_time_s / 2)]
     fit = cal.fit_step_times(fast, base)
     assert fit.device.matmul_efficiency <= 1.0 and fit.device.memory_efficiency <= 1.0

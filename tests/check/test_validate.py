@@ -244,9 +244,10 @@ def test_partition_methods_match_deepspeed(ds_mode):
 
 @cache
 def _plan(model: str, engine: str, gpus: str, **pins):
-    from planner.planning import PlanRequest, plan_model
+    from planner.planning import plan_model
+    from planner.solve.settings import Settings
 
-    return plan_model(PlanRequest(model_file=model, model_args={"preset": "gpt2-tiny"}, gpus=gpus, engine=engine, **pins))[0]
+    return plan_model(Settings.of(model_file=model, model_args={"preset": "gpt2-tiny"}, gpus=gpus, engine=engine, **pins))[0]
 
 
 @pytest.fixture(scope="module")
@@ -385,13 +386,14 @@ def test_directory_of_plan_directories(tmp_path, model_file):
     schedule=st.sampled_from([None, "gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]),
 )
 def test_rendered_plans_validate_clean(tmp_path_factory, engine, preset, gpus, pp, micro_batch, recompute, schedule):
-    from planner.planning import PlanRequest, plan_model
+    from planner.planning import plan_model
     from planner.render import write_plan_dir
+    from planner.solve.settings import Settings
 
     model = str(ROOT / "examples" / f"{preset[0]}.py")
     if engine != "torch":
         schedule = None
-    req = PlanRequest(
+    req = Settings.of(
         model_file=model, model_args={"preset": preset[1]}, gpus=gpus, engine=engine, pp=pp, micro_batch=micro_batch, recompute=recompute, schedule=schedule
     )
     try:
@@ -414,11 +416,12 @@ def test_rendered_moe_plans_validate_clean(tmp_path, preset, pins):
     """Megatron plans of examples/moe.py (MoE flags, MLA for deepseek-tiny) pass every rule, the drift check and the memory
     check, which prices the script's own expert groups (--expert-model-parallel-size, --expert-tensor-parallel-size) to
     the byte of plan.json's ranks."""
-    from planner.planning import PlanRequest, plan_model
+    from planner.planning import plan_model
     from planner.render import write_plan_dir
+    from planner.solve.settings import Settings
 
     model = str(ROOT / "examples" / "moe.py")
-    plan = plan_model(PlanRequest(model_file=model, model_args={"preset": preset}, gpus="8xA100", engine="megatron", **pins))[0]
+    plan = plan_model(Settings.of(model_file=model, model_args={"preset": preset}, gpus="8xA100", engine="megatron", **pins))[0]
     out = tmp_path / "plan"
     write_plan_dir(out, plan, f"planner plan {model} --gpus 8xA100 --engine megatron --out {out}")
     assert "--num-experts" in (out / "pretrain_gpt.sh").read_text()
@@ -766,15 +769,16 @@ def test_a_plan_of_an_hf_config_validates_with_its_spec_from_any_directory(tmp_p
     """`--model hf:CONFIG.json` re-plans a plan made from that spec (memory and drift checked, no finding), from the
     plan's directory or elsewhere, the config named by a relative or an absolute path: the recorded digest is the
     config's bytes, not its path's spelling. An edited config is DRIFT002."""
-    from planner.planning import PlanRequest, plan_model
+    from planner.planning import plan_model
     from planner.render import write_plan_dir
+    from planner.solve.settings import Settings
 
     cfg = tmp_path / "cfg" / "config.json"
     cfg.parent.mkdir()
     shutil.copy(ROOT / "tests" / "models" / "hf" / "llama.json", cfg)
     monkeypatch.chdir(tmp_path)
     spec = "hf:cfg/config.json"
-    plan = plan_model(PlanRequest(model_file=spec, model_args={"num_hidden_layers": 4}, gpus="4xA100", engine="megatron", pp=2))[0]
+    plan = plan_model(Settings.of(model_file=spec, model_args={"num_hidden_layers": 4}, gpus="4xA100", engine="megatron", pp=2))[0]
     out = tmp_path / "plans" / "llama"
     write_plan_dir(out, plan, f"planner plan {spec} --model-arg num_hidden_layers=4 --gpus 4xA100 --engine megatron --pp 2 --out plans/llama")
     for cwd, ref in ((tmp_path, spec), (out, f"hf:{os.path.relpath(cfg, out)}"), (tmp_path.parent, f"hf:{cfg}")):

@@ -124,12 +124,13 @@ def test_model_args(tmp_path, pairs):
 @pytest.fixture(scope="module")
 def plan_dir(tmp_path_factory):
     """One real plan directory (tiny GPT-2, DeepSpeed, pp 2) whose plan.json the cases mutate."""
-    from planner.planning import PlanRequest, plan_model
+    from planner.planning import plan_model
     from planner.render import write_plan_dir
+    from planner.solve.settings import Settings
 
     d = tmp_path_factory.mktemp("fuzz") / "plan"
     plan, _, _ = plan_model(
-        PlanRequest(model_file=str(ROOT / "examples" / "gpt2.py"), model_args={"preset": "gpt2-tiny"}, gpus="4xA100", engine="deepspeed", pp=2)
+        Settings.of(model_file=str(ROOT / "examples" / "gpt2.py"), model_args={"preset": "gpt2-tiny"}, gpus="4xA100", engine="deepspeed", pp=2)
     )
     write_plan_dir(d, plan)
     return d

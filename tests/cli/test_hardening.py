@@ -315,13 +315,13 @@ def test_model_file_is_never_overwritten_or_deleted(tmp_path, tiny_plan):
     text = m.read_text()
     from dataclasses import replace
 
-    p2 = replace(plan, inputs={**plan.inputs, "model_file": str(m)})
+    p2 = replace(plan, settings=plan.settings.but(model_file=str(m)))
     with pytest.raises(UsageError, match="model file"):
         write_plan_dir(out, p2, force=True)
     assert m.read_text() == text
     # a model file the old manifest listed (e.g. a hand-edited manifest) is not deleted either
     m2 = model_file(out, "model.py")
-    p3 = replace(plan, inputs={**plan.inputs, "model_file": str(m2)})
+    p3 = replace(plan, settings=plan.settings.but(model_file=str(m2)))
     m.unlink()
     write_plan_dir(out, p3)
     man = json.loads((out / ".planner").read_text())
@@ -368,7 +368,7 @@ def test_interrupted_update_at_every_step_is_recovered(tmp_path, tiny_plan):
 
     plan, _ = tiny_plan
     # the "new" plan differs from the old one in every rendered file's header and in one file more or less
-    other = replace(plan, inputs={**plan.inputs, "mem_target": 0.8})
+    other = replace(plan, settings=plan.settings.but(mem_target=0.8))
     probe = tmp_path / "probe"
     write_plan_dir(probe, plan)
     steps = _steps_of_one_update(probe, other)

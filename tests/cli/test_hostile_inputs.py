@@ -188,8 +188,9 @@ def test_a_build_that_holds_the_interpreter_is_stopped_from_outside(tmp_path):
 
     m = model_file(tmp_path, build="x = sum(range(10 ** 12))")
     t = time.monotonic()
-    r = cli("plan", m, "--gpus", "2xA100", "--quiet", "--timeout", "1", timeout=60)
+    # a limit of 5 s: the import before the build must finish within it on a loaded machine (at 1 s it did not once)
+    r = cli("plan", m, "--gpus", "2xA100", "--quiet", "--timeout", "5", timeout=90)
     took = time.monotonic() - t
     assert r.returncode == 2, r.stderr
     assert "held the interpreter" in r.stderr and "Traceback" not in r.stderr, r.stderr
-    assert took < 1 + WATCHDOG_GRACE_S + OUTSIDE_GRACE_S + 15, took
+    assert took < 5 + WATCHDOG_GRACE_S + OUTSIDE_GRACE_S + 15, took

@@ -15,11 +15,12 @@ from rich.console import Console
 
 from planner import hardware
 from planner.fileio import dumps_json
-from planner.planning import PlanRequest, plan_model
+from planner.planning import plan_model
 from planner.report import bottleneck_stage, explain, most_loaded_rank, print_summary, report_files, report_markdown
 from planner.report_svg import COMPONENTS, KIND_COLOURS, memory_svg, simulate_plan, timeline_svg, timeline_view
 from planner.solve.plan import Plan
 from planner.solve.schedules import build_schedule
+from planner.solve.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 SVG = "{http://www.w3.org/2000/svg}"
@@ -53,7 +54,7 @@ def planned() -> dict[str, tuple[Plan, object]]:
     os.chdir(ROOT)  # model paths relative to the repository, as a user types them
     try:
         for name, kw in REQUESTS.items():
-            plan, _, result = plan_model(PlanRequest(**kw))
+            plan, _, result = plan_model(Settings.of(**kw))
             out[name] = (Plan.from_dict(json.loads(dumps_json(plan.to_dict()))), result)
     finally:
         os.chdir(cwd)
@@ -245,7 +246,7 @@ def test_report_md_gives_the_fp8_ceiling_and_sustained_rate_an_fp8_plan_is_price
     os.chdir(ROOT)
     try:
         plan, _, _ = plan_model(
-            PlanRequest(model_file="examples/gpt2.py", model_args={"preset": "gpt2-tiny"}, gpus="8xH100-SXM", engine="megatron", dtype="fp8")
+            Settings.of(model_file="examples/gpt2.py", model_args={"preset": "gpt2-tiny"}, gpus="8xH100-SXM", engine="megatron", dtype="fp8")
         )
     finally:
         os.chdir(cwd)

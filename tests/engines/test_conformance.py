@@ -82,17 +82,20 @@ def test_its_plan_directory_validates_with_no_error(planned):
 def test_it_re_prices_to_the_same_step_time(planned):
     from planner import hardware
     from planner.model.analyze import analyze
-    from planner.planning import PlanRequest, evaluate_pinned
+    from planner.planning import evaluate_pinned
     from planner.solve.plan import load_plan
+    from planner.solve.settings import Settings
 
     spec, out = planned
     plan = load_plan(out)
-    req = PlanRequest.pinned_to(
+    req = Settings.pinned_to(
         {**plan.inputs, "model_file": str(ROOT / "examples" / "llama.py")}, plan.layout, tuple(s.pieces[0] for s in plan.stages) + (plan.stages[-1].pieces[1],)
     )
-    req = type(req)(**{**req.__dict__, "mem_target": plan.inputs["mem_target"]})
-    costs = analyze(req.model_file, req.model_args, req.cost_micro_batch, req.dtype, list(req.leaf), req.tracer, sub_block_cuts=True).costs
-    result = evaluate_pinned(costs, hardware.parse_gpus(req.gpus), req)
+    req = req.but(mem_target=plan.settings.memory.mem_target)
+    costs = analyze(
+        req.model.model_file, req.model.model_args, req.model.cost_micro_batch, req.model.dtype, list(req.model.leaf), req.model.tracer, sub_block_cuts=True
+    ).costs
+    result = evaluate_pinned(costs, hardware.parse_gpus(req.cluster.gpus), req)
     assert result.best is not None
     assert result.best.predicted.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=5e-6)  # plan.json keeps 6 significant digits
 

@@ -19,15 +19,16 @@ from planner.engines import get_engine
 from planner.engines.torchtitan.render import overrides, render, stage_fqns, torchtitan_stage_ranks
 from planner.engines.torchtitan.rules import SCHEDULE_NAMES
 from planner.errors import UsageError
-from planner.planning import PlanRequest, plan_model
+from planner.planning import plan_model
 from planner.render import render_files, write_plan_dir
 from planner.solve.schedules import SCHEDULE_INFO
+from planner.solve.settings import Settings
 
 ENGINE = get_engine("torchtitan")
 
 
 def plan_of(example: str = "llama", preset: str = "llama-tiny", gpus: str = "8xH100", **pins):
-    req = PlanRequest(model_file=str(EXAMPLES / f"{example}.py"), model_args={"preset": preset}, gpus=gpus, engine="torchtitan", **pins)
+    req = Settings.of(model_file=str(EXAMPLES / f"{example}.py"), model_args={"preset": preset}, gpus=gpus, engine="torchtitan", **pins)
     return plan_model(req)[0]
 
 
@@ -120,7 +121,7 @@ def test_launch_script_passes_every_word_intact(plans, tmp_path):
     hostile.mkdir()
     model = hostile / "llama;rm -rf x.py"
     shutil.copy(EXAMPLES / "llama.py", model)
-    req = PlanRequest(model_file=str(model), model_args={"preset": "llama-tiny"}, gpus="8xH100", engine="torchtitan", pp=2, dp=4, schedule="1f1b")
+    req = Settings.of(model_file=str(model), model_args={"preset": "llama-tiny"}, gpus="8xH100", engine="torchtitan", pp=2, dp=4, schedule="1f1b")
     plan = plan_model(req)[0]
     out = hostile / "out $(touch PWNED2)"
     write_plan_dir(out, plan)
@@ -255,7 +256,7 @@ def test_selective_is_searched_rendered_and_checked(tmp_path):
     plan = plan_of(gpus="8xH100", pp=2, dp=4, zero=3, schedule="1f1b")
     assert plan.layout.recompute in ENGINE.recompute_modes
     out = tmp_path / "plan"
-    req = PlanRequest(
+    req = Settings.of(
         model_file=str(EXAMPLES / "llama.py"),
         model_args={"preset": "llama-tiny"},
         gpus="8xH100",
@@ -280,7 +281,7 @@ def test_llama3_8b_on_8_h100_plans_with_selective_ac():
     """The issue's case, torchtitan's own 8-GPU benchmark shape (Llama 3.1 8B, FSDP 8, local batch 2, 8,192 tokens):
     refused without checkpointing, planned with torchtitan's default selective AC."""
     args = {"preset": "llama-7b", "n_kv_heads": 8, "ffn_dim": 14336, "vocab_size": 128256, "seq_len": 8192}
-    req = PlanRequest(
+    req = Settings.of(
         model_file=str(EXAMPLES / "llama.py"),
         model_args=args,
         gpus="8xH100",
@@ -295,5 +296,5 @@ def test_llama3_8b_on_8_h100_plans_with_selective_ac():
     )
     plan = plan_model(req)[0]
     sel = plan.ranks[0].memory_bytes["total"]
-    full = plan_model(PlanRequest(**{**req.__dict__, "recompute": "full"}))[0].ranks[0].memory_bytes["total"]
+    full = plan_model(req.but(recompute="full"))[0].ranks[0].memory_bytes["total"]
     assert full < sel < 79 * 2**30

@@ -20,7 +20,8 @@ from planner.engines.megatron.render import render as render_megatron
 from planner.engines.megatron.script import parse_megatron_args
 from planner.solve.memory import activation_bytes_per_microbatch, saved_bytes, state_recipe
 from planner.solve.plan import Layout, Plan
-from planner.solve.search import Context, SearchOptions, evaluate_layout
+from planner.solve.search import Context, evaluate_layout
+from planner.solve.settings import Settings
 from planner.solve.timing import shard_costs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -170,7 +171,7 @@ def test_gemm_inputs_scale_with_the_micro_batch_and_shard_with_sequence_parallel
 def test_priced_fp8_layout_holds_the_fp8_activations_and_state(tiny):
     """evaluate_layout's per-micro-batch activations and weights under FP8 against the closed forms above."""
     cluster = hardware.parse_gpus("2xH100-SXM")
-    ctx = Context(tiny, cluster, SearchOptions(engine="megatron", global_batch=8, mem_target=1.0, fp8=True), get_engine("megatron"))
+    ctx = Context(tiny, cluster, Settings.of(engine="megatron", global_batch=8, mem_target=1.0, fp8=True), get_engine("megatron"))
     base = Layout("megatron", 1, 1, 2, 1, 1, 4, 8, "1f1b", "none", 1)
     bf16 = evaluate_layout(ctx, base, "bf16")
     fp8 = evaluate_layout(ctx, replace(base, fp8=True), "bf16")

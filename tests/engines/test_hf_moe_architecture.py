@@ -124,12 +124,13 @@ def test_hf_moe_plans_render_for_megatron_and_megatron_core_builds_them(tmp_path
     from planner.engines.megatron.core_check import core_config
     from planner.engines.megatron.render import render as render_megatron
     from planner.engines.megatron.script import parse_megatron_args
-    from planner.planning import PlanRequest, plan_model
+    from planner.planning import plan_model
+    from planner.solve.settings import Settings
     from tests.engines.test_render_megatron_moe import mlp_kinds
     from tests.mlm_validate import megatron_lm_config, megatron_lm_path
 
     path = _write(tmp_path, name)
-    plan = plan_model(PlanRequest(model_file=f"hf:{path}", model_args={}, gpus="4xA100", engine="megatron", pp=2))[0]
+    plan = plan_model(Settings.of(model_file=f"hf:{path}", model_args={}, gpus="4xA100", engine="megatron", pp=2))[0]
     args = parse_megatron_args(render_megatron(plan, "c", tmp_path)["pretrain_gpt.sh"])
     assert check_megatron_args(args) == []
     with warnings.catch_warnings():

@@ -15,7 +15,8 @@ from planner.engines.megatron.activations import LayerShape, kept_bytes, layer_s
 from planner.engines.megatron.rules import megatron_layer_activations
 from planner.solve.memory import range_matrices
 from planner.solve.plan import Layout
-from planner.solve.search import Context, SearchOptions, evaluate_layout
+from planner.solve.search import Context, evaluate_layout
+from planner.solve.settings import Settings
 
 GPT3 = {"hidden_size": 12288, "num_attention_heads": 96, "normalization": "LayerNorm", "activation": "gelu", "dropout": 0.1}
 LLAMA70 = {
@@ -117,7 +118,7 @@ def tiny():
 
 def _ctx(costs, engine, fp8=False):
     cluster = hardware.parse_gpus("2xH100-SXM")
-    return Context(costs, cluster, SearchOptions(engine=engine, global_batch=8, mem_target=1.0, fp8=fp8), get_engine(engine))
+    return Context(costs, cluster, Settings.of(engine=engine, global_batch=8, mem_target=1.0, fp8=fp8), get_engine(engine))
 
 
 @pytest.mark.parametrize("engine", ["deepspeed", "torch"])
@@ -237,7 +238,8 @@ def test_megatron_plans_the_squared_relu_llama_example():
     from planner.engines.megatron.core_check import core_config
     from planner.engines.megatron.render import render as render_megatron
     from planner.engines.megatron.script import parse_megatron_args
-    from planner.planning import PlanRequest, plan_model
+    from planner.planning import plan_model
+    from planner.solve.settings import Settings
     from tests.conftest import EXAMPLES, costs_of
 
     gated, plain = costs_of("llama", "llama-tiny"), costs_of("llama", "llama-tiny", activation="squared_relu")
@@ -245,7 +247,7 @@ def test_megatron_plans_the_squared_relu_llama_example():
     h, f, L = 64, 176, 4
     assert gated.total_params - plain.total_params == L * h * f  # FC3 gone
     plan, _, _ = plan_model(
-        PlanRequest(
+        Settings.of(
             model_file=str(EXAMPLES / "llama.py"), model_args={"preset": "llama-tiny", "activation": "squared_relu"}, gpus="4xH100-SXM", engine="megatron", pp=2
         )
     )

@@ -14,7 +14,8 @@ import pytest
 from planner import hardware
 from planner.engines import get_engine
 from planner.engines.megatron.rules import megatron_loss_working_set
-from planner.solve.search import Context, SearchOptions
+from planner.solve.search import Context
+from planner.solve.settings import Settings
 
 CROSS_ENTROPY = textwrap.dedent(
     """
@@ -62,7 +63,7 @@ def tiny():
 
 
 def _ctx(costs, engine):
-    return Context(costs, hardware.parse_gpus("2xH100-SXM"), SearchOptions(engine=engine, global_batch=8), get_engine(engine))
+    return Context(costs, hardware.parse_gpus("2xH100-SXM"), Settings.of(engine=engine, global_batch=8), get_engine(engine))
 
 
 @pytest.mark.parametrize("tp,mb", [(1, 1), (2, 4)])

@@ -25,7 +25,8 @@ from planner.engines.megatron.moe_activations import (
 )
 from planner.engines.megatron.rules import megatron_layer, megatron_layer_activations
 from planner.solve.memory import range_matrices
-from planner.solve.search import Context, SearchOptions, expert_saved_extra
+from planner.solve.search import Context, expert_saved_extra
+from planner.solve.settings import Settings
 
 
 def _te_norm(inp, weight):
@@ -448,7 +449,7 @@ def deepseek_tiny():
 
 
 def _ctx(costs, engine="megatron", fp8=False, gpus="2xH100-SXM"):
-    return Context(costs, hardware.parse_gpus(gpus), SearchOptions(engine=engine, global_batch=8, mem_target=1.0, fp8=fp8), get_engine(engine))
+    return Context(costs, hardware.parse_gpus(gpus), Settings.of(engine=engine, global_batch=8, mem_target=1.0, fp8=fp8), get_engine(engine))
 
 
 def test_moe_tiny_blocks_under_megatron_by_hand(moe_tiny):

@@ -15,7 +15,8 @@ from planner.engines import get_engine
 from planner.engines.megatron.activations import STAT_BYTES, LayerShape
 from planner.engines.megatron.rules import megatron_layer_traffic
 from planner.engines.megatron.traffic import Kernel, layer_traffic, part_traffic
-from planner.solve.search import Context, SearchOptions
+from planner.solve.search import Context
+from planner.solve.settings import Settings
 
 S, B, H, HEADS, GROUPS, FFN = 16, 2, 64, 8, 2, 96
 D = 2.0  # bf16
@@ -169,7 +170,7 @@ def tiny():
 
 
 def _ctx(costs, engine):
-    return Context(costs, hardware.parse_gpus("2xH100-SXM"), SearchOptions(engine=engine, global_batch=8, mem_target=1.0), get_engine(engine))
+    return Context(costs, hardware.parse_gpus("2xH100-SXM"), Settings.of(engine=engine, global_batch=8, mem_target=1.0), get_engine(engine))
 
 
 def test_megatron_times_its_own_layer_and_other_engines_the_traced_one(tiny):

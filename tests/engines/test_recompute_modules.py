@@ -22,7 +22,8 @@ from planner.engines.megatron.recompute import dense_mlp_work, mla_up_proj_work
 from planner.engines.megatron.rules import megatron_recompute_work
 from planner.errors import UsageError
 from planner.solve.plan import Layout, Plan
-from planner.solve.search import Context, SearchOptions, evaluate_layout
+from planner.solve.search import Context, evaluate_layout
+from planner.solve.settings import Settings
 from planner.solve.timing import bytes_time, ops_time
 from tests.engines.test_megatron_moe_activations import DEEPSEEK_V3
 from tests.engines.test_render_megatron_moe import load, rendered
@@ -107,7 +108,7 @@ def deepseek_tiny():
 
 def _priced(costs, modules, recompute="selective", bounds=None):
     cluster = hardware.parse_gpus("2xH100-SXM")
-    ctx = Context(costs, cluster, SearchOptions(engine="megatron", global_batch=8, mem_target=1.0), get_engine("megatron"))
+    ctx = Context(costs, cluster, Settings.of(engine="megatron", global_batch=8, mem_target=1.0), get_engine("megatron"))
     lay = Layout("megatron", 2, 1, 1, 1, 1, 8, 8, "1f1b", recompute, 0, recompute_modules=modules)
     ev = evaluate_layout(ctx, lay, costs.dtype, bounds)
     assert not hasattr(ev, "reason"), ev
@@ -210,12 +211,13 @@ def test_plan_json_round_trips_the_modules():
 
 def test_validate_passes_the_planned_modules_and_flags_a_dropped_one(tmp_path):
     from planner.check.validate import Options, validate
-    from planner.planning import PlanRequest, plan_model
+    from planner.planning import plan_model
     from planner.render import write_plan_dir
+    from planner.solve.settings import Settings
 
     model = tmp_path / "llama.py"
     shutil.copy(ROOT / "examples" / "llama.py", model)
-    req = PlanRequest(
+    req = Settings.of(
         model_file=str(model), model_args={"preset": "llama-tiny"}, gpus="4xA100", engine="megatron", pp=2, recompute="selective", recompute_modules=("mlp",)
     )
     plan = plan_model(req)[0]

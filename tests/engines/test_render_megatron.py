@@ -268,10 +268,11 @@ def test_plan_megatron_would_refuse_is_a_usage_error():
 
 def test_live_plan_renders(tmp_path):
     """The solver's current output for a small Llama on 8 GPUs (pp 2, tp 2) renders and passes the rules."""
-    from planner.planning import PlanRequest, plan_model
+    from planner.planning import plan_model
+    from planner.solve.settings import Settings
 
     plan, _, _ = plan_model(
-        PlanRequest(model_file=str(REPO / "examples" / "llama.py"), model_args={"preset": "llama-tiny"}, gpus="8xA100", engine="megatron", pp=2, tp=2)
+        Settings.of(model_file=str(REPO / "examples" / "llama.py"), model_args={"preset": "llama-tiny"}, gpus="8xA100", engine="megatron", pp=2, tp=2)
     )
     args = parse_megatron_args(render(plan, "c", tmp_path)["pretrain_gpt.sh"])
     assert check_megatron_args(args) == [] and args.world_size == 8

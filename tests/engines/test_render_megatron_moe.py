@@ -128,10 +128,11 @@ def test_expert_tensor_parallelism_renders_and_megatron_core_takes_it():
 
 def test_live_moe_plan_from_the_cli_renders_and_validates_clean(tmp_path):
     """`planner plan examples/moe.py --engine megatron` (ep 1 today) writes flags our rules and megatron-core accept."""
-    from planner.planning import PlanRequest, plan_model
+    from planner.planning import plan_model
+    from planner.solve.settings import Settings
 
     plan, _, _ = plan_model(
-        PlanRequest(model_file=str(REPO / "examples" / "moe.py"), model_args={"preset": "deepseek-tiny"}, gpus="8xA100", engine="megatron", pp=2)
+        Settings.of(model_file=str(REPO / "examples" / "moe.py"), model_args={"preset": "deepseek-tiny"}, gpus="8xA100", engine="megatron", pp=2)
     )
     args = parse_megatron_args(render_megatron(plan, "c", tmp_path)["pretrain_gpt.sh"])
     assert check_megatron_args(args) == [] and args.int("--num-experts") == 8 and args.has("--multi-latent-attention")

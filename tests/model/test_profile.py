@@ -17,7 +17,8 @@ from planner.model.analyze import analyze
 from planner.model.device import calibrate_device
 from planner.model.profile import piece_signatures, profile_model, read_profile, write_profile
 from planner.model.profile_match import match_profile
-from planner.solve.search import Context, SearchOptions
+from planner.solve.search import Context
+from planner.solve.settings import Settings
 from planner.solve.timing import analytical_times, with_measured
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,7 +134,7 @@ def test_match_profile_feeds_the_search(gpt2_doc, gpt2_file):
         assert b == pytest.approx(2 * rows[k]["bwd_s"]["median"], rel=1e-12)
     assert any("11 of 11 pieces" in n and "micro-batch 2 to 4" in n for n in notes)
 
-    ctx = Context(a.costs, cluster, SearchOptions(engine="torch", measured=measured), get_engine("torch"))
+    ctx = Context(a.costs, cluster, Settings.of(engine="torch", measured=measured), get_engine("torch"))
     for b, recompute in ((8, "none"), (2, "full")):
         t = ctx.times(b, 1, recompute, 0, "fp32")
         assert set(t.source) == {"measured"}
@@ -148,9 +149,10 @@ def test_match_profile_feeds_the_search(gpt2_doc, gpt2_file):
 
 
 def test_plan_uses_the_profile(gpt2_file):
-    from planner.planning import PlanRequest, plan_model
+    from planner.planning import plan_model
+    from planner.solve.settings import Settings
 
-    req = PlanRequest(str(GPT2), TINY, "2xcpu", engine="torch", dtype="fp32", profile=str(gpt2_file))
+    req = Settings.of(str(GPT2), TINY, "2xcpu", engine="torch", dtype="fp32", profile=str(gpt2_file))
     plan, _, _ = plan_model(req)
     assert plan.assumptions["time_sources"] == ["measured"]
     assert any("measured times on cpu" in n for n in plan.notes)

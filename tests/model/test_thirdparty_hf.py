@@ -550,9 +550,10 @@ def test_phi3_plans_for_megatron_and_megatron_core_builds_it(tmp_path):
     from planner.engines.megatron.core_check import core_config
     from planner.engines.megatron.render import render as render_megatron
     from planner.engines.megatron.script import parse_megatron_args
-    from planner.planning import PlanRequest, plan_model
+    from planner.planning import plan_model
+    from planner.solve.settings import Settings
 
-    plan = plan_model(PlanRequest(model_file=f"hf:{HF / 'phi3.json'}", model_args={}, gpus="4xA100", engine="megatron", pp=2))[0]
+    plan = plan_model(Settings.of(model_file=f"hf:{HF / 'phi3.json'}", model_args={}, gpus="4xA100", engine="megatron", pp=2))[0]
     args = parse_megatron_args(render_megatron(plan, "c", tmp_path)["pretrain_gpt.sh"])
     assert check_megatron_args(args) == []
     with warnings.catch_warnings():

@@ -160,11 +160,12 @@ def test_paired_share_in_closed_form():
 def test_overlap_is_searched_where_megatron_runs_it():
     from planner.engines import get_engine
     from planner.solve.plan import Layout, ep_overlap_allowed
-    from planner.solve.search import SearchOptions, with_options
+    from planner.solve.search import with_options
+    from planner.solve.settings import Settings
 
     eng = get_engine("megatron")
     base = Layout("megatron", 2, 1, 4, 2, 1, 8, 32, "interleaved", "none", 1, ep=2)
-    opts = SearchOptions(engine="megatron", global_batch=32)
+    opts = Settings.of(engine="megatron", global_batch=32)
     assert sorted(l.ep_comm_overlap for l in with_options(base, opts, eng)) == [False, True]
     for bad in (
         dataclasses.replace(base, ep=1),
@@ -173,7 +174,7 @@ def test_overlap_is_searched_where_megatron_runs_it():
     ):
         assert not ep_overlap_allowed(bad)
         assert [l.ep_comm_overlap for l in with_options(bad, opts, eng)] == [False]
-        pinned = with_options(bad, dataclasses.replace(opts, ep_comm_overlap=True), eng)
+        pinned = with_options(bad, opts.but(ep_comm_overlap=True), eng)
         assert any("--overlap-moe-expert-parallel-comm needs" in p for p in eng.feature_problems(pinned[0], costs_of("moe", "moe-tiny")))
     # no pipeline: the combined schedule without pipelining
     assert ep_overlap_allowed(dataclasses.replace(base, pp=1, vp=1, schedule="1f1b"))
@@ -186,11 +187,12 @@ def test_overlap_holds_one_micro_batch_more():
     from planner.engines import get_engine
     from planner.solve import rank_memory as rmem
     from planner.solve.plan import Layout
-    from planner.solve.search import Context, SearchOptions, evaluate_layout, one_more_in_flight
+    from planner.solve.search import Context, evaluate_layout, one_more_in_flight
+    from planner.solve.settings import Settings
 
     c = costs_of("moe", "moe-tiny")
     cl = hardware.parse_gpus("4xH100")
-    ctx = Context(c, cl, SearchOptions(engine="megatron", global_batch=8, mem_target=1.0), get_engine("megatron"))
+    ctx = Context(c, cl, Settings.of(engine="megatron", global_batch=8, mem_target=1.0), get_engine("megatron"))
     lay = Layout("megatron", 1, 1, 4, 1, 1, 2, 8, "1f1b", "none", 1, ep=2)
     off, on = (evaluate_layout(ctx, dataclasses.replace(lay, ep_comm_overlap=x), c.dtype) for x in (False, True))
     assert on.rank_memory[0]["activations"] == pytest.approx(2 * off.rank_memory[0]["activations"], rel=1e-12)

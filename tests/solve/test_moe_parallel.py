@@ -19,13 +19,13 @@ from planner.solve.mesh import Mesh
 from planner.solve.plan import Layout
 from planner.solve.search import (
     Context,
-    SearchOptions,
     dispatch_buffer_bytes,
     enumerate_layouts,
     expert_saved_extra,
     price_layout,
     search,
 )
+from planner.solve.settings import Settings
 from planner.solve.timing import analytical_times, expert_dispatch_time, expert_gemm_time
 from tests.conftest import EXAMPLES, costs_of
 
@@ -118,7 +118,7 @@ def _priced(costs, gpus, **lay):
     layout = Layout(
         "megatron", 1, lay["tp"], lay["dp"], 1, 1, lay.get("m", 1), lay["dp"] * lay.get("m", 1), "1f1b", "full", 1, lay["tp"] > 1, ep=lay["ep"], etp=lay["etp"]
     )
-    opts = SearchOptions(engine="megatron", global_batch=layout.global_batch, mem_target=1.0)
+    opts = Settings.of(engine="megatron", global_batch=layout.global_batch, mem_target=1.0)
     ev = price_layout(Context(costs, cluster, opts, get_engine("megatron")), layout, costs.dtype, bounds=(0, costs.n))
     assert not hasattr(ev, "reason"), getattr(ev, "reason", "")
     return ev
@@ -245,7 +245,7 @@ def test_expert_groups_are_megatrons(tp, cp, dp, ep, etp):
 def test_search_enumerates_every_ep_etp_megatron_allows_and_dense_models_get_none():
     c = costs_of("moe", "deepseek-tiny")  # 8 experts
     cluster = hardware.parse_gpus("8xH100")
-    lays, _ = enumerate_layouts(c, cluster, SearchOptions(engine="megatron"), get_engine("megatron"), 64)
+    lays, _ = enumerate_layouts(c, cluster, Settings.of(engine="megatron"), get_engine("megatron"), 64)
     seen: dict[tuple, set] = {}
     for lay in lays:
         seen.setdefault((lay.tp, lay.cp, lay.dp), set()).add((lay.ep, lay.etp))
@@ -256,15 +256,15 @@ def test_search_enumerates_every_ep_etp_megatron_allows_and_dense_models_get_non
     assert any(lay.ep == 8 for lay in lays)
     dense = costs_of("llama", "llama-tiny")
     for engine in ("megatron", "deepspeed"):
-        lays, _ = enumerate_layouts(dense, cluster, SearchOptions(engine=engine), get_engine(engine), 64)
+        lays, _ = enumerate_layouts(dense, cluster, Settings.of(engine=engine), get_engine(engine), 64)
         assert {(x.ep, x.etp) for x in lays} == {(1, 1)}
-    lays, _ = enumerate_layouts(c, cluster, SearchOptions(engine="deepspeed"), get_engine("deepspeed"), 64)
+    lays, _ = enumerate_layouts(c, cluster, Settings.of(engine="deepspeed"), get_engine("deepspeed"), 64)
     assert {(x.ep, x.etp) for x in lays} == {(1, 1)}  # engines without expert parallelism keep ep = etp = 1
 
 
 def test_pinned_ep_is_what_the_search_prices():
     c = costs_of("moe", "deepseek-tiny")
-    res = search(c, hardware.parse_gpus("8xH100"), SearchOptions(engine="megatron", ep=4, etp=1, pp=1), get_engine("megatron"))
+    res = search(c, hardware.parse_gpus("8xH100"), Settings.of(engine="megatron", ep=4, etp=1, pp=1), get_engine("megatron"))
     assert res.best is not None and {(e.layout.ep, e.layout.etp) for e in res.ranked} == {(4, 1)}
     assert res.best.expert_memory and res.best.expert_memory[0]["params"] == pytest.approx(3 * 8 * 3 * 64 * 32 / 4)
 
@@ -305,7 +305,7 @@ def test_engines_without_expert_parallelism_keep_experts_as_dense_weights():
     plain = replace(c, layers=tuple(replace(l, expert_params=0, num_experts=0) for l in c.layers))
     cluster = hardware.parse_gpus("8xH100")
     lay = Layout("deepspeed", 1, 1, 8, 1, 1, 1, 8, "1f1b", "none", 1, False)
-    opts = SearchOptions(engine="deepspeed", global_batch=8, mem_target=1.0)
+    opts = Settings.of(engine="deepspeed", global_batch=8, mem_target=1.0)
     a = price_layout(Context(c, cluster, opts, get_engine("deepspeed")), lay, c.dtype, bounds=(0, c.n))
     b = price_layout(Context(plain, cluster, opts, get_engine("deepspeed")), lay, c.dtype, bounds=(0, c.n))
     for k in ("weights", "grads", "optimizer"):

@@ -8,7 +8,8 @@ import pytest
 
 from planner import hardware
 from planner.engines import get_engine
-from planner.solve.search import SearchOptions, _dominance_group, _needs_no_less_memory, enumerate_layouts, search
+from planner.solve.search import _dominance_group, _needs_no_less_memory, enumerate_layouts, search
+from planner.solve.settings import Settings
 from tests.conftest import costs_of
 
 CASES = [
@@ -30,8 +31,8 @@ def test_pruned_moe_search_gives_the_exhaustive_top_k(preset, extra, gpus, gb, m
     c = costs_of("moe", preset, **extra)
     cl = hardware.parse_gpus(gpus)
     opts = dict(engine="megatron", top_k=3, global_batch=gb, mem_target=mem)
-    fast = search(c, cl, SearchOptions(**opts), get_engine("megatron"))
-    full = search(c, cl, SearchOptions(**opts, exhaustive=True), get_engine("megatron"))
+    fast = search(c, cl, Settings.of(**opts), get_engine("megatron"))
+    full = search(c, cl, Settings.of(**opts, exhaustive=True), get_engine("megatron"))
     assert full.considered == fast.considered
     assert fast.priced <= full.priced
     assert _top(fast, 3) == _top(full, 3)
@@ -42,7 +43,7 @@ def test_dominance_group_holds_every_field_the_dominance_requires_equal():
     """Looking dominance up by group loses nothing: layouts of different groups never dominate each other."""
     c = costs_of("moe", "deepseek-tiny")
     cl = hardware.parse_gpus("16xH100")
-    layouts, _ = enumerate_layouts(c, cl, SearchOptions(engine="megatron"), get_engine("megatron"), 64)
+    layouts, _ = enumerate_layouts(c, cl, Settings.of(engine="megatron"), get_engine("megatron"), 64)
     rng = random.Random(0)
     pairs = [(rng.choice(layouts), rng.choice(layouts)) for _ in range(20000)]
     pairs += [(a, b) for a, b in itertools.product(layouts[:200], layouts[:200])]

@@ -24,13 +24,13 @@ from planner.solve.memory import FP8_WEIGHT_COPY_BYTES, fp8_amax_bytes, state_re
 from planner.solve.plan import Layout, Plan
 from planner.solve.search import (
     Context,
-    SearchOptions,
     enumerate_layouts,
     evaluate_layout,
     fp8_problems,
     memory_rejection,
     price_layout,
 )
+from planner.solve.settings import Settings
 from planner.solve.timing import (
     kv_bytes,
     overlapped_collective_time,
@@ -137,7 +137,7 @@ def test_cp_rules_per_engine(gpt_costs):
 
 def test_cp_halves_activations_and_plans(gpt_costs):
     cluster = hardware.parse_gpus("8xH100-SXM")
-    opts = SearchOptions(engine="megatron", global_batch=16, mem_target=1.0)
+    opts = Settings.of(engine="megatron", global_batch=16, mem_target=1.0)
     ctx = Context(gpt_costs, cluster, opts, get_engine("megatron"))
     one = evaluate_layout(ctx, Layout("megatron", 2, 2, 2, 1, 1, 8, 16, "1f1b", "none", 0, True), "bf16")
     two = evaluate_layout(ctx, Layout("megatron", 2, 2, 1, 1, 1, 16, 16, "1f1b", "none", 0, True, cp=2), "bf16")
@@ -157,17 +157,17 @@ def test_feature_rules(gpt_costs):
 
 def test_search_defaults_and_searches_overlaps(gpt_costs):
     cluster = hardware.parse_gpus("16xH100-SXM")
-    opts = SearchOptions(engine="megatron", global_batch=64, tp=4, pp=2, zero=1, micro_batch=1, recompute="none", schedule="1f1b")
+    opts = Settings.of(engine="megatron", global_batch=64, tp=4, pp=2, zero=1, micro_batch=1, recompute="none", schedule="1f1b")
     lays, _ = enumerate_layouts(gpt_costs, cluster, opts, get_engine("megatron"), 64)
     assert {l.tp_comm_overlap for l in lays} == {False, True}
     assert all(l.overlap_grad_reduce and l.overlap_param_gather for l in lays)
-    ds, _ = enumerate_layouts(gpt_costs, cluster, SearchOptions(engine="deepspeed", global_batch=64), get_engine("deepspeed"), 64)
+    ds, _ = enumerate_layouts(gpt_costs, cluster, Settings.of(engine="deepspeed", global_batch=64), get_engine("deepspeed"), 64)
     assert not any(l.overlaps for l in ds)
 
 
 def test_tp_comm_overlap_is_faster_and_costs_buffers(gpt_costs):
     cluster = hardware.parse_gpus("8xH100-SXM")
-    ctx = Context(gpt_costs, cluster, SearchOptions(engine="megatron", global_batch=8, mem_target=1.0), get_engine("megatron"))
+    ctx = Context(gpt_costs, cluster, Settings.of(engine="megatron", global_batch=8, mem_target=1.0), get_engine("megatron"))
     lay = Layout("megatron", 1, 8, 1, 1, 1, 8, 8, "1f1b", "none", 0, True)
     off, on = evaluate_layout(ctx, lay, "bf16"), evaluate_layout(ctx, replace(lay, tp_comm_overlap=True), "bf16")
     assert on.predicted.step_time_s < off.predicted.step_time_s
@@ -188,7 +188,7 @@ def test_fp8_refused_without_fp8_tensor_cores():
 
 def test_fp8_gemms_run_at_the_fp8_peak(gpt_costs):
     cluster = hardware.parse_gpus("8xH100-SXM")
-    ctx = Context(gpt_costs, cluster, SearchOptions(engine="megatron", global_batch=8, mem_target=1.0), get_engine("megatron"))
+    ctx = Context(gpt_costs, cluster, Settings.of(engine="megatron", global_batch=8, mem_target=1.0), get_engine("megatron"))
     bf = ctx.times(8, 1, "none", 0, "bf16")
     f8 = ctx.times(8, 1, "none", 0, "bf16", fp8=True)
     assert sum(f8.fwd) < sum(bf.fwd)
@@ -203,7 +203,7 @@ def test_fp8_gemms_run_at_the_fp8_peak(gpt_costs):
     # the amax history is a fixed reserve; the fragmentation reserve follows the (smaller, 1-byte) saved GEMM inputs only
     transient = {k: b.rank_memory[0][k] - a.rank_memory[0][k] for k in ("activations", "buffers")}
     assert transient["activations"] < 0
-    frag = ctx.opts.overhead.fragmentation
+    frag = ctx.opts.knobs.overhead.fragmentation
     assert b.rank_memory[0]["overhead"] - a.rank_memory[0]["overhead"] == pytest.approx(fp8_amax_bytes(blocks, 1024) + frag * sum(transient.values()), rel=1e-9)
 
 
@@ -213,7 +213,7 @@ def test_fp8_gemms_run_at_the_fp8_peak(gpt_costs):
 def test_interleaved_fit_check_is_the_simulated_rank_peak(gpt_costs):
     cluster = hardware.parse_gpus("8xH100-SXM")
     lay = Layout("megatron", 4, 1, 2, 2, 4, 8, 64, "interleaved", "none", 0, False)
-    loose = Context(gpt_costs, cluster, SearchOptions(engine="megatron", global_batch=64, mem_target=1.0), get_engine("megatron"))
+    loose = Context(gpt_costs, cluster, Settings.of(engine="megatron", global_batch=64, mem_target=1.0), get_engine("megatron"))
     ev = price_layout(loose, lay, "bf16")
     peak = max(r["total"] for r in ev.rank_memory)
     stage_sum = max(sum(s["total"] for j, s in enumerate(ev.stage_memory) if ev.stage_rank[j] == r) for r in range(lay.pp))
@@ -221,7 +221,7 @@ def test_interleaved_fit_check_is_the_simulated_rank_peak(gpt_costs):
     cap = ev.capacity[0]
     target = (peak + stage_sum) / 2 / cap  # between the two: the rank fits
     assert memory_rejection(ev, target) is None
-    ctx = Context(gpt_costs, cluster, SearchOptions(engine="megatron", global_batch=64, mem_target=target), get_engine("megatron"))
+    ctx = Context(gpt_costs, cluster, Settings.of(engine="megatron", global_batch=64, mem_target=target), get_engine("megatron"))
     fit = evaluate_layout(ctx, lay, "bf16")
     assert not hasattr(fit, "reason"), fit
     assert max(r["total"] for r in fit.rank_memory) <= cap * target
@@ -308,11 +308,11 @@ def test_old_megatron_plans_keep_their_rendered_grad_overlap():
 def test_cli_fp8_and_cp_refusals_exit_2(gpt_costs):
     cluster = hardware.parse_gpus("8xH100-SXM")
     with pytest.raises(UsageError, match="no FP8 training"):
-        enumerate_layouts(gpt_costs, cluster, SearchOptions(engine="deepspeed", fp8=True), get_engine("deepspeed"), 64)
+        enumerate_layouts(gpt_costs, cluster, Settings.of(engine="deepspeed", fp8=True), get_engine("deepspeed"), 64)
     with pytest.raises(UsageError, match="context parallelism"):
-        enumerate_layouts(gpt_costs, cluster, SearchOptions(engine="torch", cp=2), get_engine("torch"), 64)
+        enumerate_layouts(gpt_costs, cluster, Settings.of(engine="torch", cp=2), get_engine("torch"), 64)
     with pytest.raises(UsageError, match="--cp must be at least 1"):
-        enumerate_layouts(gpt_costs, cluster, SearchOptions(engine="megatron", cp=0), get_engine("megatron"), 64)
+        enumerate_layouts(gpt_costs, cluster, Settings.of(engine="megatron", cp=0), get_engine("megatron"), 64)
 
 
 def test_gpt3_175b_interleaved_on_128_h100_fits_at_its_simulated_peak():
@@ -321,7 +321,7 @@ def test_gpt3_175b_interleaved_on_128_h100_fits_at_its_simulated_peak():
     costs = analyze(ROOT / "examples" / "gpt2.py", {"preset": "gpt3-175b", "attention": "explicit"}, 1, "fp16").costs
     cluster = hardware.parse_gpus("128xH100-SXM")
     lay = Layout("megatron", 8, 4, 4, 6, 1, 64, 256, "interleaved", "selective", 1, True)
-    ctx = Context(costs, cluster, SearchOptions(engine="megatron", global_batch=256, mem_target=1.0), get_engine("megatron"))
+    ctx = Context(costs, cluster, Settings.of(engine="megatron", global_batch=256, mem_target=1.0), get_engine("megatron"))
     ev = evaluate_layout(ctx, lay, costs.dtype)
     assert not hasattr(ev, "reason"), ev.reason
     peak = max(r["total"] for r in ev.rank_memory)
@@ -340,7 +340,7 @@ def test_megatron_step_zeroes_the_whole_gradient_buffer(gpt_costs):
     hbm = 3350e9 * 0.8
 
     def optimizer_s(engine, layout):
-        ctx = Context(gpt_costs, cluster, SearchOptions(engine="megatron", global_batch=16, mem_target=100.0), engine)
+        ctx = Context(gpt_costs, cluster, Settings.of(engine="megatron", global_batch=16, mem_target=100.0), engine)
         ev = evaluate_layout(ctx, layout, "bf16")
         return ev.predicted.optimizer_s, sum(ev.stage_params)
 

@@ -211,7 +211,7 @@ def _simulated_totals(ev, ctx):
     state as it is, the working set and buffers and the activation peak with the fragmentation reserve, the fixed reserve."""
     from planner.solve.search import feature_buffers
 
-    o = ctx.opts.overhead
+    o = ctx.opts.knobs.overhead
     lay = ev.layout
     fixed = o.context + o.communicator + feature_buffers(ctx.costs, lay)
     assert lay.num_microbatches * lay.pp * lay.vp <= 20000  # simulated in full, not extrapolated
@@ -237,7 +237,8 @@ def test_a_rejected_published_layout_quotes_the_simulated_peak_of_its_split():
     from planner.engines import get_engine
     from planner.solve.memory import GiB
     from planner.solve.rules import RejectKind
-    from planner.solve.search import Context, Rejection, SearchOptions, evaluate_layout, memory_rejection, price_layout
+    from planner.solve.search import Context, Rejection, evaluate_layout, memory_rejection, price_layout
+    from planner.solve.settings import Settings
 
     run = next(r for r in pr.RUNS_ALL if r.id == "N-gpt3-175b-128")
     costs, lay = pr.costs_for(run), pr.layout_for(run)
@@ -247,7 +248,7 @@ def test_a_rejected_published_layout_quotes_the_simulated_peak_of_its_split():
         return Context(
             costs,
             cluster,
-            SearchOptions(engine="megatron", global_batch=run.global_batch, mem_target=target, cp=run.cp, fp8=lay.fp8, main_grads_dtype=lay.main_grads_dtype),
+            Settings.of(engine="megatron", global_batch=run.global_batch, mem_target=target, cp=run.cp, fp8=lay.fp8, main_grads_dtype=lay.main_grads_dtype),
             get_engine("megatron"),
         )
 
@@ -278,10 +279,11 @@ def test_an_accepted_interleaved_plan_reports_the_simulated_rank_need(gpt2xl):
     from planner import hardware
     from planner.engines import get_engine
     from planner.solve.plan import Layout
-    from planner.solve.search import Context, Evaluation, SearchOptions, evaluate_layout, memory_rejection
+    from planner.solve.search import Context, Evaluation, evaluate_layout, memory_rejection
+    from planner.solve.settings import Settings
 
     cluster = hardware.parse_gpus("8xA100")
-    ctx = Context(gpt2xl, cluster, SearchOptions(engine="megatron"), get_engine("megatron"))
+    ctx = Context(gpt2xl, cluster, Settings.of(engine="megatron"), get_engine("megatron"))
     lay = Layout("megatron", 4, 1, 2, 2, 1, 12, 24, "interleaved", "none", 1)
     ev = evaluate_layout(ctx, lay, "bf16")
     assert isinstance(ev, Evaluation)
@@ -298,10 +300,11 @@ def test_a_rank_of_several_stages_holds_one_stage_working_set_at_a_time(gpt2xl):
     from planner import hardware
     from planner.engines import get_engine
     from planner.solve.plan import Layout
-    from planner.solve.search import Context, Evaluation, SearchOptions, evaluate_layout
+    from planner.solve.search import Context, Evaluation, evaluate_layout
+    from planner.solve.settings import Settings
 
     cluster = hardware.parse_gpus("8xA100")
-    ctx = Context(gpt2xl, cluster, SearchOptions(engine="megatron", mem_target=100.0), get_engine("megatron"))
+    ctx = Context(gpt2xl, cluster, Settings.of(engine="megatron", mem_target=100.0), get_engine("megatron"))
     lay = Layout("megatron", 4, 1, 2, 2, 1, 12, 24, "interleaved", "none", 1)
     ev = evaluate_layout(ctx, lay, "bf16")
     assert isinstance(ev, Evaluation)
@@ -327,15 +330,16 @@ def test_the_fragmentation_reserve_is_charged_on_transient_bytes_never_on_the_mo
     from planner import hardware
     from planner.engines import get_engine
     from planner.solve.plan import Layout
-    from planner.solve.search import Context, Evaluation, SearchOptions, evaluate_layout, feature_buffers
+    from planner.solve.search import Context, Evaluation, evaluate_layout, feature_buffers
+    from planner.solve.settings import Settings
 
     cluster = hardware.parse_gpus("8xA100")
-    ctx = Context(gpt2xl, cluster, SearchOptions(engine="megatron", mem_target=100.0), get_engine("megatron"))
+    ctx = Context(gpt2xl, cluster, Settings.of(engine="megatron", mem_target=100.0), get_engine("megatron"))
     lay = Layout("megatron", 2, 1, 4, 1, 1, 8, 32, "1f1b", "none", 1, True, main_grads_dtype="bf16")
     bf16 = evaluate_layout(ctx, lay, "bf16")
     fp32 = evaluate_layout(ctx, replace(lay, main_grads_dtype="fp32"), "bf16")
     assert isinstance(bf16, Evaluation) and isinstance(fp32, Evaluation)
-    o = ctx.opts.overhead
+    o = ctx.opts.knobs.overhead
     fixed = o.context + o.communicator + feature_buffers(gpt2xl, lay)
     for a, b in zip(bf16.rank_memory, fp32.rank_memory):
         assert b["grads"] > a["grads"] and b["activations"] == a["activations"] and b["buffers"] == a["buffers"]

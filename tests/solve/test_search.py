@@ -1,7 +1,6 @@
 """Layout search and memory model: engine rules, pins, pruning, closed forms, published runs."""
 
 import re
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -10,11 +9,12 @@ import pytest
 from planner import hardware
 from planner.engines import get_engine
 from planner.errors import InfeasibleError, UsageError
-from planner.planning import PlanRequest, plan_model
+from planner.planning import plan_model
 from planner.solve.memory import activation_bytes_per_microbatch, state_recipe
 from planner.solve.plan import Layout
 from planner.solve.rules import RejectKind
-from planner.solve.search import Context, Rejection, SearchOptions, _needs_no_less_memory, enumerate_layouts, evaluate_layout, search
+from planner.solve.search import Context, Rejection, _needs_no_less_memory, enumerate_layouts, evaluate_layout, search
+from planner.solve.settings import Settings
 from planner.solve.timing import analytical_times
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,11 +41,11 @@ def test_state_recipes_match_published_bytes_per_parameter():
 
 def test_deepspeed_layouts_never_use_zero2_or_interleaving(llama7b):
     cl = hardware.parse_gpus("16xA100")
-    res = search(llama7b, cl, SearchOptions(engine="deepspeed"), get_engine("deepspeed"))
+    res = search(llama7b, cl, Settings.of(engine="deepspeed"), get_engine("deepspeed"))
     assert res.best is not None
     for e in res.ranked:
         assert e.layout.schedule == "1f1b" and e.layout.vp == 1 and e.layout.zero <= 1 and e.layout.tp == 1
-    ctx = Context(llama7b, cl, SearchOptions(engine="deepspeed"), get_engine("deepspeed"))
+    ctx = Context(llama7b, cl, Settings.of(engine="deepspeed"), get_engine("deepspeed"))
     bad = Layout("deepspeed", 2, 1, 8, 1, 1, 8, 64, "1f1b", "none", 2)
     rej = evaluate_layout(ctx, bad, "bf16")
     assert isinstance(rej, Rejection) and "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism" in rej.reason
@@ -59,14 +59,14 @@ def test_megatron_cuts_only_between_whole_layers(llama7b):
             assert names[k].endswith(":attention"), names[k]  # a layer starts here
     assert not allowed[1]  # the embedding stays with the first layer
     assert not allowed[llama7b.n - 2] and not allowed[llama7b.n - 1]  # norm and head stay with the last layer
-    res = search(llama7b, hardware.parse_gpus("16xA100"), SearchOptions(engine="megatron", pp=4, tp=2), get_engine("megatron"))
+    res = search(llama7b, hardware.parse_gpus("16xA100"), Settings.of(engine="megatron", pp=4, tp=2), get_engine("megatron"))
     for e in res.ranked:
         assert all(allowed[b] for b in e.bounds)
 
 
 def test_pins_fix_the_layout(llama7b):
     cl = hardware.parse_gpus("16xA100")
-    opts = SearchOptions(engine="torch", pp=4, dp=4, micro_batch=1, schedule="zbv", recompute="full", global_batch=64)
+    opts = Settings.of(engine="torch", pp=4, dp=4, micro_batch=1, schedule="zbv", recompute="full", global_batch=64)
     res = search(llama7b, cl, opts, get_engine("torch"))
     assert res.ranked and all(
         (e.layout.pp, e.layout.dp, e.layout.micro_batch, e.layout.schedule, e.layout.vp, e.layout.recompute) == (4, 4, 1, "zbv", 2, "full") for e in res.ranked
@@ -76,17 +76,17 @@ def test_pins_fix_the_layout(llama7b):
 
 def test_impossible_pins_are_a_usage_error(llama7b):
     with pytest.raises(UsageError, match="not divisible by pp x tp = 3"):
-        search(llama7b, hardware.parse_gpus("8xA100"), SearchOptions(engine="megatron", pp=3, tp=1), get_engine("megatron"))
+        search(llama7b, hardware.parse_gpus("8xA100"), Settings.of(engine="megatron", pp=3, tp=1), get_engine("megatron"))
     with pytest.raises(UsageError, match=r"global batch 64, cp=3: 8 is not divisible by cp = 3\."):
-        search(llama7b, hardware.parse_gpus("8xA100"), SearchOptions(engine="megatron", cp=3), get_engine("megatron"))
+        search(llama7b, hardware.parse_gpus("8xA100"), Settings.of(engine="megatron", cp=3), get_engine("megatron"))
     with pytest.raises(UsageError, match=r"pp=2, tp=2, dp=3: 8 is not divisible by pp x tp x dp = 12\."):
-        search(llama7b, hardware.parse_gpus("8xA100"), SearchOptions(engine="megatron", pp=2, tp=2, dp=3), get_engine("megatron"))
+        search(llama7b, hardware.parse_gpus("8xA100"), Settings.of(engine="megatron", pp=2, tp=2, dp=3), get_engine("megatron"))
 
 
 def test_pruned_search_finds_the_exhaustive_best(gpt2xl):
     cl = hardware.parse_gpus("16xA100-40GB")
-    fast = search(gpt2xl, cl, SearchOptions(engine="torch", top_k=3), get_engine("torch"))
-    full = search(gpt2xl, cl, SearchOptions(engine="torch", top_k=3, exhaustive=True), get_engine("torch"))
+    fast = search(gpt2xl, cl, Settings.of(engine="torch", top_k=3), get_engine("torch"))
+    full = search(gpt2xl, cl, Settings.of(engine="torch", top_k=3, exhaustive=True), get_engine("torch"))
     assert full.priced > fast.priced
     assert [e.layout for e in fast.ranked[:3]] == [e.layout for e in full.ranked[:3]]
     assert fast.best.predicted.step_time_s == full.best.predicted.step_time_s
@@ -98,7 +98,7 @@ def test_pruned_search_finds_the_exhaustive_best(gpt2xl):
 def test_1f1b_first_stage_holds_p_microbatches_of_activations(gpt2xl):
     """1F1B: stage i holds min(m, p - i) micro-batches, so stage 0's activations = p x its micro-batch bytes."""
     cl = hardware.parse_gpus("8xA100")
-    ctx = Context(gpt2xl, cl, SearchOptions(engine="deepspeed", mem_target=1.0), get_engine("deepspeed"))
+    ctx = Context(gpt2xl, cl, Settings.of(engine="deepspeed", mem_target=1.0), get_engine("deepspeed"))
     lay = Layout("deepspeed", 8, 1, 1, 1, 1, 32, 32, "1f1b", "none", 1)
     ev = evaluate_layout(ctx, lay, "bf16")
     assert not isinstance(ev, Rejection)
@@ -109,7 +109,7 @@ def test_1f1b_first_stage_holds_p_microbatches_of_activations(gpt2xl):
 
 def test_gpipe_holds_every_microbatch(gpt2xl):
     cl = hardware.parse_gpus("4xA100")
-    ctx = Context(gpt2xl, cl, SearchOptions(engine="torch", mem_target=1.0), get_engine("torch"))
+    ctx = Context(gpt2xl, cl, Settings.of(engine="torch", mem_target=1.0), get_engine("torch"))
     lay = Layout("torch", 4, 1, 1, 1, 1, 6, 6, "gpipe", "full", 0)
     ev = evaluate_layout(ctx, lay, "bf16")
     for j, (a, b) in enumerate(zip(ev.bounds, ev.bounds[1:])):
@@ -125,7 +125,7 @@ def test_full_recompute_keeps_only_block_inputs(llama7b):
 
 def test_stage_memory_components_add_up(llama7b):
     cl = hardware.parse_gpus("16xA100")
-    res = search(llama7b, cl, SearchOptions(engine="megatron"), get_engine("megatron"))
+    res = search(llama7b, cl, Settings.of(engine="megatron"), get_engine("megatron"))
     for rm in res.best.rank_memory:
         parts = sum(v for k, v in rm.items() if k != "total")
         assert rm["total"] == pytest.approx(parts)
@@ -145,7 +145,7 @@ def test_a_shortfall_under_a_tenth_of_a_gib_is_said_in_mib():
 
 
 def test_nothing_fits_names_the_smallest_change():
-    req = PlanRequest(model_file=str(EX / "llama.py"), model_args={"preset": "llama-70b"}, gpus="8xA100", engine="deepspeed")
+    req = Settings.of(model_file=str(EX / "llama.py"), model_args={"preset": "llama-70b"}, gpus="8xA100", engine="deepspeed")
     with pytest.raises(InfeasibleError) as e:
         plan_model(req)
     assert e.value.exit_code == 1
@@ -158,13 +158,13 @@ def test_nothing_fits_names_the_smallest_change():
     gpus, nodes, per_node, device = int(hint[1]), int(hint[2]), int(hint[3]), hint[4]
     assert gpus == nodes * per_node and gpus > 8
     # the suggestion holds when planned for real (with the lean options the advice assumes) ...
-    lean = replace(req, gpus=f"{nodes}x{per_node}x{device}", micro_batch=1, recompute="full")
+    lean = req.but(gpus=f"{nodes}x{per_node}x{device}", micro_batch=1, recompute="full")
     plan = plan_model(lean)[0]
     assert plan.layout.pp * plan.layout.dp * plan.layout.tp == gpus
     # ... and it is the smallest of the sizes tried (twice as many nodes each time): half of it does not fit
     if nodes > 2:
         with pytest.raises(InfeasibleError):
-            plan_model(replace(lean, gpus=f"{nodes // 2}x{per_node}x{device}"))
+            plan_model(lean.but(gpus=f"{nodes // 2}x{per_node}x{device}"))
 
 
 # ----------------------------------------------------------------- heterogeneous clusters, memory dominance
@@ -174,7 +174,7 @@ def test_heterogeneous_cluster_costs_each_stage_on_its_own_device(gpt2xl):
     """8 H100 then 8 A100: pipeline rank 0 runs on H100s, rank 1 on A100s; each stage is timed on its own
     device and the split is the best of every cut (brute force over the single boundary)."""
     cl = hardware.parse_gpus("8xH100+8xA100")
-    res = search(gpt2xl, cl, SearchOptions(engine="torch", pp=2, dp=8, micro_batch=1, schedule="1f1b", recompute="none", mem_target=1.0), get_engine("torch"))
+    res = search(gpt2xl, cl, Settings.of(engine="torch", pp=2, dp=8, micro_batch=1, schedule="1f1b", recompute="none", mem_target=1.0), get_engine("torch"))
     best = res.best
     assert best is not None and best.devices == ["h100-sxm", "a100-80gb"]
     for r, rm in enumerate(best.rank_memory):
@@ -196,7 +196,7 @@ def test_memory_dominance_never_prunes_a_layout_that_fits(llama7b):
     (search._needs_no_less_memory); check that claim against pricing every pair on a tight cluster."""
     cl = hardware.parse_gpus("8xA10")
     engine = get_engine("torch")
-    opts = SearchOptions(engine="torch", top_k=5)
+    opts = Settings.of(engine="torch", top_k=5)
     ctx = Context(llama7b, cl, opts, engine)
     layouts, _ = enumerate_layouts(llama7b, cl, opts, engine, 64)
     verdict = {lay: evaluate_layout(ctx, lay, "bf16") for lay in layouts}
@@ -233,7 +233,7 @@ def test_the_fast_search_reports_what_the_straightforward_one_does(gpt2xl, monke
     from tests.solve.test_rank_memory import _reference_min_sum
 
     cl = hardware.parse_gpus(gpus)
-    opts = SearchOptions(engine=engine, top_k=3, mem_target=mem, exhaustive=exhaustive)
+    opts = Settings.of(engine=engine, top_k=3, mem_target=mem, exhaustive=exhaustive)
     fast = _everything(search(gpt2xl, cl, opts, get_engine(engine)))
 
     def uncached(method, store):
@@ -292,7 +292,7 @@ def test_nothing_fits_on_deepspeed_names_megatron_for_experts():
     """issue: an MoE model that no DeepSpeed layout fits at any size (a stage holds all of a layer's experts: DeepSeek-V3
     on 64 H100) was told "Try more GPUs, --recompute full, --micro-batch 1", all of which the search had tried; the
     advice now names Megatron's expert parallelism where it fits, and that holds when planned for real."""
-    req = PlanRequest(
+    req = Settings.of(
         model_file=str(EX / "moe.py"),
         model_args={"preset": "deepseek-v3", "n_layers": "5", "seq_len": "1024"},
         gpus="8xH100",
@@ -303,5 +303,5 @@ def test_nothing_fits_on_deepspeed_names_megatron_for_experts():
     text = str(e.value)
     assert "Smallest change that fits: --engine megatron (expert parallelism shards the experts) would fit." in text, text
     assert "--recompute full" not in text.split("Smallest change")[1] and "--micro-batch 1" not in text.split("Smallest change")[1]
-    plan = plan_model(replace(req, engine="megatron"))[0]
+    plan = plan_model(req.but(engine="megatron"))[0]
     assert plan.layout.ep > 1

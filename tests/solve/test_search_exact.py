@@ -11,7 +11,8 @@ import pytest
 
 from planner import hardware
 from planner.engines import ENGINES, get_engine
-from planner.solve.search import Context, Evaluation, SearchOptions, enumerate_layouts, lower_bound, price_layout, search
+from planner.solve.search import Context, Evaluation, enumerate_layouts, lower_bound, price_layout, search
+from planner.solve.settings import Settings
 from tests.conftest import costs_of
 
 CLUSTERS = {"homogeneous": "16xH100", "mixed slow-first": "8xL40S+8xH100", "mixed fast-first": "8xH100+8xL40S"}
@@ -44,8 +45,8 @@ def test_the_pruned_pick_equals_pricing_every_candidate(engine, model, pins, clu
     costs = _costs(model)
     cl = hardware.parse_gpus(CLUSTERS[cluster])
     opts = {"engine": engine, "top_k": 3, "global_batch": 64, **pins}
-    fast = search(costs, cl, SearchOptions(**opts), get_engine(engine))
-    full = search(costs, cl, SearchOptions(**opts, exhaustive=True), get_engine(engine))
+    fast = search(costs, cl, Settings.of(**opts), get_engine(engine))
+    full = search(costs, cl, Settings.of(**opts, exhaustive=True), get_engine(engine))
     assert full.best is not None and fast.best is not None
     assert [e.layout for e in fast.ranked[:3]] == [e.layout for e in full.ranked[:3]]
     assert fast.best.predicted.step_time_s == full.best.predicted.step_time_s
@@ -58,7 +59,7 @@ def test_no_layout_is_priced_below_its_lower_bound(engine, model, cluster):
     largest piece), with each pipeline rank's first GPU where pricing puts it (planner.solve.mesh)."""
     costs = _costs(model)
     cl = hardware.parse_gpus(CLUSTERS[cluster])
-    opts = SearchOptions(engine=engine, global_batch=64)
+    opts = Settings.of(engine=engine, global_batch=64)
     eng = get_engine(engine)
     ctx = Context(costs, cl, opts, eng)
     layouts, _ = enumerate_layouts(costs, cl, opts, eng, 64)
@@ -78,17 +79,17 @@ def test_the_mixed_cluster_context_parallel_case():
     costs = costs_of("llama", "llama-1b", seq_len=8192)
     cl = hardware.parse_gpus("8xL40S+8xH100")
     opts = {"engine": "megatron", "top_k": 1, "global_batch": 64, "recompute": "full", "tp": 1, "micro_batch": 1}
-    fast = search(costs, cl, SearchOptions(**opts), get_engine("megatron"))
-    full = search(costs, cl, SearchOptions(**opts, exhaustive=True), get_engine("megatron"))
+    fast = search(costs, cl, Settings.of(**opts), get_engine("megatron"))
+    full = search(costs, cl, Settings.of(**opts, exhaustive=True), get_engine("megatron"))
     assert fast.best.layout == full.best.layout and (fast.best.layout.pp, fast.best.layout.cp, fast.best.layout.dp) == (2, 4, 2)
-    pinned = search(costs, cl, SearchOptions(**opts, pp=2, cp=4, dp=2), get_engine("megatron"))
+    pinned = search(costs, cl, Settings.of(**opts, pp=2, cp=4, dp=2), get_engine("megatron"))
     assert fast.best.predicted.step_time_s == pinned.best.predicted.step_time_s
 
 
 @pytest.mark.parametrize("exhaustive", [False, True])
 @pytest.mark.parametrize(("engine", "model"), [("megatron", "dense"), ("megatron", "moe"), ("deepspeed", "dense"), ("torch", "dense")])
 def test_pricing_in_several_processes_changes_nothing(engine, model, exhaustive, monkeypatch):
-    """Candidates priced ahead in forked processes (SearchOptions.jobs): the pick, the whole ranking with its figures,
+    """Candidates priced ahead in forked processes (Settings.jobs): the pick, the whole ranking with its figures,
     and every rejection with its wording are those of pricing in one process."""
     import planner.solve.search as search_module
 
@@ -97,8 +98,8 @@ def test_pricing_in_several_processes_changes_nothing(engine, model, exhaustive,
     costs = _costs(model)
     cl = hardware.parse_gpus(CLUSTERS["mixed slow-first"])
     opts = {"engine": engine, "top_k": 3, "global_batch": 64, "exhaustive": exhaustive}
-    one = search(costs, cl, SearchOptions(**opts, jobs=1), get_engine(engine))
-    two = search(costs, cl, SearchOptions(**opts, jobs=2), get_engine(engine))
+    one = search(costs, cl, Settings.of(**opts, jobs=1), get_engine(engine))
+    two = search(costs, cl, Settings.of(**opts, jobs=2), get_engine(engine))
     assert (one.priced, one.considered) == (two.priced, two.considered)
     assert [(e.layout, e.predicted, e.bounds, e.rank_memory) for e in one.ranked] == [(e.layout, e.predicted, e.bounds, e.rank_memory) for e in two.ranked]
     assert [(r.layout, r.reason, r.kind, r.lower_bound) for r in one.rejected] == [(r.layout, r.reason, r.kind, r.lower_bound) for r in two.rejected]

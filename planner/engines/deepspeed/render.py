@@ -85,7 +85,7 @@ def ds_config(plan: Plan) -> dict[str, Any]:
             "grad_partitioned": False,
         },
     }
-    return precision_config(cfg, plan.inputs.get("dtype", "bf16"))
+    return precision_config(cfg, plan.settings.model.dtype)
 
 
 def _stage_lines(plan: Plan) -> list[str]:
@@ -93,7 +93,7 @@ def _stage_lines(plan: Plan) -> list[str]:
 
 
 def _optimizer_note(plan: Plan) -> str:
-    dtype, zero = plan.inputs.get("dtype", "bf16"), plan.layout.zero
+    dtype, zero = plan.settings.model.dtype, plan.layout.zero
     if dtype == "bf16":
         acc = "fp32" if zero >= 1 else "bf16"
         return (
@@ -120,7 +120,7 @@ def render(plan: Plan, command: str, out_dir: Path | None = None) -> dict[str, s
         num_microbatches=lay.num_microbatches,
         global_batch=lay.global_batch,
         recompute=lay.recompute,
-        dtype=plan.inputs.get("dtype", "bf16"),
+        dtype=plan.settings.model.dtype,
         optimizer_note=_optimizer_note(plan),
         stage_lines=_stage_lines(plan),
         tied=[one_line(f"{t['name']} (pieces {', '.join(map(str, t['layers']))})") for t in plan.model.get("tied", [])],

@@ -97,7 +97,7 @@ def _compare_ds_plan(run: _Run, rel: str, cfg: DSConfig, plan) -> None:
         (("gradient_accumulation_steps",), raw.get("gradient_accumulation_steps"), lay.num_microbatches, "num_microbatches"),
         (("zero_optimization", "stage"), cfg.zero, lay.zero, "zero"),
         (("pipeline", "activation_checkpoint_interval"), cfg.checkpoint_interval, 1 if lay.recompute == "full" else 0, "recompute"),
-        (("bf16", "enabled"), cfg.precision, plan.inputs.get("dtype") or plan.model.get("dtype"), "dtype"),
+        (("bf16", "enabled"), cfg.precision, plan.settings.model.dtype or plan.model.get("dtype"), "dtype"),
     ]
     for path, have, want, name in checks:
         if have is None or want is None or have == want:
@@ -142,7 +142,7 @@ def _memory_deepspeed(run: _Run, ctx: _Ctx, rel: str, cfg: DSConfig, pp: int | N
     plan = ctx.plan
     recompute = "full" if (cfg.checkpoint_interval or 0) > 0 else "none"
     layout = Layout("deepspeed", pp, mp, dp, 1, int(cfg.micro_batch), int(cfg.grad_acc), int(cfg.train_batch), "1f1b", recompute, int(cfg.zero), False)
-    dtype = cfg.precision or (plan.inputs.get("dtype") if plan is not None else None) or "bf16"
+    dtype = cfg.precision or (plan.settings.model.dtype if plan is not None else None) or "bf16"
     costs = _costs(run, ctx, rel, line, dtype)
     if costs is None:
         return

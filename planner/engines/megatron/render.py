@@ -70,7 +70,7 @@ Flags = list[tuple[str, "str | tuple[str, ...] | None"]]  # a switch, one value,
 def architecture(plan: Plan) -> dict[str, Any]:
     """plan.model["architecture"] with its optional keys defaulted, checked to map onto Megatron's GPT model (UsageError naming what does not)."""
     arch = plan.model.get("architecture")
-    problem = architecture_problem(arch, plan.inputs.get("model_file", "the model file"))
+    problem = architecture_problem(arch, (plan.settings.model.model_file or "the model file"))
     if problem is not None:
         raise UsageError(*problem)
     return architecture_defaults(cast(dict[str, Any], arch))  # architecture_problem answered None: a non-empty dict
@@ -294,7 +294,7 @@ def flag_groups(plan: Plan) -> dict[str, Flags]:
     counts = planned_stage_layers(plan)
     if len(counts) != lay.pp * lay.vp:
         raise UsageError(f"plan.json has {len(counts)} stages but pp x vp = {lay.pp} x {lay.vp}; re-run `planner plan`.")
-    dtype = plan.model.get("dtype") or plan.inputs.get("dtype") or "bf16"
+    dtype = plan.model.get("dtype") or plan.settings.model.dtype or "bf16"
     training: Flags = [("--micro-batch-size", str(lay.micro_batch)), ("--global-batch-size", str(lay.global_batch))]
     if dtype in ("bf16", "fp16"):
         training.append((f"--{dtype}", None))
@@ -423,9 +423,9 @@ def _context(plan: Plan, command: str) -> dict[str, Any]:
         "split_kind": one_line(split_kind),
         "counts": counts,
         "arch": arch,
-        "dtype": plan.model.get("dtype") or plan.inputs.get("dtype") or "bf16",
-        "model_file": one_line(plan.inputs.get("model_file", "")),
-        "model_args": one_line(", ".join(f"{k}={v}" for k, v in sorted((plan.inputs.get("model_args") or {}).items())) or "none"),
+        "dtype": plan.model.get("dtype") or plan.settings.model.dtype or "bf16",
+        "model_file": one_line(plan.settings.model.model_file),
+        "model_args": one_line(", ".join(f"{k}={v}" for k, v in sorted((plan.settings.model.model_args or {}).items())) or "none"),
         "vocab": arch["vocab_size"],
         "vocab_arg": vocab_arg,
         "divisible": divisible,

@@ -44,7 +44,7 @@ def _stage_lines(plan: Plan) -> list[str]:
 
 
 def _precision_note(plan: Plan) -> str:
-    dtype = plan.inputs.get("dtype", "bf16")
+    dtype = plan.settings.model.dtype
     if dtype in ("bf16", "fp16"):
         return f"{dtype} autocast over fp32 weights on GPU (--precision auto), fp32 on CPU"
     return "fp32"
@@ -85,7 +85,7 @@ def render(plan: Plan, command: str, out_dir: Path | None = None) -> dict[str, s
         placement=SCHEDULE_INFO[lay.schedule].placement,
         split_backward=SCHEDULE_INFO[lay.schedule].split_backward,
         tied=[one_line(f"{t['name']} (pieces {', '.join(map(str, t['layers']))})") for t in plan.model.get("tied", [])],
-        dtype=plan.inputs.get("dtype", "bf16"),
+        dtype=plan.settings.model.dtype,
         recompute=lay.recompute,
     )
     return {

@@ -125,7 +125,7 @@ def check_renderable(plan: Plan) -> None:
         raise UsageError(f"the torchtitan engine plans no tensor or context parallelism; the plan has tp={lay.tp}, cp={lay.cp}.", "Plan with --tp 1.")
     if lay.zero not in (0, 3):
         raise UsageError(f"torchtitan runs FSDP2 (ZeRO 3) or replicated data parallelism (ZeRO 0), not ZeRO {lay.zero}.", "Plan with --zero 0 or --zero 3.")
-    dtype = plan.inputs.get("dtype", "bf16")
+    dtype = plan.settings.model.dtype
     if dtype not in PRECISION:
         raise UsageError(f"torchtitan trains bf16 or fp32 parameters (training.mixed_precision_param), not {dtype}.", "Plan with --dtype bf16 or fp32.")
     if len(plan.stages) != lay.pp * lay.vp:
@@ -151,7 +151,7 @@ def override_groups(plan: Plan) -> list[list[str]]:
         ["--parallelism.context_parallel_degree", "1"],
         ["--training.local_batch_size", str(lay.micro_batch * lay.num_microbatches)],
         ["--training.global_batch_size", str(lay.global_batch)],
-        ["--training.mixed_precision_param", PRECISION[plan.inputs.get("dtype", "bf16")]],
+        ["--training.mixed_precision_param", PRECISION[plan.settings.model.dtype]],
     ]
     if plan.model.get("seq_len"):
         groups.append(["--training.seq_len", str(plan.model["seq_len"])])
