@@ -152,7 +152,7 @@ def test_plan_uses_the_profile(gpt2_file):
     from planner.planning import plan_model
     from planner.solve.settings import Settings
 
-    req = Settings.of(str(GPT2), TINY, "2xcpu", engine="torch", dtype="fp32", profile=str(gpt2_file))
+    req = Settings.of(model_file=str(GPT2), model_args=TINY, gpus="2xcpu", engine="torch", dtype="fp32", profile=str(gpt2_file))
     plan, _, _ = plan_model(req)
     assert plan.assumptions["time_sources"] == ["measured"]
     assert any("measured times on cpu" in n for n in plan.notes)
