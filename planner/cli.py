@@ -301,7 +301,7 @@ def _settings_options() -> list[Any]:
             option = typer.Argument(..., help=help_text)
         else:
             flag = meta["flag"] or "--" + f.name.replace("_", "-")
-            if str(f.type) == "bool | None":
+            if str(f.type) == "bool | None" or (str(f.type) == "bool" and f.default is True):
                 flag = f"{flag}/--no-{flag[2:]}"
             option = typer.Option(default, flag, help=help_text, rich_help_panel=panel)
         name = "model" if meta["flag"] == "MODEL" else f.name
@@ -657,6 +657,7 @@ def validate(
         "--run-scripts",
         help="Run launch scripts the planner did not render (or that were edited since) under bash with stub launchers, in a sandbox where the platform has one; without it they are read statically and nothing of them runs.",
     ),
+    cache: bool = typer.Option(True, "--cache/--no-cache", help="Read and write the cache of analysed models (planner.model.cache)."),
     timeout: float = Timeout,
 ) -> None:
     """Check committed configs: engine rules, batch arithmetic, unknown keys, memory fit and drift from a fresh render."""
@@ -669,7 +670,7 @@ def validate(
         limit = _timeout(timeout)
         args = _model_args(model_arg) if model_arg else None
         with _user_code(model or Path("the model file"), limit, initial_phase="model"):
-            code, text = validate_paths(paths, gpus=gpus, model=model, strict=strict, fmt=fmt, pp=pp, model_args=args, run_scripts=run_scripts)
+            code, text = validate_paths(paths, gpus=gpus, model=model, strict=strict, fmt=fmt, pp=pp, model_args=args, run_scripts=run_scripts, cache=cache)
     stdout().write(text)  # plain: messages contain [brackets] that rich would read as markup
     raise typer.Exit(code)
 

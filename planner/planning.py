@@ -16,7 +16,9 @@ from planner.engines import ENGINES, get_engine
 from planner.errors import InfeasibleError, UsageError
 from planner.hardware import Cluster
 from planner.hardware.gpus import MAX_WORLD_SIZE
+from planner.model import cache as model_cache
 from planner.model.analyze import Analysis, analyze
+from planner.model.cache import ModelSummary
 from planner.model.coupling import COUPLED_MIN_MICRO_BATCH
 from planner.model.profile_match import match_profile
 from planner.records import ModelCosts
@@ -27,8 +29,8 @@ from planner.solve.search import Context, Evaluation, Rejection, SearchResult, e
 from planner.solve.settings import Settings
 
 
-def plan_model(req: Settings, progress: Callable[[str, int, int], None] | None = None) -> tuple[Plan, Analysis, SearchResult]:
-    """Plan ``req``: returns (Plan, Analysis, SearchResult). Raises InfeasibleError (exit 1) when nothing fits."""
+def plan_model(req: Settings, progress: Callable[[str, int, int], None] | None = None) -> tuple[Plan, ModelSummary, SearchResult]:
+    """Plan ``req``: returns (Plan, the model's summary, SearchResult). Raises InfeasibleError (exit 1) when nothing fits."""
     engine = get_engine(req.engine)  # unknown engine: a clear error before any work
     cluster = hardware.parse_gpus(
         req.cluster.gpus,
@@ -38,18 +40,15 @@ def plan_model(req: Settings, progress: Callable[[str, int, int], None] | None =
     )
     if req.model.dtype == "fp8":  # Transformer Engine FP8: bf16 weights and activations, FP8 GEMMs
         req = req.but(fp8=True)
-    analysis = analyze_model(
-        req.model.model_file,
-        req.model.model_args,
-        req.model.cost_micro_batch,
-        "bf16" if req.memory.fp8 else req.model.dtype,
-        list(req.model.leaf),
-        req.model.tracer,
-        sub_block_cuts=True,
-        progress=progress,
-    )
+    asked = (req.model.model_file, req.model.model_args, req.model.cost_micro_batch, "bf16" if req.memory.fp8 else req.model.dtype)
+    full: Analysis | None = None
+    if req.cluster.profile:  # matching measured pieces reads the traced graph itself: no cache
+        full = analyze_model(*asked, list(req.model.leaf), req.model.tracer, sub_block_cuts=True, progress=progress)
+        analysis = summary_of(full)
+    else:
+        analysis = summarize_model(*asked, list(req.model.leaf), req.model.tracer, progress=progress, cache=req.knobs.cache)
     problem = engine.architecture_problem(analysis.costs.architecture, Path(req.model.model_file).name)
-    gap = engine.architecture_from_config(*analysis.transformers, analysis.costs.seq_len)[1] if analysis.transformers else None
+    gap = analysis.gaps.get(engine.name)
     if problem and analysis.costs.architecture is None and gap is not None:
         # a transformers model: say why no shape was derived, not that a file lacks a function
         runs_as_is = [s.name for s in ENGINES.values() if s.rules.runs_model_file]
@@ -70,8 +69,8 @@ def plan_model(req: Settings, progress: Callable[[str, int, int], None] | None =
         req = req.but(micro_batches=tuple(b for b in req.knobs.micro_batches if b >= COUPLED_MIN_MICRO_BATCH))
     measured: dict[str, dict[int, tuple[float, float]]] = {}
     profile_notes: list[str] = []
-    if req.cluster.profile:
-        measured, profile_notes = match_profile(req.cluster.profile, analysis, cluster)
+    if full is not None and req.cluster.profile:
+        measured, profile_notes = match_profile(req.cluster.profile, full, cluster)
     if req.pins.bounds is not None:
         result = evaluate_pinned(analysis.costs, cluster, req.but(measured=measured))
     else:
@@ -79,8 +78,8 @@ def plan_model(req: Settings, progress: Callable[[str, int, int], None] | None =
     if result.best is None:
         raise InfeasibleError(*_nothing_fits(analysis.costs, cluster, req, result))
     extra = {
-        "model_file_sha256": analysis.model_file.sha256,
-        "tracer_used": analysis.layer_graph.tracer,
+        "model_file_sha256": analysis.sha256,
+        "tracer_used": analysis.tracer,
     }
     if measured and result.best.layout.tp > 1:
         profile_notes.append(f"the measured times apply to tp = 1; this tp = {result.best.layout.tp} layout is timed analytically")
@@ -95,6 +94,41 @@ def plan_model(req: Settings, progress: Callable[[str, int, int], None] | None =
         )
     plan = build_plan(analysis.costs, cluster, req, result, extra, notes=list(analysis.costs.notes) + profile_notes)
     return plan, analysis, result
+
+
+def summary_of(analysis: Analysis) -> ModelSummary:
+    """What planning reads of ``analysis`` (planner.model.cache.ModelSummary)."""
+    gaps: dict[str, str | None] = {}
+    if analysis.transformers is not None:
+        config, causal = analysis.transformers
+        gaps = {s.name: s.rules.architecture_from_config(config, causal, analysis.costs.seq_len)[1] for s in ENGINES.values()}
+    return ModelSummary(analysis.costs, analysis.layer_graph.tracer, analysis.model_file.sha256, gaps)
+
+
+def summarize_model(
+    model_file: str | Path,
+    model_args: dict[str, Any] | None,
+    micro_batch: int,
+    dtype: str,
+    leaf: list[str],
+    tracer: str,
+    progress: Callable[[str, int, int], None] | None = None,
+    cache: bool = True,
+) -> ModelSummary:
+    """:func:`analyze_model`'s summary, from the cache of analysed models where it holds one (planner.model.cache),
+    else analysed and cached; ``cache`` False (``--no-cache``) neither reads nor writes it."""
+    key = None
+    if cache and model_cache.enabled():
+        key = model_cache.cache_key(str(model_file), dict(model_args or {}), micro_batch, dtype, list(leaf), tracer, True)
+    if key is not None:
+        hit = model_cache.load(key)
+        if hit is not None:
+            return hit
+    with model_cache.imports_recorded(Path(str(model_file))) as deps:
+        summary = summary_of(analyze_model(model_file, model_args, micro_batch, dtype, list(leaf), tracer, sub_block_cuts=True, progress=progress))
+    if key is not None:
+        model_cache.store(key, summary, deps)
+    return summary
 
 
 def analyze_model(*args: Any, **kwargs: Any) -> Analysis:

@@ -304,6 +304,7 @@ class ModelCosts:
             "tied": [g.to_dict() for g in self.tied],
             "architecture": self.architecture,
             "notes": list(self.notes),
+            "loss": self.loss.to_dict() if self.loss is not None else None,
         }
 
     @classmethod
@@ -317,6 +318,7 @@ class ModelCosts:
             tied=tuple(TiedGroup(g["name"], g["params"], tuple(g["layers"])) for g in d.get("tied", [])),
             architecture=d.get("architecture"),
             notes=tuple(d.get("notes", ())),
+            loss=TrainedLoss.from_dict(d["loss"]) if d.get("loss") else None,
         )
 
 

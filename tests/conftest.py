@@ -1,11 +1,15 @@
 """Shared fixtures: model costs are traced once per test session (tracing a 7B model takes seconds)."""
 
+import os
 from functools import cache
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# the cache of analysed models (planner.model.cache) is off in the tests, and in the commands they run: a test that
+# changes how a model is costed must not read an earlier test's costs; tests/model/test_analysis_cache.py turns it on
+os.environ["PLANNER_CACHE"] = "off"
 EXAMPLES = ROOT / "examples"
 
 

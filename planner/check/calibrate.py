@@ -184,7 +184,7 @@ class _Analyses:
         self._cache: dict[tuple[Any, ...], Any] = {}
 
     def get(self, req: Settings):
-        from planner.planning import analyze_model
+        from planner.planning import summarize_model
 
         key = (
             req.model.model_file,
@@ -195,14 +195,14 @@ class _Analyses:
             req.model.tracer,
         )
         if key not in self._cache:
-            self._cache[key] = analyze_model(
+            self._cache[key] = summarize_model(
                 req.model.model_file,
                 req.model.model_args,
                 req.model.cost_micro_batch,
                 req.model.dtype,
                 list(req.model.leaf),
                 req.model.tracer,
-                sub_block_cuts=True,
+                cache=req.knobs.cache,
             )
         return self._cache[key]
 
@@ -210,10 +210,10 @@ class _Analyses:
 def _finish_run(name: str, plan_dir: Path, plan: Plan, req: Settings, m: RunMeasurement, analyses: _Analyses, notes: list[str]) -> Run:
     a = analyses.get(req)
     want = plan.provenance.get("model_file_sha256")
-    if want and a.model_file.sha256 != want:
+    if want and a.sha256 != want:
         raise _mismatch(
             plan_dir,
-            f"the model file {req.model.model_file} changed since the plan was made (sha256 {a.model_file.sha256[:12]}..., plan.json recorded {want[:12]}...)",
+            f"the model file {req.model.model_file} changed since the plan was made (sha256 {a.sha256[:12]}..., plan.json recorded {want[:12]}...)",
             m.source,
         )
     profiles = hardware.available_profiles(req.cluster.hardware_profiles)

@@ -83,6 +83,8 @@ class Options:
     pp: int | None = None
     #: run launch scripts the planner did not render (under bash with stub launchers, in the sandbox where there is one)
     run_scripts: bool = False
+    #: read and write the cache of analysed models (planner.model.cache)
+    cache: bool = True
 
 
 # --------------------------------------------------------------------------- recognition
@@ -262,11 +264,11 @@ class _Run:
         return self._clusters[key]
 
     def costs(self, model: Path, model_args: dict[str, Any], micro_batch: int, dtype: str, leaf: Sequence[str] = (), tracer: str = "auto"):
-        from planner.planning import analyze_model
+        from planner.planning import summarize_model
 
         key = (str(model.resolve()), json.dumps(model_args, sort_keys=True, default=str), micro_batch, dtype, tuple(leaf), tracer)
         if key not in self._analyses:
-            self._analyses[key] = analyze_model(model, model_args, micro_batch, dtype, list(leaf), tracer).costs
+            self._analyses[key] = summarize_model(model, model_args, micro_batch, dtype, list(leaf), tracer, cache=self.opts.cache).costs
         return self._analyses[key]
 
 
@@ -758,7 +760,7 @@ def _check_drift(run: _Run, ctx: _Ctx) -> None:
         kw["model_args"] = dict(run.opts.model_args)
     kw["hardware_profiles"] = resolve_recorded(inputs.get("hardware_profiles") or (), u.directory)
     try:
-        new_plan, _, _ = plan_model(Settings.from_inputs(inputs, **kw))
+        new_plan, _, _ = plan_model(Settings.from_inputs(inputs, **kw, cache=run.opts.cache))
     except PlannerError as e:
         replan_failed(e)
         return
@@ -858,6 +860,7 @@ def validate_paths(
     pp: int | None = None,
     model_args: dict[str, Any] | None = None,
     run_scripts: bool = False,
+    cache: bool = True,
 ) -> tuple[int, str]:
     """`planner validate PATH... [--gpus] [--model] [--model-arg] [--pp] [--format] [--strict] [--run-scripts]`: (exit code, output text).
 
@@ -866,5 +869,5 @@ def validate_paths(
     """
     if fmt not in ("text", "json", "github"):
         raise UsageError(f"--format {fmt!r} is not one of text, json, github.")
-    report = validate(paths, Options(gpus=gpus, model=str(model) if model else None, model_args=model_args, pp=pp, run_scripts=run_scripts))
+    report = validate(paths, Options(gpus=gpus, model=str(model) if model else None, model_args=model_args, pp=pp, run_scripts=run_scripts, cache=cache))
     return exit_code(report.findings, strict), format_findings(report.findings, fmt, report.checked)

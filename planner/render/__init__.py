@@ -163,7 +163,7 @@ def _setting_words(name: str, flag: str, kind: str, value: Any, default: Any) ->
     if kind == "bool | None":
         return [flag] if value else [f"--no-{flag[2:]}"]
     if kind == "bool":
-        return [flag] if value else []
+        return [flag] if value else [f"--no-{flag[2:]}"]
     if kind.startswith("tuple"):
         return [flag, ",".join(str(v) for v in value)]
     return [flag, f"{value:g}" if isinstance(value, float) else str(value)]
@@ -183,7 +183,7 @@ def canonical_command(plan: Plan) -> str:
         words += ["--leaf", str(leaf)]
     for p in inp["hardware_profiles"] or ():
         words += ["--hardware-profile", str(p)]
-    for f in (f for cls in SECTIONS.values() for f in fields(cls) if f.metadata["cli"] and f.name not in _FIRST):
+    for f in (f for cls in SECTIONS.values() for f in fields(cls) if f.metadata["cli"] and not f.metadata["knob"] and f.name not in _FIRST):
         flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
         words += _setting_words(f.name, flag, str(f.type), inp[f.name], f.default)
     words += ["--out", "."]

@@ -31,11 +31,11 @@ DEFAULT_MEM_TARGET = 0.85
 KNOB = {"knob": True}
 
 
-def setting(default: Any = None, help: str = "", *, flag: str | None = None, cli: bool = True, knob: bool = False, factory: Any = None) -> Any:
+def setting(default: Any = None, help: str = "", *, flag: str | None = None, cli: bool | None = None, knob: bool = False, factory: Any = None) -> Any:
     """A settings field: its default, its documentation (``help``: also the CLI's), its flag on `planner plan`
-    (``--`` and the name with dashes unless ``flag`` says otherwise; none where ``cli`` is False), and whether it is a
-    search knob (``knob``: not recorded in plan.json)."""
-    meta = {"help": help, "flag": flag, "cli": cli and not knob, "knob": knob}
+    (``--`` and the name with dashes unless ``flag`` says otherwise; none where ``cli`` is False, and by default none
+    for a knob), and whether it is a knob (``knob``: how the planner runs, not recorded in plan.json)."""
+    meta = {"help": help, "flag": flag, "cli": (not knob) if cli is None else cli, "knob": knob}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -116,7 +116,9 @@ class Overlaps:
 
 @dataclass(frozen=True, kw_only=True)
 class SearchKnobs:
-    """How the search runs; none changes what the plan is asked, so plan.json records none."""
+    """How the planner runs; none changes what the plan is asked, so plan.json records none."""
+
+    cache: bool = setting(True, "Read and write the cache of analysed models (planner.model.cache).", knob=True, cli=True)
 
     overhead: RuntimeOverhead = setting(RuntimeOverhead(), "Runtime overheads the step time adds.", knob=True)
     micro_batches: tuple[int, ...] = setting((1, 2, 4, 8, 16, 32), "Micro-batch sizes an unpinned search tries.", knob=True)
