@@ -10,8 +10,9 @@ decides it without running the model's code:
 * the model arguments, the micro-batch costed, the dtype, ``--leaf`` classes, the tracer, sub-block cuts;
 * the versions of the planner, Python, and of torch, transformers, timm, torchvision and diffusers where installed.
 
-What the model's import reaches beyond its own file is checked on every hit: each local Python file it imported
-(outside the interpreter's prefixes) by sha256, and each installed distribution it imported by version. A mismatch,
+What the model's analysis reaches beyond its own file is checked on every hit: each local Python file it imported and
+each file it opened (outside the interpreter's prefixes: a config its build reads) by sha256, and each installed
+distribution it imported by version. A mismatch,
 an unreadable entry or a different entry format is a miss. Nothing cached changes a result: a hit returns the costs
 the miss computed, through ModelCosts' own JSON form (floats round-trip exactly), and the tests hold plans made with
 and without the cache byte-identical.
@@ -30,7 +31,7 @@ import os
 import platform
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,6 +145,26 @@ def cache_key(ref: str, model_args: dict[str, Any], micro_batch: int, dtype: str
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+#: the sets of paths being recorded (imports_recorded): every file opened while one is active is added to each
+_OPENED: list[set[str]] = []
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    """sys.addaudithook's callback: the paths ``open`` events name while a recording is active."""
+    if event == "open" and _OPENED and isinstance(args[0], (str, bytes, os.PathLike)):
+        path = os.fsdecode(args[0])
+        for found in _OPENED:
+            found.add(os.path.abspath(path))
+
+
+sys.addaudithook(_audit)
+
+
+#: what an analysis opens that is not the model's: the kernel's and the devices' files (torch reads CPU counts and
+#: mounts there; they differ on every boot). Temporary files the planner opens are gone when the analysis ends.
+_VOLATILE = ("/proc/", "/sys/", "/dev/")
+
+
 def _system_prefixes() -> tuple[str, ...]:
     return tuple(sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}))
 
@@ -156,19 +177,29 @@ def imports_recorded(model: Path | None = None) -> Iterator[dict[str, Any]]:
     imports them no more)."""
     before = set(sys.modules)
     found: dict[str, Any] = {}
+    opened: set[str] = set()
+    _OPENED.append(opened)
     try:
         yield found
     finally:
+        _OPENED.remove(opened)
         names = set(sys.modules) - before
         folder = os.path.realpath(model.parent) + os.sep if model is not None and model.is_file() else None
         if folder is not None:
             names |= {n for n in before if os.path.realpath(getattr(sys.modules.get(n), "__file__", None) or "/").startswith(folder)}
-        found.update(_dependencies(names))
+        found.update(_dependencies(names, opened))
 
 
-def _dependencies(names: set[str]) -> dict[str, Any]:
+def _dependencies(names: set[str], opened: Iterable[str] = ()) -> dict[str, Any]:
     prefixes = _system_prefixes()
     files: dict[str, str] = {}
+    skipped = prefixes + _VOLATILE
+    for path in sorted(opened):  # data files the model's code read (a config beside the model file)
+        real = os.path.realpath(path)
+        if not real.startswith(skipped) and os.path.isfile(real):
+            digest = _sha256_file(Path(real))
+            if digest is not None:
+                files[real] = digest
     tops: set[str] = set()
     for name in sorted(names):
         module = sys.modules.get(name)

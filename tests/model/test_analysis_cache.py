@@ -110,3 +110,25 @@ def test_a_damaged_or_unwritable_cache_is_a_miss_not_an_error(cached, tmp_path):
     os.environ["PLANNER_CACHE_DIR"] = str(blocked)  # the fixture's monkeypatch restores it
     assert summarize_model(model, {}, 1, "fp32", [], "auto").costs.total_params == first.costs.total_params
     assert blocked.read_text() == "not a folder"
+
+
+def test_an_edited_file_the_build_reads_is_a_miss(cached, tmp_path):
+    """A model file whose build reads its sizes from a JSON file beside it: editing the JSON file changes the model,
+    and the cache sees it (the files the analysis opened are checked on every hit)."""
+    from planner.planning import summarize_model
+
+    sizes = tmp_path / "sizes.json"
+    sizes.write_text('{"width": 16}')
+    model = tmp_path / "m.py"
+    model.write_text(
+        "import json, pathlib, torch, torch.nn as nn\n"
+        "def build_model():\n"
+        "    w = json.loads((pathlib.Path(__file__).parent / 'sizes.json').read_text())['width']\n"
+        "    return nn.Sequential(nn.Linear(8, w), nn.ReLU(), nn.Linear(w, 4))\n"
+        "def example_inputs(b): return (torch.randn(b, 8),)\n"
+    )
+    first = summarize_model(str(model), {}, 1, "bf16", [], "auto")
+    assert summarize_model(str(model), {}, 1, "bf16", [], "auto") == first
+    sizes.write_text('{"width": 32}')
+    second = summarize_model(str(model), {}, 1, "bf16", [], "auto")
+    assert (first.costs.total_params, second.costs.total_params) == (8 * 16 + 16 + 16 * 4 + 4, 8 * 32 + 32 + 32 * 4 + 4)
