@@ -118,24 +118,31 @@ def test_routing_megatron_does_not_run_gives_no_architecture(tmp_path):
     assert derived_architecture(f"hf:{_write(tmp_path, 'deepseek_v3')}") is not None
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_hf_moe_plans_render_for_megatron_and_megatron_core_builds_them(tmp_path, name):
+def megatron_core_built(spec: str, tmp_path):
+    """(plan, parsed Megatron flags, megatron-core's TransformerConfig) of ``spec`` planned for Megatron on 4 A100s
+    (pp 2): the rendered flags are checked against the planner's Megatron rules and handed to megatron-core."""
     from planner.engines.megatron.architecture import check_megatron_args
     from planner.engines.megatron.core_check import core_config
     from planner.engines.megatron.render import render as render_megatron
     from planner.engines.megatron.script import parse_megatron_args
     from planner.planning import plan_model
     from planner.solve.settings import Settings
-    from tests.engines.test_render_megatron_moe import mlp_kinds
-    from tests.mlm_validate import megatron_lm_config, megatron_lm_path
 
-    path = _write(tmp_path, name)
-    plan = plan_model(Settings.of(model_file=f"hf:{path}", model_args={}, gpus="4xA100", engine="megatron", pp=2))[0]
+    plan = plan_model(Settings.of(model_file=spec, model_args={}, gpus="4xA100", engine="megatron", pp=2))[0]
     args = parse_megatron_args(render_megatron(plan, "c", tmp_path)["pretrain_gpt.sh"])
     assert check_megatron_args(args) == []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cfg = core_config(args)
+        return plan, args, core_config(args)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_hf_moe_plans_render_for_megatron_and_megatron_core_builds_them(tmp_path, name):
+    from tests.engines.test_render_megatron_moe import mlp_kinds
+    from tests.mlm_validate import megatron_lm_config, megatron_lm_path
+
+    path = _write(tmp_path, name)
+    plan, args, cfg = megatron_core_built(f"hf:{path}", tmp_path)
     c = CONFIGS[name]
     assert cfg.num_moe_experts == (c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts"))
     assert mlp_kinds(cfg) == _sparse_layers(_hf_model(path))

@@ -544,21 +544,9 @@ def test_phi3_plans_for_megatron_and_megatron_core_builds_it(tmp_path):
     planned. Phi-3's fused qkv_proj and gate_up_proj (no biases, up * silu(gate)) are Megatron's linear_qkv and
     --swiglu linear_fc1; the rendered flags pass the planner's Megatron rules and megatron-core's TransformerConfig, with
     the layer count, widths and query groups of the config."""
-    import warnings
+    from tests.engines.test_hf_moe_architecture import megatron_core_built
 
-    from planner.engines.megatron.architecture import check_megatron_args
-    from planner.engines.megatron.core_check import core_config
-    from planner.engines.megatron.render import render as render_megatron
-    from planner.engines.megatron.script import parse_megatron_args
-    from planner.planning import plan_model
-    from planner.solve.settings import Settings
-
-    plan = plan_model(Settings.of(model_file=f"hf:{HF / 'phi3.json'}", model_args={}, gpus="4xA100", engine="megatron", pp=2))[0]
-    args = parse_megatron_args(render_megatron(plan, "c", tmp_path)["pretrain_gpt.sh"])
-    assert check_megatron_args(args) == []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cfg = core_config(args)
+    _, _, cfg = megatron_core_built(f"hf:{HF / 'phi3.json'}", tmp_path)
     c = _config("phi3")
     assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_query_groups) == (
         c["num_hidden_layers"],
