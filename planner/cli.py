@@ -146,7 +146,7 @@ MAX_MODEL_ARG_CHARS = 4096
 
 def _model_args(pairs: Optional[List[str]]) -> dict[str, Any]:
     """--model-arg KEY=VALUE pairs, bounded in length; a literal too deep to parse is an exit-2 error."""
-    from planner.model.load import parse_model_args
+    from planner.model.args import parse_model_args
 
     for pair in pairs or ():
         if len(pair) > MAX_MODEL_ARG_CHARS:

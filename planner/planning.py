@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from planner import hardware
 from planner.engines import ENGINES, get_engine
@@ -17,16 +17,16 @@ from planner.errors import InfeasibleError, UsageError
 from planner.hardware import Cluster
 from planner.hardware.gpus import MAX_WORLD_SIZE
 from planner.model import cache as model_cache
-from planner.model.analyze import Analysis, analyze
 from planner.model.cache import ModelSummary
-from planner.model.coupling import COUPLED_MIN_MICRO_BATCH
-from planner.model.profile_match import match_profile
-from planner.records import ModelCosts
+from planner.records import COUPLED_MIN_MICRO_BATCH, ModelCosts
 from planner.solve.memory import GiB
 from planner.solve.plan import Alternative, Layout, Plan, RankMemory, StagePlan
 from planner.solve.rules import RejectKind
-from planner.solve.search import Context, Evaluation, Rejection, SearchResult, evaluate_layout, search, with_options
+from planner.solve.search import SHOWN_RANKED, Context, Evaluation, Rejection, SearchResult, evaluate_layout, search, with_options
 from planner.solve.settings import Settings
+
+if TYPE_CHECKING:  # torch is imported only when a model is analysed: a plan from the cache of analysed models never loads it
+    from planner.model.analyze import Analysis
 
 
 def plan_model(req: Settings, progress: Callable[[str, int, int], None] | None = None) -> tuple[Plan, ModelSummary, SearchResult]:
@@ -70,6 +70,8 @@ def plan_model(req: Settings, progress: Callable[[str, int, int], None] | None =
     measured: dict[str, dict[int, tuple[float, float]]] = {}
     profile_notes: list[str] = []
     if full is not None and req.cluster.profile:
+        from planner.model.profile_match import match_profile  # torch: loaded with the model it profiles
+
         measured, profile_notes = match_profile(req.cluster.profile, full, cluster)
     if req.pins.bounds is not None:
         result = evaluate_pinned(analysis.costs, cluster, req.but(measured=measured))
@@ -136,6 +138,8 @@ def analyze_model(*args: Any, **kwargs: Any) -> Analysis:
     transformers config where the model file gives none: an ``hf:`` spec, or a file that builds a transformers model,
     the same derivation for both. The first engine in the registry that derives a shape gives it, so plan.json records
     the same shape whichever engine plans, and validate and calibrate price what plan prices."""
+    from planner.model.analyze import analyze
+
     analysis = analyze(*args, **kwargs)
     if analysis.costs.architecture is not None or analysis.transformers is None:
         return analysis
@@ -207,7 +211,7 @@ def build_plan(costs: ModelCosts, cluster: Cluster, req: Settings, result: Searc
     """The Plan record for the best layout of ``result`` (torch-free)."""
     best = result.best
     assert best is not None
-    alts: list[Alternative] = [Alternative(e.layout, e.predicted) for e in result.ranked[1:6]]
+    alts: list[Alternative] = [Alternative(e.layout, e.predicted) for e in result.ranked[1:SHOWN_RANKED]]
     alts += [Alternative(r.layout, None, r.reason) for r in informative_rejections(result.rejected, 5)]
     devices = sorted({d for d in best.devices})
     dev_info = {}

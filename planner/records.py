@@ -223,6 +223,11 @@ _SCALED = (
 )
 
 
+#: the smallest micro-batch the search gives a batch-coupled loss (planner.model.coupling; one sample: a contrastive
+#: loss is 0, its gradient 0)
+COUPLED_MIN_MICRO_BATCH = 2
+
+
 @dataclass(frozen=True)
 class TrainedLoss:
     """The loss a plan trains (planner.model.losses.choose_loss): ``source`` is ``loss_fn``, ``model output`` or

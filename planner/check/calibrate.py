@@ -161,7 +161,7 @@ def _bounds_from_stats(rows: list[dict[str, Any]]) -> tuple[int, ...] | None:
 
 def _smoke_model_args(doc: dict[str, Any]) -> dict[str, Any]:
     """The --model-arg values a smoke run scaled the model with: ``model_args`` when recorded, else its note."""
-    from planner.model.load import parse_model_args
+    from planner.model.args import parse_model_args
 
     if isinstance(doc.get("model_args"), dict):
         return dict(doc["model_args"])

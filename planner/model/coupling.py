@@ -27,8 +27,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 Shape = tuple[int, ...]
 
-#: the smallest micro-batch the search gives a batch-coupled loss (one sample: a contrastive loss is 0, its gradient 0)
-COUPLED_MIN_MICRO_BATCH = 2
 #: the largest output (elements, all tensors at 2b samples) loss_split_gap materialises on the CPU
 SPLIT_CHECK_MAX_ELEMENTS = 1 << 20
 #: relative gap between the loss of 2b samples and the mean of its halves' losses above which they differ

@@ -17,7 +17,6 @@ and the ModelFile's ``notes`` say so.
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import importlib.util
 import inspect
@@ -36,25 +35,6 @@ from planner.model.meta import build_on_meta
 from planner.model.sources import LIBRARY_PREFIXES, library_contract
 
 CONTRACT = ("build_model", "example_inputs", "loss_fn", "example_target", "architecture")
-
-
-def parse_model_args(pairs: list[str] | None) -> dict[str, Any]:
-    """Parse ``KEY=VALUE`` strings; values are Python literals when they parse as one, else strings."""
-    out: dict[str, Any] = {}
-    for pair in pairs or []:
-        key, sep, raw = pair.partition("=")
-        key = key.strip()
-        if not sep or not key.isidentifier():
-            raise UsageError(
-                f"--model-arg {pair!r} is not KEY=VALUE.",
-                "Write it as e.g. --model-arg preset=llama-70b --model-arg seq_len=4096.",
-            )
-        try:
-            value = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            value = {"true": True, "false": False, "none": None}.get(raw.lower(), raw)
-        out[key] = value
-    return out
 
 
 @dataclass

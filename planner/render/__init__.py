@@ -141,7 +141,7 @@ def canonical_plan(plan: Plan, out_dir: Path) -> Plan:
 
 
 def _arg_text(value: Any) -> str:
-    """A --model-arg value as the CLI parses it back (planner.model.load.parse_model_args)."""
+    """A --model-arg value as the CLI parses it back (planner.model.args.parse_model_args)."""
     if isinstance(value, str):
         try:
             ast.literal_eval(value)

@@ -27,6 +27,7 @@ class RejectKind(str, Enum):
     SPLIT = "split"  # the pieces cannot be cut into that many stages at the engine's cut points
     MEMORY = "memory"  # some rank needs more memory than its budget
     DOMINATED = "dominated"  # needs at least the memory of a layout already found not to fit
+    BOUNDED = "bounded"  # fits, and its split cannot step faster than the layouts already ranked (never reported)
 
     @property
     def is_memory(self) -> bool:

@@ -107,6 +107,9 @@ class Evaluation:
     time_source: tuple[str, ...]
     #: per pipeline rank, the routed experts' share of its memory: parameters, and bytes of weights, grads, optimizer
     expert_memory: list[dict[str, float]] = field(default_factory=list)
+    #: seconds the search may compare with its cutoff: :func:`step_floor` plus the exposed gradient exchange and the
+    #: optimizer step, less the extrapolation slack (never above the predicted step)
+    pruning_floor: float = 0.0
 
 
 @dataclass
@@ -718,9 +721,11 @@ def lower_bound(ctx: Context, lay: Layout, dtype: str) -> float:
 # --------------------------------------------------------------------------- pricing one layout
 
 
-def evaluate_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | None = None, explain: bool = True) -> Evaluation | Rejection:
+def evaluate_layout(
+    ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | None = None, explain: bool = True, cutoff: float = math.inf
+) -> Evaluation | Rejection:
     """Price ``lay`` (:func:`price_layout`) and check that every rank fits its memory target (:func:`memory_rejection`)."""
-    ev = price_layout(ctx, lay, dtype, bounds, explain)
+    ev = price_layout(ctx, lay, dtype, bounds, explain, cutoff)
     if isinstance(ev, Rejection):
         return ev
     return memory_rejection(ev, ctx.opts.memory.mem_target) or ev
@@ -742,13 +747,17 @@ def memory_rejection(ev: Evaluation, mem_target: float) -> Rejection | None:
     )
 
 
-def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | None = None, explain: bool = True) -> Evaluation | Rejection:
+def price_layout(
+    ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | None = None, explain: bool = True, cutoff: float = math.inf
+) -> Evaluation | Rejection:
     """Partition ``lay`` (or take ``bounds``), simulate its schedule, and compute each rank's memory.
 
     Without ``bounds`` the partition keeps every stage within the memory target; with ``bounds`` the
     memory is computed and not judged (see :func:`memory_rejection`). Rejections here are rule, device
     and split problems, and (without ``bounds``) partitions that cannot fit.
     ``explain=False`` skips the second partition that names the overflowing stage of a rejected layout.
+    A layout that fits and whose :func:`step_floor` (plus its exposed gradient exchange and optimizer step) exceeds
+    ``cutoff`` seconds is a :attr:`RejectKind.BOUNDED` rejection, priced no further: its schedule is not simulated.
     """
     costs, cluster, opts = ctx.costs, ctx.cluster, ctx.opts
     problems = ctx.engine.layout_problems(lay, costs) + _node_rules(lay.tp, ctx.min_gpus_per_node) + expert_rules(lay, costs)
@@ -886,7 +895,6 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
     times = StageTimes(F, I, W, sf, sb)
     act_mb = tuple(float(act[a, c]) for a, c in rng)
     wg_mb = tuple(float(wgrad[a, c]) for a, c in rng)
-    sim = ctx.simulated(sched.name, p, m, v, times, StageMemory(act_mb, wg_mb), group)
 
     # per-stage and per-rank memory
     stage_mem = []
@@ -933,7 +941,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         stage_mem[j]["total"] = tensors + stage_mem[j]["overhead"]
     # data-parallel gradient exchange (over dp x cp: context-parallel ranks hold the same weights) and optimizer step
     dp_exposed, opt_time = 0.0, 0.0
-    group = mesh.replicas
+    replicas = mesh.replicas
     for r in range(p):
         # experts are reduced apart only where the engine has expert groups (elsewhere they are dense weights)
         ex = sum(expert_prm[j] for j in range(S) if stage_rank[j] == r) if ctx.engine.expert_parallel else 0.0
@@ -942,7 +950,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         ranks = mesh.grad_group(mesh.first_gpu(r))
         # experts: reduced over the expert-data-parallel group (expert rank order tp-ep-dp: etp x ep ranks apart)
         eranks = mesh.expert_data_group(mesh.first_gpu(r)) if ctx.engine.expert_parallel else ranks
-        if group > 1 or (ex > 0 and edp > 1):
+        if replicas > 1 or (ex > 0 and edp > 1):
             # FP8 primary weights are all-gathered in their FP8 bytes (the blocks' GEMM weights, experts among them)
             fp8w = sum(gemm[j] for j in range(S) if stage_rank[j] == r) if recipe.fp8_gemm_gather_bytes is not None else 0.0
             reduce, gather = _dp_exchange(cluster, recipe, prm, ranks, max(0.0, fp8w - ex))
@@ -950,9 +958,13 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
             mine = [j for j in range(S) if stage_rank[j] == r]
             exposed = ctx.engine.exposed_dp_time(lay, reduce + e_reduce, gather + e_gather, [I[j] + W[j] for j in mine], [F[j] for j in mine], prm + ex)
             dp_exposed = max(dp_exposed, exposed)
-        local = prm / (group if recipe.shard_optimizer else 1) + ex / (edp if recipe.shard_optimizer else 1)
+        local = prm / (replicas if recipe.shard_optimizer else 1) + ex / (edp if recipe.shard_optimizer else 1)
         zeroed = (prm + ex) * recipe.grad_bytes if ctx.engine.zeroes_grad_buffer else 0.0  # the whole gradient buffer, unsharded
         opt_time = max(opt_time, memory_time(local * OPTIMIZER_STEP_BYTES + zeroed, dev))
+    floor = (step_floor(times, stage_rank, m) + dp_exposed + opt_time) * (1.0 - _extrapolation_slack(sched.name, p, m, v, group))
+    if floor > cutoff:
+        return Rejection(lay, f"takes at least {floor:.4g} s a step with this split, more than the layouts ranked", RejectKind.BOUNDED)
+    sim = ctx.simulated(sched.name, p, m, v, times, StageMemory(act_mb, wg_mb), group)
     step = sim.step_time + dp_exposed + opt_time
     predicted = _predicted(ctx, lay, step, sim, dp_exposed, opt_time, max(rm["total"] for rm in rank_mem), devices)
     return Evaluation(
@@ -972,6 +984,7 @@ def price_layout(ctx: Context, lay: Layout, dtype: str, bounds: Sequence[int] | 
         wgrad_per_mb=wg_mb,
         time_source=tuple(times_by_class[0].source),
         expert_memory=expert_mem if any(x["params"] for x in expert_mem) else [],
+        pruning_floor=floor,
     )
 
 
@@ -1081,6 +1094,49 @@ EXTRAPOLATE_ACTIONS = 20000
 EXTRAPOLATE_AT = (4, 8)
 
 
+def _extrapolated_from(name: str, p: int, m: int, v: int, group: int = 0) -> tuple[int, int]:
+    """The two micro-batch counts :func:`_simulate_extrapolated` extends a step from, (0, 0) where it simulates all ``m``."""
+    if group:  # whole groups of the explicit size: every group full, as in the long run of the step
+        m1, m2 = (group * -(-k * p // group) for k in EXTRAPOLATE_AT)
+    else:
+        m1, m2 = (_valid_m(name, p, k * p) for k in EXTRAPOLATE_AT)
+    if p == 1 or m * p * v <= EXTRAPOLATE_ACTIONS or name == "gpipe" and m <= 4096 or m2 >= m:
+        return 0, 0
+    return m1, m2
+
+
+#: how far below the simulated step an extrapolated one may come out (relative): the step floor prunes a layout only
+#: when it exceeds the cutoff by more. The documented extrapolation errors are 0.054% on searched layouts and 0.8% on
+#: random stage times (:func:`_simulate_extrapolated`); 2% covers both with room
+EXTRAPOLATION_SLACK = 0.02
+
+
+def _extrapolation_slack(name: str, p: int, m: int, v: int, group: int = 0) -> float:
+    """:data:`EXTRAPOLATION_SLACK` where the step is extrapolated, else a float round-off margin."""
+    return EXTRAPOLATION_SLACK if _extrapolated_from(name, p, m, v, group)[1] else 1e-9
+
+
+def step_floor(times: StageTimes, stage_rank: Sequence[int], m: int) -> float:
+    """Seconds no schedule of these stages can beat: for each rank, the forward chain it waits for before its first
+    action plus all its work, the largest over ranks.
+
+    Rank r's first action is a forward of one of its stages, and the forward of stage s needs the forward of stage
+    s - 1 (plus its send when that stage is on another rank), so r starts no earlier than the forwards (and sends) of
+    every stage below its lowest; its actions then run one at a time on its one compute stream: ``m`` forwards and
+    ``m`` backwards (input and weight parts) of each of its stages. The simulator (planner.solve.simulate) obeys both
+    rules, so its step is at least this for every schedule."""
+    S = len(stage_rank)
+    head, lowest = [0.0] * S, dict[int, int]()
+    for s in range(1, S):
+        cross = stage_rank[s - 1] != stage_rank[s]
+        head[s] = head[s - 1] + times.fwd[s - 1] + (times.send_fwd[s - 1] if cross else 0.0)
+    work: dict[int, float] = {}
+    for s, r in enumerate(stage_rank):
+        lowest.setdefault(r, s)
+        work[r] = work.get(r, 0.0) + m * (times.fwd[s] + times.bwd_input[s] + times.bwd_weight[s])
+    return max(head[lowest[r]] + work[r] for r in work)
+
+
 def _simulate_extrapolated(name: str, p: int, m: int, v: int, times: StageTimes, mem: StageMemory, group: int = 0) -> SimResult:
     """Simulate; for many micro-batches (m x p x v above :data:`EXTRAPOLATE_ACTIONS`), simulate :data:`EXTRAPOLATE_AT`
     x p micro-batches and extend the difference linearly.
@@ -1090,11 +1146,8 @@ def _simulate_extrapolated(name: str, p: int, m: int, v: int, times: StageTimes,
     m > 8p that a Llama 70B search on 1024 H100 and a 7B search on 64 price, extrapolating from 2p and 4p erred by up
     to 3.5% (interleaved, p 2, v 3) and from 4p and 8p by up to 0.054%; on random stage times, 2.4% and 0.8%
     (tests/solve/test_search.py; bench/NOTES.md)."""
-    if group:  # whole groups of the explicit size: every group full, as in the long run of the step
-        m1, m2 = (group * -(-k * p // group) for k in EXTRAPOLATE_AT)
-    else:
-        m1, m2 = (_valid_m(name, p, k * p) for k in EXTRAPOLATE_AT)
-    if p == 1 or m * p * v <= EXTRAPOLATE_ACTIONS or name == "gpipe" and m <= 4096 or m2 >= m:
+    m1, m2 = _extrapolated_from(name, p, m, v, group)
+    if not m2:
         return simulate(build_schedule(name, p, m, v, group), times, mem, timeline=False)
     r1 = simulate(build_schedule(name, p, m1, v, group), times, mem, timeline=False)
     r2 = simulate(build_schedule(name, p, m2, v, group), times, mem, timeline=False)
@@ -1172,11 +1225,12 @@ def search(costs: ModelCosts, cluster: Cluster, opts: Settings, engine: EngineRu
     priced = 0
     no_fit: dict[tuple[object, ...], list[Rejection]] = {}  # memory rejections by _dominance_group
     pool = _Pricer(ctx, dtype, _jobs(opts.knobs.jobs) if len(bounded) >= PARALLEL_MIN_LAYOUTS else 1)
+    kept = max(opts.knobs.top_k, SHOWN_RANKED)
     try:
         for i, (lb, _, lay) in enumerate(bounded):
             if progress:
                 progress("search", i + 1, len(bounded))
-            if not opts.knobs.exhaustive and len(ranked) >= opts.knobs.top_k and lb > ranked[opts.knobs.top_k - 1].predicted.step_time_s:
+            if not opts.knobs.exhaustive and len(ranked) >= kept and lb > ranked[kept - 1].predicted.step_time_s:
                 break
             lighter = None if opts.knobs.exhaustive else next((x for x in no_fit.get(_dominance_group(lay), ()) if _needs_no_less_memory(lay, x.layout)), None)
             if lighter is not None:
@@ -1184,9 +1238,15 @@ def search(costs: ModelCosts, cluster: Cluster, opts: Settings, engine: EngineRu
                 rejected.append(Rejection(lay, reason, RejectKind.DOMINATED, lb, lighter.need_bytes, lighter.capacity_bytes))
                 continue
             explain = len(rejected) < 4 * opts.knobs.top_k
-            pool.ahead(bounded, i, explain)
-            res = pool.result(i, lay, explain)
+            # a layout slower than the kept'th ranked one can change no ranked layout a plan shows, nor any rejection
+            cutoff = ranked[kept - 1].predicted.step_time_s if len(ranked) >= kept and not opts.knobs.exhaustive else math.inf
+            pool.ahead(bounded, i, explain, cutoff)
+            res = pool.result(i, lay, explain, cutoff)
             priced += 1
+            # what pricing in this process would answer, whatever cutoff a process pricing ahead had (the same pick,
+            # ranking and rejections for any number of processes)
+            if res.kind is RejectKind.BOUNDED if isinstance(res, Rejection) else res.pruning_floor > cutoff:
+                continue
             if isinstance(res, Rejection):
                 res.lower_bound = lb
                 rejected.append(res)
@@ -1201,6 +1261,10 @@ def search(costs: ModelCosts, cluster: Cluster, opts: Settings, engine: EngineRu
         progress("search", len(bounded), len(bounded))
     return SearchResult(ranked[0] if ranked else None, ranked, rejected, len(layouts), priced, gb)
 
+
+#: the ranked layouts a plan shows (the pick and its alternatives, planner.planning.build_plan): the search keeps at
+#: least these exact
+SHOWN_RANKED = 6
 
 #: the most processes a search prices layouts in, the fewest candidates worth starting them for, and the seconds a
 #: search prices in this process first (a small search ends before it; the processes then start with its caches warm)
@@ -1243,10 +1307,10 @@ def _forked_start() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _price_forked(job: tuple[Layout, bool]) -> Evaluation | Rejection:
+def _price_forked(job: tuple[Layout, bool, float]) -> Evaluation | Rejection:
     assert _FORKED is not None
     ctx, dtype = _FORKED
-    return evaluate_layout(ctx, job[0], dtype, explain=job[1])
+    return evaluate_layout(ctx, job[0], dtype, explain=job[1], cutoff=job[2])
 
 
 class _Pricer:
@@ -1265,7 +1329,7 @@ class _Pricer:
         self.next_ahead = 0
         self.started = time.perf_counter()
 
-    def ahead(self, bounded: Sequence[tuple[float, int, Layout]], i: int, explain: bool) -> None:
+    def ahead(self, bounded: Sequence[tuple[float, int, Layout]], i: int, explain: bool, cutoff: float) -> None:
         if self.jobs <= 1:
             return
         if self.pool is None:
@@ -1286,17 +1350,18 @@ class _Pricer:
         self.next_ahead = max(self.next_ahead, i)
         while self.next_ahead < min(len(bounded), i + self.jobs * AHEAD_PER_JOB):
             k = self.next_ahead
-            self.pending[k] = (explain, self.pool.apply_async(_price_forked, ((bounded[k][2], explain),)))
+            self.pending[k] = (explain, self.pool.apply_async(_price_forked, ((bounded[k][2], explain, cutoff),)))
             self.next_ahead += 1
 
-    def result(self, i: int, lay: Layout, explain: bool) -> Evaluation | Rejection:
+    def result(self, i: int, lay: Layout, explain: bool, cutoff: float) -> Evaluation | Rejection:
         got = self.pending.pop(i, None)
         if got is not None:
             was, handle = got
             res: Evaluation | Rejection = handle.get()
-            if was == explain or not isinstance(res, Rejection):
+            # priced ahead under a cutoff no lower than this one (the ranked only get faster): BOUNDED still holds
+            if was == explain or not isinstance(res, Rejection) or res.kind is RejectKind.BOUNDED:
                 return res
-        return evaluate_layout(self.ctx, lay, self.dtype, explain=explain)
+        return evaluate_layout(self.ctx, lay, self.dtype, explain=explain, cutoff=cutoff)
 
     def close(self) -> None:
         if self.pool is not None:

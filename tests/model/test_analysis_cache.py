@@ -132,3 +132,22 @@ def test_an_edited_file_the_build_reads_is_a_miss(cached, tmp_path):
     sizes.write_text('{"width": 32}')
     second = summarize_model(str(model), {}, 1, "bf16", [], "auto")
     assert (first.costs.total_params, second.costs.total_params) == (8 * 16 + 16 + 16 * 4 + 4, 8 * 32 + 32 + 32 * 4 + 4)
+
+
+def test_a_plan_from_the_cache_never_imports_torch(tmp_path):
+    """A hit needs no model code: the whole command, run as a user runs it, imports torch only on a miss (torch's import
+    is about 2 s of a warm plan on a 2-core machine). Reference: Python's own import log (-X importtime)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PLANNER_CACHE": "on", "PLANNER_CACHE_DIR": str(tmp_path / "cache")}
+    base = [sys.executable, "-X", "importtime", "-m", "planner", "plan", str(ROOT / "examples" / "llama.py"), "--model-arg", "preset=llama-tiny"]
+    base += ["--gpus", "16xH100", "--engine", "megatron", "--quiet"]
+
+    def torch_imported(out: str) -> bool:
+        proc = subprocess.run([*base, "--out", str(tmp_path / out)], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return any(line.rsplit("|", 1)[-1].strip() == "torch" for line in proc.stderr.splitlines() if line.startswith("import time:"))
+
+    assert torch_imported("miss")  # the reference holds: the log names torch when the model is analysed
+    assert not torch_imported("hit")

@@ -8,11 +8,15 @@ pruning rests on, checked layout by layout: the lower bound of a layout never ex
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from planner import hardware
 from planner.engines import ENGINES, get_engine
-from planner.solve.search import Context, Evaluation, enumerate_layouts, lower_bound, price_layout, search
+from planner.solve.schedules import SCHEDULES, build_schedule, schedule_constraints
+from planner.solve.search import SHOWN_RANKED, Context, Evaluation, enumerate_layouts, lower_bound, price_layout, search, step_floor
 from planner.solve.settings import Settings
+from planner.solve.simulate import StageTimes, simulate
 from tests.conftest import costs_of
 
 CLUSTERS = {"homogeneous": "16xH100", "mixed slow-first": "8xL40S+8xH100", "mixed fast-first": "8xH100+8xL40S"}
@@ -48,7 +52,9 @@ def test_the_pruned_pick_equals_pricing_every_candidate(engine, model, pins, clu
     fast = search(costs, cl, Settings.of(**opts), get_engine(engine))
     full = search(costs, cl, Settings.of(**opts, exhaustive=True), get_engine(engine))
     assert full.best is not None and fast.best is not None
-    assert [e.layout for e in fast.ranked[:3]] == [e.layout for e in full.ranked[:3]]
+    # every ranked layout a plan shows (the pick and its alternatives) is the exhaustive ranking's, with its figures
+    shown = min(SHOWN_RANKED, len(full.ranked))
+    assert [(e.layout, e.predicted) for e in fast.ranked[:shown]] == [(e.layout, e.predicted) for e in full.ranked[:shown]]
     assert fast.best.predicted.step_time_s == full.best.predicted.step_time_s
 
 
@@ -103,3 +109,46 @@ def test_pricing_in_several_processes_changes_nothing(engine, model, exhaustive,
     assert (one.priced, one.considered) == (two.priced, two.considered)
     assert [(e.layout, e.predicted, e.bounds, e.rank_memory) for e in one.ranked] == [(e.layout, e.predicted, e.bounds, e.rank_memory) for e in two.ranked]
     assert [(r.layout, r.reason, r.kind, r.lower_bound) for r in one.rejected] == [(r.layout, r.reason, r.kind, r.lower_bound) for r in two.rejected]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    name=st.sampled_from(sorted(SCHEDULES)),
+    p=st.integers(1, 6),
+    m=st.integers(1, 16),
+    v=st.integers(1, 3),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_step_floor_never_exceeds_the_simulated_step(name, p, m, v, seed):
+    """The search skips simulating a fitted layout whose step_floor exceeds the kept ranking: the floor must never exceed
+    the simulator's step, on any schedule, with random stage times and sends (the reference: the simulation itself)."""
+    import random
+
+    if schedule_constraints(name, p, m, v, 0):
+        return
+    sched = build_schedule(name, p, m, v)
+    rnd = random.Random(seed)
+    S = sched.num_stages
+    t = StageTimes(
+        [rnd.uniform(0.0, 2.0) for _ in range(S)],
+        [rnd.uniform(0.0, 3.0) for _ in range(S)],
+        [rnd.uniform(0.0, 1.0) * (rnd.random() < 0.5) for _ in range(S)],
+        [rnd.uniform(0.0, 0.5) for _ in range(S - 1)],
+        [rnd.uniform(0.0, 0.5) for _ in range(S - 1)],
+    )
+    step = simulate(sched, t, timeline=False).step_time
+    floor = step_floor(t, sched.stage_to_rank, m)
+    assert floor <= step * (1 + 1e-12) + 1e-12
+    # and it is the simulated step where no rank ever waits: one stage, one rank
+    if S == 1:
+        assert floor == pytest.approx(step, rel=1e-12)
+
+
+def test_the_step_floor_of_1f1b_with_equal_stages_is_its_fill_and_work():
+    """Closed form: 1F1B, p equal stages of forward f and backward b, m micro-batches. The last rank waits (p - 1) f and
+    works m (f + b), which the floor gives; the simulated step is (m + p - 1)(f + b)."""
+    p, m, f, b = 4, 8, 1.0, 2.0
+    t = StageTimes.uniform(p, f, b)
+    sched = build_schedule("1f1b", p, m)
+    assert step_floor(t, sched.stage_to_rank, m) == pytest.approx((p - 1) * f + m * (f + b), rel=1e-12)
+    assert simulate(sched, t).step_time == pytest.approx((m + p - 1) * (f + b), rel=1e-12)
