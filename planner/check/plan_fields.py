@@ -129,6 +129,7 @@ def _layout(c: _Checker, lay: dict[str, Any]) -> tuple[int | None, int | None]:
     for key in ("engine", "schedule", "recompute"):
         c.typed(lay, key, ("layout", key), str, "a string")
     c.typed(lay, "sequence_parallel", ("layout", "sequence_parallel"), bool, "true or false", required=False)
+    c.typed(lay, "cp_comm", ("layout", "cp_comm"), str, "a string", required=False)
     extra = sorted(set(lay) - set(Layout.__dataclass_fields__))
     if extra:
         c.out.append((("layout", extra[0]), f"plan.json layout has unknown field {extra[0]!r}"))

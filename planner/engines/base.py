@@ -19,6 +19,7 @@ import numpy as np
 
 from planner.records import ModelCosts, RecomputeWork
 from planner.solve.memory import StateRecipe
+from planner.solve.mesh import cp_comm_problems
 from planner.solve.plan import Layout
 from planner.solve.schedules import SCHEDULE_INFO, schedule_constraints
 
@@ -79,6 +80,8 @@ class Engine(ABC):
     recompute_module_names: tuple[str, ...] = ()
     #: context parallelism (the sequence split over cp GPUs with ring attention)
     context_parallel: bool = False
+    #: how its context parallelism can exchange keys and values (Layout.cp_comm), the engine's default first
+    cp_comm_types: tuple[str, ...] = ("p2p",)
     #: the communication overlaps the engine can run (Layout fields: tp_comm_overlap, overlap_grad_reduce, overlap_param_gather)
     overlaps: tuple[str, ...] = ()
     #: whether optimizer-state and main-gradient dtypes other than the engine's default can be asked for
@@ -229,6 +232,10 @@ class Engine(ABC):
         out = []
         if layout.cp > 1 and not self.context_parallel:
             out.append(f"{self.name} runs no context parallelism (cp must be 1; use {self.alternative(lambda e: e.context_parallel)} for cp > 1)")
+        if layout.cp_comm not in self.cp_comm_types:
+            out.append(f"{self.name} has no --cp-comm-type {layout.cp_comm} (it runs: {', '.join(self.cp_comm_types)})")
+        elif layout.cp > 1:
+            out += cp_comm_problems(layout.cp_comm, layout.cp, layout.tp, costs.architecture)
         for name in layout.overlaps:
             if name not in self.overlaps:
                 out.append(f"{self.name} has no --{name} (it overlaps: {', '.join(self.overlaps) or 'nothing'})")

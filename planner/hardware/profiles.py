@@ -153,10 +153,21 @@ _DTYPE_ALIASES = {
 
 def normalize_dtype(dtype: Any) -> str:
     """Map a dtype spelling (``torch.bfloat16``, ``"half"``, ``"bf16"``) to a profile key."""
+    if isinstance(dtype, str):
+        hit = _NORMALIZED.get(dtype)
+        if hit is not None:
+            return hit
     s = str(dtype).strip().lower()
     if s.startswith("torch."):
         s = s[len("torch.") :]
-    return _DTYPE_ALIASES.get(s, s)
+    key = _DTYPE_ALIASES.get(s, s)
+    if isinstance(dtype, str) and len(_NORMALIZED) < 1024:
+        _NORMALIZED[dtype] = key
+    return key
+
+
+#: normalize_dtype's answers by spelling (the time model asks millions of times for a handful of spellings)
+_NORMALIZED: dict[str, str] = {}
 
 
 # ------------------------------------------------------------------ schema check

@@ -17,6 +17,7 @@ the distributed optimizer shards their state) tp x cp x dp / (ep x etp) ranks et
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -94,3 +95,21 @@ class Mesh:
         if not out and self.block % (self.ep * self.etp):
             out.append(f"ep x etp = {self.ep} x {self.etp} does not divide the tp x cp x dp = {self.block} GPUs of a pipeline stage")
         return out
+
+
+def cp_comm_problems(cp_comm: str, cp: int, tp: int, architecture: dict[str, Any] | None) -> list[str]:
+    """Why context parallelism's ``cp_comm`` cannot run at this cp x tp: the all-to-all type scatters each GPU's
+    attention heads and key/value heads over its cp GPUs (Transformer Engine context_parallel.py,
+    flash_attn_a2a_communicate: ``x.view(..., cp_size, heads // cp_size, ...)`` on q, k and v), so both per-GPU counts
+    must divide by cp; an unknown architecture cannot be checked, so all-to-all is not planned for it."""
+    if cp_comm != "a2a":
+        return []
+    if not architecture or not architecture.get("num_attention_heads"):
+        return ["--cp-comm-type a2a needs the model's attention heads (no architecture was derived) to check they divide by cp"]
+    heads = int(architecture["num_attention_heads"])
+    groups = int(architecture.get("num_query_groups") or heads)
+    if heads % tp or groups % tp or (heads // tp) % cp or (groups // tp) % cp:
+        return [
+            f"--cp-comm-type a2a scatters heads over cp: {heads} attention and {groups} key/value heads over tp {tp} leave a count per GPU that cp {cp} does not divide"
+        ]
+    return []

@@ -87,6 +87,10 @@ class Layout:
     #: micro-batches per chunk group of the interleaved schedule (Megatron
     #: --microbatch-group-size-per-virtual-pipeline-stage); 0 is the schedule's default (p when m is a multiple of p)
     microbatch_group: int = 0
+    #: how a context-parallel group exchanges keys and values (Megatron --cp-comm-type, Transformer Engine's
+    #: DotProductAttention cp_comm_type): "p2p" (ring, overlapped with the attention blocks), "all_gather" (keys and
+    #: values gathered before attention, exposed), "a2a" (DeepSpeed-Ulysses: heads scattered, sequence gathered)
+    cp_comm: str = "p2p"
 
     @property
     def modules_recomputed(self) -> frozenset[str]:
@@ -132,7 +136,7 @@ class Layout:
     def short(self) -> str:
         v = f" v{self.vp}" if self.vp > 1 else ""
         sp = " +sp" if self.sequence_parallel else ""
-        cp = f" cp{self.cp}" if self.cp > 1 else ""
+        cp = (f" cp{self.cp}" + (f"({self.cp_comm})" if self.cp_comm != "p2p" else "")) if self.cp > 1 else ""
         fp8 = (" fp8" + (" fp8-params" if self.fp8_param_gather else "")) if self.fp8 else ""
         ep = f" ep{self.ep}" + (f" etp{self.etp}" if self.etp > 1 else "") if self.ep > 1 else ""
         rc = f"({'+'.join(self.recompute_modules)})" if self.recompute_modules and self.recompute == "selective" else ""

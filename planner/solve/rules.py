@@ -46,6 +46,7 @@ class EngineRules(Protocol):
     searched_schedules: tuple[str, ...]
     microbatch_groups: bool
     context_parallel: bool
+    cp_comm_types: tuple[str, ...]
     expert_parallel: bool
     fp8: bool
     overlaps: tuple[str, ...]

@@ -49,21 +49,25 @@ from planner.solve.memory import (
     stage_params,
     transient_matrix,
 )
+from planner.solve.mesh import cp_comm_problems
 from planner.solve.plan import Layout, Predicted, ep_overlap_allowed
 from planner.solve.rules import EngineRules, RejectKind
 from planner.solve.schedules import build_schedule, interleaved_group_size, normalised_group
 from planner.solve.settings import Settings
 from planner.solve.simulate import SimResult, StageMemory, StageTimes, simulate
 from planner.solve.timing import (
+    ATTENTION_KINDS,
     PieceTimes,
     analytical_times,
     attention_core_flops,
+    cp_exchange_exposed,
     expert_dispatch_time,
     fp8_cast_bytes,
     kv_bytes,
     moe_dispatcher_terms,
     moe_fp8_cast_bytes,
     paired_share,
+    q_bytes,
     shard_costs,
     split_context,
     tp_collective_time,
@@ -200,6 +204,8 @@ class Context:
         self._gemm: dict[tuple[int, int, int], np.ndarray] = {}
         self._scaled: dict[int, ModelCosts] = {}
         self._dispatches: dict[tuple[float, int, int, int], float] = {}
+        self._cp_exchanges: dict[tuple[int, int, int, int, str], tuple[float, float]] = {}
+        self._cp_transient: dict[tuple[int, int, int], np.ndarray] = {}
         self._terms: dict[tuple[object, ...], tuple[float, float]] = {}
         self._sum_max: dict[int, tuple[PieceTimes, float, float]] = {}
         self._coll: dict[tuple[int, int, int, bool, int], tuple[tuple[float, ...], float]] = {}
@@ -346,6 +352,37 @@ class Context:
             self._coll[key] = (coll, step)
         return self._coll[key]
 
+    def _cp_exchange(self, b: int, tp: int, first_rank: int, cp: int, comm: str) -> tuple[float, float]:
+        """(forward, backward) seconds of a context-parallel exchange that attention waits for
+        (:func:`cp_exchange_exposed`), over the cp GPUs tp apart from ``first_rank`` (the ring's GPUs)."""
+        key = (b, tp, first_rank, cp, comm)
+        if key not in self._cp_exchanges:
+            ranks = [first_rank + k * tp for k in range(cp)]
+            scaled = self.scaled(b)
+            self._cp_exchanges[key] = cp_exchange_exposed(self.cluster, comm, q_bytes(scaled, tp, cp), kv_bytes(scaled, tp, cp), ranks)
+        return self._cp_exchanges[key]
+
+    def _fused_core(self, b: int, tp: int, cp: int) -> list[float] | None:
+        """Per piece, the forward FLOPs of an attention core the cost meter saw no score tensor of (a fused kernel),
+        on one GPU at micro-batch ``b`` (:func:`attention_core_flops`, s / cp x b queries); None without an architecture."""
+        arch = self.costs.architecture
+        if not arch or not self.costs.seq_len:
+            return None
+        tokens = self.costs.seq_len / cp * b
+        return [0.0 if l.core_flops_fwd > 0 else attention_core_flops(arch, l.kind, self.costs.seq_len, tokens, tp)[0] for l in self.costs.layers]
+
+    def cp_gather_transient(self, b: int, tp: int, cp: int) -> np.ndarray:
+        """Bytes per piece range that the all-gather exchange adds to a stage's working set (none where the range has no
+        attention piece): backward holds the gathered keys and values and their gradients, cp x the rank's key + value
+        block each (Transformer Engine AttnFuncWithCPAndKVAllGather.backward: k_ag, v_ag, and dk, dv of cp x the local
+        length), of which the local block is already among the saved activations."""
+        key = (b, tp, cp)
+        if key not in self._cp_transient:
+            extra = (2 * cp - 1) * kv_bytes(self.scaled(b), tp, cp)
+            attn = np.concatenate([[0], np.cumsum([1 if l.core_flops_fwd > 0 or l.kind in ATTENTION_KINDS else 0 for l in self.costs.layers])])
+            self._cp_transient[key] = np.where(attn[None, :] - attn[:, None] > 0, extra, 0.0)
+        return self._cp_transient[key]
+
     def _dispatch(self, nbytes: float, first_rank: int, ep: int, etp: int) -> float:
         """Seconds of one token dispatch of ``nbytes`` per GPU (:func:`expert_dispatch_time`), shared by the pieces
         and candidates that route the same bytes from the same ranks."""
@@ -410,9 +447,11 @@ class Context:
         etp: int = 1,
         ep_overlap: float = 0.0,
         modules: frozenset[str] = frozenset(),
+        cp_comm: str = "p2p",
     ) -> PieceTimes:
         dev = self.cluster.device_of(first_rank)
-        key = (b, tp, recompute, dev.key, sp, cp, tp_overlap, fp8, ep, etp, ep_overlap, modules)
+        cp_comm = cp_comm if cp > 1 else "p2p"
+        key = (b, tp, recompute, dev.key, sp, cp, tp_overlap, fp8, ep, etp, ep_overlap, modules, cp_comm)
         if key not in self._times:
             sharded = self.sharded(b, tp, sp, cp)
             timed = self.timed(b, tp, sp, cp)
@@ -445,6 +484,8 @@ class Context:
                 work,
                 self.engine.recomputes_attention_core(modules),
                 dev.host_op_s,
+                None if cp_comm == "p2p" else self._cp_exchange(b, tp, first_rank, cp, cp_comm),
+                self._fused_core(b, tp, cp) if cp > 1 and cp_comm == "p2p" else None,
             )
             measured = self.opts.knobs.measured.get(dev.key)
             if measured and tp == 1 and cp == 1 and not fp8 and ep * etp == 1:
@@ -533,6 +574,7 @@ def enumerate_layouts(costs: ModelCosts, cluster: Cluster, opts: Settings, engin
     for tp in tps:
         for cp in cps:
             model = tp * cp
+            cp_comms = context_exchanges(cp, tp, costs, opts, engine)
             for pp in [opts.pins.pp] if opts.pins.pp else divisors(world // model) if world % model == 0 else []:
                 if world % (model * pp):
                     continue
@@ -560,12 +602,39 @@ def enumerate_layouts(costs: ModelCosts, cluster: Cluster, opts: Settings, engin
                                     if opts.pins.zero is None and not engine.searches_zero(z, costs.dtype, dp):
                                         continue
                                     for group in microbatch_groups(sched, pp, m, opts, engine):
-                                        base = Layout(engine.name, pp, tp, dp, v, b, m, global_batch, sched, rc, z, tp > 1, cp=cp, microbatch_group=group)
-                                        for ep, etp in expert_layouts(experts, tp, cp, dp, opts):
-                                            out += with_options(replace(base, ep=ep, etp=etp), opts, engine)
+                                        for comm in cp_comms:
+                                            base = Layout(
+                                                engine.name,
+                                                pp,
+                                                tp,
+                                                dp,
+                                                v,
+                                                b,
+                                                m,
+                                                global_batch,
+                                                sched,
+                                                rc,
+                                                z,
+                                                tp > 1,
+                                                cp=cp,
+                                                microbatch_group=group,
+                                                cp_comm=comm,
+                                            )
+                                            for ep, etp in expert_layouts(experts, tp, cp, dp, opts):
+                                                out += with_options(replace(base, ep=ep, etp=etp), opts, engine)
     if not out:
         raise UsageError(_no_layout_message(world, opts, global_batch, costs), "Relax a pin, or change --global-batch or --gpus.")
     return out, rejected
+
+
+def context_exchanges(cp: int, tp: int, costs: ModelCosts, opts: Settings, engine: EngineRules) -> tuple[str, ...]:
+    """The context-parallel exchanges to try at cp x tp: the pinned one (then cp > 1 only: cp 1 exchanges nothing),
+    else the engine's types that run there (:func:`planner.engines.base.cp_comm_problems`), else its default."""
+    if opts.pins.cp_comm:
+        return (opts.pins.cp_comm,) if cp > 1 else ()
+    if cp == 1:
+        return engine.cp_comm_types[:1]
+    return tuple(c for c in engine.cp_comm_types if not cp_comm_problems(c, cp, tp, costs.architecture))
 
 
 def microbatch_groups(sched: str, pp: int, m: int, opts: Settings, engine: EngineRules) -> tuple[int, ...]:
@@ -674,13 +743,19 @@ def fp8_problems(cluster: Cluster) -> None:
 
 def _no_layout_message(world: int, opts: Settings, gb: int, costs: ModelCosts) -> str:
     pins = {
-        k: getattr(opts.pins, k) for k in ("pp", "tp", "cp", "dp", "vp", "ep", "etp", "micro_batch", "schedule", "microbatch_group") if getattr(opts.pins, k)
+        k: getattr(opts.pins, k)
+        for k in ("pp", "tp", "cp", "cp_comm", "dp", "vp", "ep", "etp", "micro_batch", "schedule", "microbatch_group")
+        if getattr(opts.pins, k)
     }
     bits = [f"{world} GPUs", f"global batch {gb}"] + [f"{k}={v}" for k, v in pins.items()]
     why = []
     degrees = {k: v for k, v in pins.items() if k in ("pp", "tp", "cp", "dp")}
     if degrees and world % math.prod(degrees.values()):
         why.append(f"{world} is not divisible by {' x '.join(degrees)} = {math.prod(degrees.values())}")
+    if opts.pins.cp_comm and opts.pins.cp == 1:
+        why.append("--cp-comm-type plans context parallelism only, and --cp 1 exchanges nothing")
+    elif opts.pins.cp_comm and not opts.pins.cp and (costs.seq_len or 0) < CP_MIN_SEQ:
+        why.append(f"--cp-comm-type plans context parallelism only, tried from {CP_MIN_SEQ} tokens (the model has {costs.seq_len}; pin --cp)")
     if opts.pins.pp and opts.pins.pp > costs.n:
         why.append(f"the model has only {costs.n} pieces to place on {opts.pins.pp} stages")
     if opts.pins.micro_batch and opts.pins.dp and gb % (opts.pins.dp * opts.pins.micro_batch):
@@ -712,6 +787,7 @@ def lower_bound(ctx: Context, lay: Layout, dtype: str) -> float:
             lay.etp,
             ep_paired(lay),
             lay.modules_recomputed,
+            lay.cp_comm,
         )
         total, largest = ctx.sum_and_max(t)
         best = min(best, lay.num_microbatches * max(total / lay.pp, largest))
@@ -791,6 +867,8 @@ def price_layout(
     experts_m = expert_range_params(sharded, ep, etp) if ep * etp > 1 or ctx.has_expert_params(b, tp, sp, cp) else None
     # held for the whole step: model state and the pieces' buffers; the transient bytes (trans_m) count once per rank
     static = params_m * per_param + (other_m - trans_m)
+    if lay.cp > 1 and lay.cp_comm == "all_gather":  # the gathered keys and values, allocated and freed per attention piece
+        trans_m = trans_m + ctx.cp_gather_transient(b, tp, cp)
     if recipe.fp8_gemm_bytes:  # TE's FP8 copies of the transformer blocks' GEMM weights
         static = static + ctx.gemm_params(tp, ep, etp) * recipe.fp8_gemm_bytes
     if experts_m is not None:
@@ -846,6 +924,7 @@ def price_layout(
                     lay.etp,
                     ep_paired(lay),
                     lay.modules_recomputed,
+                    lay.cp_comm,
                 )
             )
     compute = [ctx.prefix(t) for t in times_by_class]
@@ -1375,7 +1454,7 @@ _RECOMPUTE_MEMORY = {"full": 0, "selective": 1, "none": 2}
 
 def _dominance_group(lay: Layout) -> tuple[object, ...]:
     """The fields :func:`_needs_no_less_memory` requires equal: only layouts of one group can dominate each other."""
-    return (lay.pp, lay.tp, lay.dp, lay.vp, lay.ep, lay.etp, lay.schedule, lay.microbatch_group)
+    return (lay.pp, lay.tp, lay.dp, lay.vp, lay.ep, lay.etp, lay.schedule, lay.microbatch_group, lay.cp, lay.cp_comm)
 
 
 def _needs_no_less_memory(lay: Layout, other: Layout) -> bool:
@@ -1395,6 +1474,7 @@ def _needs_no_less_memory(lay: Layout, other: Layout) -> bool:
         and lay.etp == other.etp
         and lay.schedule == other.schedule
         and lay.microbatch_group == other.microbatch_group
+        and lay.cp_comm == other.cp_comm
         and lay.micro_batch >= other.micro_batch
         and _RECOMPUTE_MEMORY[lay.recompute] >= _RECOMPUTE_MEMORY[other.recompute]
         and lay.zero <= other.zero
@@ -1404,7 +1484,19 @@ def _needs_no_less_memory(lay: Layout, other: Layout) -> bool:
     )
 
 
-def _layout_key(lay: Layout) -> tuple[int, int, int, int, int, str, int, int, int]:
+def _layout_key(lay: Layout) -> tuple[int, int, int, int, int, str, int, int, int, bool, str]:
     """Deterministic tie-break: fewer stages, less tensor parallelism, no recompute, smaller micro-batch, less
-    expert parallelism."""
-    return (lay.pp, lay.tp, lay.vp, RECOMPUTE_MODES.index(lay.recompute), lay.micro_batch, lay.schedule, lay.zero, lay.ep, lay.etp)
+    expert parallelism, the ring before the other context-parallel exchanges."""
+    return (
+        lay.pp,
+        lay.tp,
+        lay.vp,
+        RECOMPUTE_MODES.index(lay.recompute),
+        lay.micro_batch,
+        lay.schedule,
+        lay.zero,
+        lay.ep,
+        lay.etp,
+        lay.cp_comm != "p2p",
+        lay.cp_comm,
+    )

@@ -73,6 +73,7 @@ class Pins:
     tp: int | None = setting(None, "Pin the tensor-parallel degree (Megatron).")
     dp: int | None = setting(None, "Pin the data-parallel degree.")
     cp: int | None = setting(None, "Pin the context-parallel degree (Megatron; sequence divisible by 2 x cp).")
+    cp_comm: str | None = setting(None, "Pin how context parallelism exchanges keys and values (Megatron): p2p | all_gather | a2a.", flag="--cp-comm-type")
     vp: int | None = setting(None, "Pin virtual stages per rank (interleaved).")
     ep: int | None = setting(None, "Pin the expert-parallel degree (Megatron, MoE models; divides the experts).")
     etp: int | None = setting(None, "Pin the expert tensor-parallel degree (Megatron, MoE models).")

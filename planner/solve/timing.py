@@ -51,6 +51,9 @@ SP_PAIR_ALLREDUCES = 1.5
 #: layers. The output layer is megatron.core.tensor_parallel.ColumnParallelLinear, not a TE module, and stays in the
 #: training dtype (megatron/core/models/gpt/gpt_model.py, core_r0.8.0 and core_v0.16.1); the embedding has no GEMM.
 FP8_GEMM_KINDS = ("attention", "mlp", "block")
+#: the piece kinds that hold an attention layer (a fused attention kernel leaves no score tensor for the cost meter to
+#: see, so a piece's kind tells where the context-parallel exchanges run)
+ATTENTION_KINDS = ("attention", "block")
 #: bytes per element a Transformer Engine FP8 cast moves on Hopper: it reads the bf16 tensor (2) and writes the FP8 copy
 #: (1) and its FP8 transpose (1), which the wgrad / dgrad GEMMs need since Hopper's FP8 GEMMs take only the TN layout
 #: (transformer_engine/pytorch/module/linear.py: cast_transpose of the input forward and of the output gradient
@@ -183,9 +186,22 @@ def expert_gemm_time(op_flops: Sequence[float], num_experts: int, ep: int, split
     expert). Small experts make small GEMMs: what makes many fine-grained experts slow."""
     if num_experts <= 0 or not op_flops:
         return 0.0
+    # the repeated layers of a model ask the same question for every candidate layout: answered once per device
+    key = (tuple(op_flops), num_experts, ep, split, id(device), dtype, floor_s)
+    hit = _EXPERT_GEMM.get(key)
+    if hit is not None and hit[0] is device:
+        return hit[1]
     local = max(1, num_experts // ep)
     f = ep / (split * num_experts)
-    return sum(local * max(floor_s, hardware.matmul_time(x * f, device, dtype)) for x in op_flops if x > 0)
+    t = sum(local * max(floor_s, hardware.matmul_time(x * f, device, dtype)) for x in op_flops if x > 0)
+    if len(_EXPERT_GEMM) >= 1 << 16:
+        _EXPERT_GEMM.clear()
+    _EXPERT_GEMM[key] = (device, t)  # the entry keeps its device alive, so an identity is never reused while remembered
+    return t
+
+
+#: expert_gemm_time's answers by its arguments (the device by identity, with the device kept)
+_EXPERT_GEMM: dict[tuple[object, ...], tuple[DeviceProfile, float]] = {}
 
 
 def expert_dispatch_time(cluster: Cluster, nbytes: float, first_rank: int, ep: int, etp: int) -> float:
@@ -342,6 +358,40 @@ def kv_bytes(costs: ModelCosts, tp: int, cp: int) -> float:
     return 2.0 * costs.seq_len / cp * costs.micro_batch * kv_hidden / tp * 2.0
 
 
+def q_bytes(costs: ModelCosts, tp: int, cp: int) -> float:
+    """Bytes of one rank's query block (also its attention output's) for the costed micro-batch: (s / cp) x b x
+    hidden / tp x 2 bytes (bf16); 0 without an architecture."""
+    arch = costs.architecture or {}
+    if not arch or not costs.seq_len:
+        return 0.0
+    return costs.seq_len / cp * costs.micro_batch * float(arch["hidden_size"]) / tp * 2.0
+
+
+def cp_exchange_exposed(cluster: Cluster, comm: str, q_block: float, kv_block: float, ranks: Sequence[int]) -> tuple[float, float]:
+    """(forward, backward) seconds an attention piece waits for the context-parallel exchange of the types that do not
+    overlap it (Transformer Engine 2.x attention/dot_product_attention/context_parallel.py), for one rank's query
+    block ``q_block`` and key + value block ``kv_block`` bytes over the cp GPUs ``ranks``:
+
+    * ``all_gather`` (AttnFuncWithCPAndKVAllGather, "KV all-gather between CP ranks is exposed"): forward all-gathers
+      K and V (gather_along_first_dim, one collective each); backward gathers them again, then reduce-scatters dK and dV.
+    * ``a2a`` (AttnFuncWithCPAndQKVOA2A, DeepSpeed-Ulysses): forward all-to-alls Q, K and V before attention
+      (heads scattered, sequence gathered) and the output after; backward the output gradient before and dQ, dK, dV
+      after; each all_to_all_single moves its whole tensor, and attention waits for them.
+
+    ``p2p`` (the ring, overlapped block by block) is :func:`ring_attention_exposed`; 0, 0 here."""
+    if len(ranks) <= 1 or comm == "p2p":
+        return 0.0, 0.0
+    half = kv_block / 2.0  # K and V travel as separate tensors
+    if comm == "all_gather":
+        n = len(ranks)
+        gather = 2 * cluster.all_gather_time(n * half, ranks)
+        return gather, gather + 2 * cluster.reduce_scatter_time(n * half, ranks)
+    if comm == "a2a":
+        one = 2 * cluster.all_to_all_time(q_block, ranks) + 2 * cluster.all_to_all_time(half, ranks)
+        return one, one
+    raise ValueError(f"unknown context-parallel exchange {comm!r}")
+
+
 def ring_attention_exposed(step_comm_s: float, core_s: float, cp: int) -> tuple[float, float]:
     """(forward, backward) seconds of ring attention's KV exchange a piece exposes.
 
@@ -375,6 +425,8 @@ def analytical_times(
     recompute_work: Sequence[RecomputeWork] | None = None,
     recompute_core: bool = True,
     host_op_s: float = 0.0,
+    cp_exposed: tuple[float, float] | None = None,
+    fused_core_flops: Sequence[float] | None = None,
 ) -> PieceTimes:
     """Roofline times of every piece (``costs`` already sharded with :func:`shard_costs`).
 
@@ -404,6 +456,10 @@ def analytical_times(
     ``host_op_s`` is the host's time to issue one operator (:func:`issued_operators`): a piece's forward takes at
     least its forward operators x ``host_op_s`` and its backward its backward operators x ``host_op_s``
     (:func:`host_bound`), the GPU running no faster than the host hands it work.
+    ``cp_exposed`` is the (forward, backward) seconds each attention piece waits for a context-parallel exchange that
+    does not overlap it (:func:`cp_exchange_exposed`: all-gather, all-to-all); None prices the ring (``cp_step_s``).
+    ``fused_core_flops`` (per piece, forward) is the attention core of pieces whose fused kernel the cost meter cannot
+    tell from other work (:func:`attention_core_flops`): the compute the ring's transfers hide behind.
     """
     mm_dtype = matmul_dtype or dtype
     n = len(costs.layers)
@@ -459,10 +515,16 @@ def analytical_times(
         if l.num_experts and dispatcher_terms is not None:
             f += dispatcher_terms[k][0]
             i += dispatcher_terms[k][1]
-        if cp > 1 and l.core_flops_fwd > 0:
-            core = ops_time(l.op_flops_core, l.core_flops_fwd, device, dtype, kernel_floor_s) + bytes_time(
-                l.op_bytes_core, l.core_bytes_fwd, device, kernel_floor_s
-            )
+        if cp > 1 and cp_exposed is not None and (l.core_flops_fwd > 0 or l.kind in ATTENTION_KINDS):
+            f += cp_exposed[0]  # an exchange attention waits for, whatever its kernel
+            i += cp_exposed[1]
+        elif cp > 1 and (l.core_flops_fwd > 0 or (fused_core_flops is not None and fused_core_flops[k] > 0)):
+            if l.core_flops_fwd > 0:
+                core = ops_time(l.op_flops_core, l.core_flops_fwd, device, dtype, kernel_floor_s) + bytes_time(
+                    l.op_bytes_core, l.core_bytes_fwd, device, kernel_floor_s
+                )
+            else:  # a fused kernel (flash attention): its FLOPs by the closed form, at the matmul rate of their size
+                core = hardware.matmul_time(fused_core_flops[k], device, dtype)  # type: ignore[index]
             ring_f, ring_b = ring_attention_exposed(cp_step_s, core, cp)
             f += ring_f
             i += ring_b

@@ -338,6 +338,8 @@ RULE_CASES = {
         True,
     ),  # pp 2 without virtual stages
     "MEG043": (_with({}, extra=[("--squared-relu", None)]), WORLD, True, True),  # biases on, the bias-GeLU fusion on: TransformerConfig raises
+    # a2a+p2p without its group sizes: parallel_state asserts them at initialisation, not validate_args
+    "MEG044": (_with({"--pipeline-model-parallel-size": "1"}, extra=[("--context-parallel-size", "2"), ("--cp-comm-type", "a2a+p2p")]), 4, True, False),
 }
 
 

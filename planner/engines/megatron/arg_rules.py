@@ -1,4 +1,4 @@
-"""Megatron-LM's argument rules (MEG001-MEG042) as data and small checks over :class:`MegatronArgs`.
+"""Megatron-LM's argument rules (MEG001-MEG044) as data and small checks over :class:`MegatronArgs`.
 
 :func:`check_megatron_args` applies Megatron's rules (``validate_args`` in
 megatron/training/arguments.py, ``TransformerConfig.__post_init__``, the microbatch
@@ -18,6 +18,7 @@ from planner.engines.megatron.flags import MEGATRON_VERSION, RECOMPUTE_MODULES, 
 from planner.engines.megatron.layout import LayoutError, parse_layout, virtual_size
 from planner.engines.megatron.moe import parse_layer_freq
 from planner.errors import close_matches
+from planner.solve.mesh import cp_comm_problems
 
 #: flags pretrain_gpt.py cannot run without (num-layers, hidden-size, heads and max positions are asserted by
 #: validate_args; the sequence length and batch sizes define the run)
@@ -76,7 +77,11 @@ RULES: dict[str, tuple[str, str]] = {
     "MEG041": ("error", "--fp8-param-gather without FP8 training or without the distributed optimizer"),
     "MEG042": ("error", "--overlap-moe-expert-parallel-comm without what TransformerConfig asserts for it"),
     "MEG043": ("error", "MLP activation flags that do not combine (squared ReLU with SwiGLU, or with the bias-GeLU fusion)"),
+    "MEG044": ("error", "--cp-comm-type values Transformer Engine cannot run with these flags"),
 }
+
+#: Transformer Engine's context-parallel exchanges (DotProductAttention cp_comm_type; Megatron passes the value through)
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
 
 #: flags whose value is a size or count Megatron-LM divides by or allocates: 0 or less divides by zero or builds nothing
@@ -560,6 +565,7 @@ class _Checker:
                     f"add {' '.join(missing)}, or drop --fp8-param-gather",
                 )
         self.recompute_rules()
+        self.cp_comm_rules(cp, tp)
         seq = a.int("--seq-length")
         if cp > 1 and seq is not None and seq % (2 * cp):
             self.add(
@@ -742,6 +748,42 @@ class _Checker:
                 f"--overlap-moe-expert-parallel-comm needs {'; '.join(missing)} (TransformerConfig asserts it).",
                 "give what it needs, or drop --overlap-moe-expert-parallel-comm",
             )
+
+    def cp_comm_rules(self, cp: int, tp: int) -> None:
+        """--cp-comm-type: each value one Transformer Engine runs (DotProductAttention cp_comm_type: p2p, all_gather,
+        a2a, a2a+p2p), one value or one per layer (TransformerConfig.__post_init__, megatron-core 0.16.1), a2a+p2p
+        with --hierarchical-context-parallel-sizes, and a2a with heads per GPU that cp divides (mesh.cp_comm_problems)."""
+        a = self.a
+        flag = a.get("--cp-comm-type")
+        types = list(flag.values) if flag is not None else []
+        if not types or cp <= 1:
+            return
+        line = a.line("--cp-comm-type")
+        bad = sorted({t for t in types if t not in CP_COMM_TYPES})
+        if bad:
+            self.add("MEG044", line, f"--cp-comm-type {' '.join(bad)}: Transformer Engine runs {', '.join(CP_COMM_TYPES)}.", "use one of those")
+            return
+        L = a.int("--num-layers")
+        if len(types) > 1 and L is not None and len(types) != L:
+            self.add(
+                "MEG044",
+                line,
+                f"--cp-comm-type gives {len(types)} types for {L} layers (TransformerConfig asserts one per layer, or one for all).",
+                "give one type, or one per layer",
+            )
+        if "a2a+p2p" in types and not a.has("--hierarchical-context-parallel-sizes"):
+            self.add(
+                "MEG044",
+                line,
+                "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes (the a2a and p2p group sizes).",
+                "add --hierarchical-context-parallel-sizes, or use p2p",
+            )
+        heads = a.int("--num-attention-heads")
+        if "a2a" in types and heads is not None:
+            groups = a.int("--num-query-groups") if a.has("--group-query-attention") else heads
+            arch = {"num_attention_heads": heads, "num_query_groups": groups or heads}
+            for why in cp_comm_problems("a2a", cp, tp, arch):
+                self.add("MEG044", line, why + ".", "use --cp-comm-type p2p or all_gather, or a cp that divides the heads per GPU")
 
     def mla_rules(self) -> None:
         a = self.a

@@ -45,6 +45,7 @@ def core_config(args: MegatronArgs):
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=i("--context-parallel-size", 1),
+        cp_comm_type=args.value("--cp-comm-type") or "p2p",  # arguments.py: one value is every layer's (default p2p)
         virtual_pipeline_model_parallel_size=vp,
         pipeline_model_parallel_layout=layout,
         num_layers_in_first_pipeline_stage=i("--decoder-first-pipeline-num-layers"),

@@ -368,6 +368,8 @@ def feature_flags(plan: Plan) -> tuple[Flags, Flags]:
     parallel: Flags = []
     if lay.cp > 1:
         parallel.append(("--context-parallel-size", str(lay.cp)))
+        if lay.cp_comm != "p2p":  # arguments.py's default is p2p (the ring)
+            parallel.append(("--cp-comm-type", lay.cp_comm))
     if lay.tp_comm_overlap:
         parallel.append(("--tp-comm-overlap", None))
     if lay.ep_comm_overlap:  # the combined 1F1B schedule (TransformerConfig.overlap_moe_expert_parallel_comm)

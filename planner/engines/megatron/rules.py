@@ -323,6 +323,10 @@ class MegatronEngine(Engine):
     recompute_modules = MODELLED_RECOMPUTE_MODULES
     recompute_module_names = RECOMPUTE_MODULES
     context_parallel = True
+    #: --cp-comm-type (arguments.py core_v0.16.1: nargs='+', default ['p2p']; the value goes verbatim to Transformer
+    #: Engine's DotProductAttention, whose types are p2p, all_gather, a2a and a2a+p2p: megatron-core 0.16.1
+    #: transformer_config.py cp_comm_type). a2a+p2p needs --hierarchical-context-parallel-sizes and is not planned
+    cp_comm_types = ("p2p", "all_gather", "a2a")
     expert_parallel = True
     #: train_step calls zero_grad_buffer() on every model chunk before the forward-backward, which zeroes the whole
     #: contiguous gradient buffer (ParamAndGradBuffer.reset: ``self.grad_data.zero_()``; megatron/training/training.py

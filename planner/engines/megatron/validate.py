@@ -211,6 +211,7 @@ def _memory_megatron(run: _Run, ctx: _Ctx, rel: str, args, world: int | None) ->
         ep_comm_overlap=args.has("--overlap-moe-expert-parallel-comm"),
         recompute_modules=_megatron_recompute_modules(args),
         microbatch_group=group,
+        cp_comm=(args.value("--cp-comm-type") or "p2p") if cp > 1 else "p2p",
     )
     costs = _costs(run, ctx, rel, line, dtype)
     if costs is None:
