@@ -87,6 +87,7 @@ def main() -> None:
         fit_sustained,
         host_issue,
         inspect_speed,
+        loso,
         partition_quality,
         planning_speed,
         published_runs,
@@ -114,6 +115,13 @@ def main() -> None:
     t = time.time()
     sections.append(
         ("Prediction against published runs", published_runs.__doc__.strip() + "\n\n" + published_runs.markdown(published_runs.predict_all()), time.time() - t)
+    )
+    t = time.time()
+    rows = loso.dense_rows()
+    priced = {p.run.id for p in published_runs.predict_all() if p.error is not None}
+    groups = loso.leave_one_source_out(rows, loso.step_table(rows), priced)
+    sections.append(
+        ("Leave one source out: the step-time error on runs the fit never saw", loso.__doc__.strip() + "\n\n" + loso.markdown(groups), time.time() - t)
     )
     t = time.time()
     fits = [fit_fixed_costs.fit_device(d) for d in sorted(fit_fixed_costs.TUNE_SOURCES)]

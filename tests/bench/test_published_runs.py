@@ -348,3 +348,33 @@ def test_results_table_reports_the_dense_and_the_moe_sets_apart():
     assert "| 2 | 2 | 0 | 0 | 15.0% |" in rows["**dense (tune + test)**"]
     assert "| 1 | 1 | 0 | 0 | 50.0% |" in rows["**mixture-of-experts test**"]
     assert "| 3 | 3 | 0 | 0 | 26.7% |" in rows["**all**"]
+
+
+def test_leave_one_source_out_refits_on_the_other_sources_only():
+    """bench.loso: a group's value is fitted on the same GPU type's other sources (never its own rows, never another
+    GPU type's); the grid minimiser of the shipped H100 tune rows is the shipped 0.79 (bench/fit_sustained.py's
+    golden-section fit, rounded), found here on a grid around it; errors are expm1(log(predicted / published))."""
+    import math
+
+    import bench.loso as loso
+    from bench.fit_fixed_costs import tune_rows
+
+    rows = tune_rows("H100-SXM")
+    grid = (0.77, 0.78, 0.79, 0.80, 0.81)
+    table = {r.id: {s: loso.priced_step(r, sustained_matmul=s) for s in grid} for r in rows}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loso, "GRID", grid)
+        assert loso.fit(rows, table) == loso.shipped_value("H100-SXM") == 0.79
+    # synthetic: two sources of one GPU type, one of another; each left out is fitted on the others of its type only
+    from dataclasses import replace
+
+    a, b, c = rows[0], rows[1], next(r for r in loso.dense_rows() if r.source.device == "A100-80GB")
+    a = replace(a, id="A", source=replace(a.source, key="s1"), step_s=1.0)
+    b = replace(b, id="B", source=replace(b.source, key="s2"), step_s=1.0)
+    c = replace(c, id="C", source=replace(c.source, key="s3"), step_s=1.0)
+    synth = {"A": {s: 2 * s for s in loso.GRID}, "B": {s: 1.0 / s for s in loso.GRID}, "C": {s: 5.0 for s in loso.GRID}}
+    got = {g.source: g for g in loso.leave_one_source_out([a, b, c], synth, {"A", "B", "C"})}
+    assert got["s1"].refit == 1.0  # fitted on B alone: 1/s closest to 1 at s = 1
+    assert got["s2"].refit == 0.6  # fitted on A alone: 2s closest to 1 at the grid's low end
+    assert got["s3"].refit == loso.shipped_value("A100-80GB")  # no other A100 source: the shipped value
+    assert got["s1"].loso_errors == pytest.approx((math.expm1(math.log(2.0)),))
