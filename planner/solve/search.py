@@ -1450,17 +1450,21 @@ class _Pricer:
 
 
 _RECOMPUTE_MEMORY = {"full": 0, "selective": 1, "none": 2}
+#: the context-parallel exchanges by the memory they add: the ring and the all-to-all none (their tensors are the
+#: rank's own blocks), the all-gather its gathered keys and values (Context.cp_gather_transient)
+_CP_COMM_MEMORY = {"p2p": 0, "a2a": 0, "all_gather": 1}
 
 
 def _dominance_group(lay: Layout) -> tuple[object, ...]:
     """The fields :func:`_needs_no_less_memory` requires equal: only layouts of one group can dominate each other."""
-    return (lay.pp, lay.tp, lay.dp, lay.vp, lay.ep, lay.etp, lay.schedule, lay.microbatch_group, lay.cp, lay.cp_comm)
+    return (lay.pp, lay.tp, lay.dp, lay.vp, lay.ep, lay.etp, lay.schedule, lay.microbatch_group, lay.cp)
 
 
 def _needs_no_less_memory(lay: Layout, other: Layout) -> bool:
     """Whether ``lay`` needs at least ``other``'s memory on every rank: the same split of the cluster and schedule,
-    a micro-batch at least as large, recompute keeping at least as much, no more optimizer sharding, and every overlap
-    the other has (--tp-comm-overlap allocates buffers; --overlap-moe-expert-parallel-comm runs a micro-batch more in flight).
+    a micro-batch at least as large, recompute keeping at least as much, no more optimizer sharding, every overlap
+    the other has (--tp-comm-overlap allocates buffers; --overlap-moe-expert-parallel-comm runs a micro-batch more in
+    flight), and a context-parallel exchange holding no less (:data:`_CP_COMM_MEMORY`).
 
     Holds because activations grow with the micro-batch while held counts depend on the schedule's order
     (GPipe: micro-batch x count is the global batch share, constant), and model state does not shrink.
@@ -1474,7 +1478,7 @@ def _needs_no_less_memory(lay: Layout, other: Layout) -> bool:
         and lay.etp == other.etp
         and lay.schedule == other.schedule
         and lay.microbatch_group == other.microbatch_group
-        and lay.cp_comm == other.cp_comm
+        and _CP_COMM_MEMORY[lay.cp_comm] >= _CP_COMM_MEMORY[other.cp_comm]
         and lay.micro_batch >= other.micro_batch
         and _RECOMPUTE_MEMORY[lay.recompute] >= _RECOMPUTE_MEMORY[other.recompute]
         and lay.zero <= other.zero
