@@ -172,3 +172,22 @@ def test_megatron_rules_refuse_an_exchange_transformer_engine_cannot_run():
         )
     )
     assert [f for f in bad if f.rule == "MEG044"]
+
+
+def test_the_command_line_answers_a_bad_exchange_with_exit_2():
+    """An engine without context parallelism, a name Megatron's engine does not plan, and a pin that cannot apply (a
+    32-token model, below the sequence the search tries cp for) are each refused with exit 2 and a line saying why."""
+    from typer.testing import CliRunner
+
+    from planner.cli import app
+
+    base = ["plan", "examples/llama.py", "--model-arg", "preset=llama-tiny", "--gpus", "8xH100", "--quiet"]
+    cases = (
+        (["--engine", "deepspeed", "--cp-comm-type", "a2a"], "runs no context parallelism"),
+        (["--engine", "megatron", "--cp-comm-type", "ring"], "Accepted: p2p, all_gather, a2a"),
+        (["--engine", "megatron", "--cp-comm-type", "a2a"], "tried from 8192 tokens"),
+        (["--engine", "megatron", "--cp", "1", "--cp-comm-type", "a2a"], "--cp 1 exchanges nothing"),
+    )
+    for extra, why in cases:
+        r = CliRunner().invoke(app, [*base, *extra])
+        assert r.exit_code == 2 and why in r.output, (extra, r.exit_code, r.output)
