@@ -345,13 +345,13 @@ def plan(
         values.update(recompute_modules=modules, recompute="selective" if modules else v["recompute"])
         req = Settings.of(**values)
         cv.positive_int("--cp", v["cp"])
-        if v["cp_comm"] is not None and not get_engine(v["engine"]).context_parallel:
-            eng = get_engine(v["engine"])
+        eng = get_engine(v["engine"])
+        if v["cp_comm"] is not None and not eng.context_parallel:
             raise UsageError(
                 f"engine {eng.name} runs no context parallelism (--cp-comm-type {v['cp_comm']}).",
                 f"Use {eng.alternative(lambda e: e.context_parallel)}, or drop --cp-comm-type.",
             )
-        cv.choice("--cp-comm-type", v["cp_comm"], get_engine(v["engine"]).cp_comm_types)
+        cv.choice("--cp-comm-type", v["cp_comm"], eng.cp_comm_types)
         cv.positive_int("--microbatch-group", v["microbatch_group"], cv.MAX_GLOBAL_BATCH)
         cv.fp8_param_gather(v["fp8_param_gather"], v["dtype"], v["engine"], v["zero"])
         cv.positive_int("--ep", v["ep"])
