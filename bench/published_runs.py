@@ -717,7 +717,7 @@ def moe_breakdown(run: PublishedRun) -> dict:
         ),
     }
     if lay.fp8:
-        casts, _ = search.fp8_casts(costs, lay.micro_batch, lay.tp, lay.cp, split, lay.etp)
+        casts, _ = search.fp8_casts(costs, lay.micro_batch, lay.tp, lay.cp, split, lay.etp, get_engine(lay.engine))
         ms["fp8_casts"] = sum(bytes_time(tuple(f) + tuple(b), 0.0, dev) for f, b in casts or [] if f or b)
     priced = not isinstance(ev, search.Rejection)
     # the row's layout with --overlap-moe-expert-parallel-comm on and off, where Megatron allows it (the row's own

@@ -54,38 +54,53 @@ def not_priced(row: Row) -> str | None:
     missing = [
         what
         for what, used in (
-            ("tensor parallelism", row.tp > 1),
             ("context parallelism", row.cp > 1),
-            ("pipeline parallelism with FSDP and TP at 512 GPUs", row.pp > 1),
-            ("torch.compile", row.compile),
-            ("Float8", row.float8),
-            ("async TP", row.async_tp),
+            # torchtitan 9dec370 derived the micro-batch count and the stage split from its own defaults, which the
+            # source does not restate
+            ("pipeline parallelism (micro-batches and stage split not published)", row.pp > 1),
+            ("tensor parallelism without full checkpointing", row.tp > 1 and row.ac != "full"),
         )
         if used
     ]
     return ", ".join(missing) or None
 
 
-def predict(row: Row) -> tuple[float, float]:
-    """(predicted reserved GiB per GPU, predicted tokens/s per GPU) of a priceable row."""
-    from planner.planning import plan_model
+def settings(row: Row):
+    """The row's layout pinned as a torchtitan plan: FSDP over dp (ZeRO 3), tp with sequence parallelism, the local
+    batch as one micro-batch, its checkpointing, torch.compile, Float8 (--dtype fp8) and async TP, the loss over the
+    whole sequence (--loss-chunks 1); on the source's H100 96GB part, with every GPU's memory usable (mem_target 1.0)."""
     from planner.solve.settings import Settings
 
     args = {"preset": "llama-7b", **row.model, "seq_len": row.seq}
-    req = Settings.of(
+    return Settings.of(
         model_file=str(ROOT / "examples" / "llama.py"),
         model_args=args,
         gpus=f"{row.gpus}xH100-96GB",
         engine="torchtitan",
         pp=row.pp,
+        tp=row.tp,
         dp=row.dp,
         zero=3,
         micro_batch=row.local_batch,
         global_batch=row.local_batch * row.dp,
         recompute=row.ac,
+        dtype="fp8" if row.float8 else "bf16",
+        compile=row.compile,
+        tp_comm_overlap=row.async_tp if row.tp > 1 else None,
+        # torchtitan 9dec370 computed the cross-entropy over the whole sequence's logits at once (no ChunkedLossWrapper)
+        # and did not compile it (train.py: "TODO: compiling loss function causes CUDA errors, turning off for now";
+        # training.compile compiled each TransformerBlock only)
+        loss_chunks=1,
+        compile_loss=False,
         mem_target=1.0,
     )
-    plan = plan_model(req)[0]
+
+
+def predict(row: Row) -> tuple[float, float]:
+    """(predicted reserved GiB per GPU, predicted tokens/s per GPU) of a priceable row."""
+    from planner.planning import plan_model
+
+    plan = plan_model(settings(row))[0]
     worst = max(plan.ranks, key=lambda r: r.memory_bytes["total"])
     overhead = plan.assumptions["runtime_overhead_bytes"]
     reserved = worst.memory_bytes["total"] - overhead["context"] - overhead["communicator"]

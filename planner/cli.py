@@ -353,6 +353,8 @@ def plan(
             )
         cv.choice("--cp-comm-type", v["cp_comm"], eng.cp_comm_types)
         cv.positive_int("--microbatch-group", v["microbatch_group"], cv.MAX_GLOBAL_BATCH)
+        if v["loss_chunks"]:
+            cv.positive_int("--loss-chunks", v["loss_chunks"], cv.MAX_GLOBAL_BATCH)
         cv.fp8_param_gather(v["fp8_param_gather"], v["dtype"], v["engine"], v["zero"])
         cv.positive_int("--ep", v["ep"])
         cv.positive_int("--etp", v["etp"])

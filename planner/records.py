@@ -229,6 +229,20 @@ COUPLED_MIN_MICRO_BATCH = 2
 
 
 @dataclass(frozen=True)
+class LossRun:
+    """How an engine that runs its own loss runs it, as a plan sets it (engines without their own loss ignore it):
+    ``chunks`` of the sequence the output layer and loss take at a time (0: the engine's default) and whether the loss
+    is compiled (torch.compile fuses its fp32 upcast and log-softmax)."""
+
+    chunks: int = 0
+    compiled: bool = False
+
+
+#: the engine's own defaults (no chunks set, not compiled)
+DEFAULT_LOSS = LossRun()
+
+
+@dataclass(frozen=True)
 class TrainedLoss:
     """The loss a plan trains (planner.model.losses.choose_loss): ``source`` is ``loss_fn``, ``model output`` or
     ``default``; ``text`` one line for plan.json, the rendered README and the smoke; ``where`` the output's field that

@@ -128,7 +128,8 @@ def _layout(c: _Checker, lay: dict[str, Any]) -> tuple[int | None, int | None]:
     c.count(lay, "zero", ("layout", "zero"), 0, 3)
     for key in ("engine", "schedule", "recompute"):
         c.typed(lay, key, ("layout", key), str, "a string")
-    c.typed(lay, "sequence_parallel", ("layout", "sequence_parallel"), bool, "true or false", required=False)
+    for key in ("sequence_parallel", "compile"):
+        c.typed(lay, key, ("layout", key), bool, "true or false", required=False)
     c.typed(lay, "cp_comm", ("layout", "cp_comm"), str, "a string", required=False)
     extra = sorted(set(lay) - set(Layout.__dataclass_fields__))
     if extra:

@@ -12,16 +12,17 @@ them branches on an engine's name. Its renderer lives in planner/render/<name>.p
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from planner.records import ModelCosts, RecomputeWork
+from planner.records import DEFAULT_LOSS, LossRun, ModelCosts, RecomputeWork
 from planner.solve.memory import StateRecipe
 from planner.solve.mesh import cp_comm_problems
 from planner.solve.plan import Layout
 from planner.solve.schedules import SCHEDULE_INFO, schedule_constraints
+from planner.solve.timing import fp8_cast_bytes
 
 
 def repeated_layers(blocks: Sequence[str | None]) -> list[str | None]:
@@ -86,10 +87,19 @@ class Engine(ABC):
     overlaps: tuple[str, ...] = ()
     #: whether optimizer-state and main-gradient dtypes other than the engine's default can be asked for
     precision_options: bool = False
-    #: Transformer Engine FP8 GEMMs
+    #: FP8 GEMMs (Megatron: Transformer Engine; torchtitan: torchao Float8Linear, rowwise)
     fp8: bool = False
     #: FP8 primary weights: each FP8 GEMM's weight kept only in FP8 and all-gathered so (Megatron --fp8-param-gather)
     fp8_primary_weights: bool = False
+    #: torch.compile of the model (Layout.compile), and whether tensor-parallel overlap needs it (torchtitan's async TP)
+    compiles: bool = False
+    #: whether the engine's loss runs in chunks of the sequence a plan can set (Settings.memory.loss_chunks)
+    loss_chunks: bool = False
+    overlap_needs_compile: bool = False
+    #: buffers of (s / cp x b) x h bf16 elements its tensor-parallel overlap allocates (planner.solve.search.feature_buffers)
+    tp_overlap_buffers: float = 0.0
+    #: entries of the FP8 delayed-scaling amax history per tensor (0: dynamic scaling keeps no history)
+    fp8_amax_history: int = 0
     #: expert parallelism for mixture-of-experts layers (Layout.ep > 1, Layout.etp > 1)
     expert_parallel: bool = False
     #: why an engine without expert parallelism has none, and what to use instead (its layout refusal)
@@ -143,7 +153,15 @@ class Engine(ABC):
         return reduce_s + gather_s
 
     def layer_activations(
-        self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str, etp: int = 1, modules: frozenset[str] = frozenset()
+        self,
+        costs: ModelCosts,
+        tp: int,
+        sequence_parallel: bool,
+        cp: int,
+        recompute: str,
+        etp: int = 1,
+        modules: frozenset[str] = frozenset(),
+        loss: LossRun = DEFAULT_LOSS,
     ) -> ModelCosts:
         """``costs`` (already scaled to the micro-batch and sharded over tp and cp; ``etp`` the expert tensor-parallel
         size) with the saved activations of the layers this engine runs: as traced, since the engine runs the user's
@@ -156,6 +174,11 @@ class Engine(ABC):
         """Per piece of the sharded ``costs``: the forward selective recomputation of ``modules`` runs again besides the
         traced attention core (``op_flops_core``, recomputed when core_attn is among them); None: the core alone."""
         return None
+
+    def fp8_cast_bytes(self, arch: Mapping[str, object], kind: str, tokens: float, tp: int) -> tuple[list[float], list[float]]:
+        """Bytes of each FP8 cast kernel of a dense piece (forward, backward): Transformer Engine's
+        (planner.solve.timing.fp8_cast_bytes)."""
+        return fp8_cast_bytes(arch, kind, tokens, tp)
 
     def layer_traffic(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int) -> ModelCosts:
         """``costs`` (already scaled and sharded over tp and cp) with the memory-bound bytes of the layers this engine
@@ -243,8 +266,12 @@ class Engine(ABC):
             out.append(
                 f"{self.name} keeps its own gradient and optimizer-state dtypes (no bf16 main gradients or optimizer states; use {self.alternative(lambda e: e.precision_options)})"
             )
+        if layout.compile and not self.compiles:
+            out.append(f"{self.name} has no torch.compile option (use {self.alternative(lambda e: e.compiles)})")
+        if layout.tp_comm_overlap and self.overlap_needs_compile and not layout.compile:
+            out.append(f"{self.name}'s tensor-parallel overlap (async TP) needs torch.compile of the model (--compile)")
         if layout.fp8 and not self.fp8:
-            out.append(f"{self.name} has no FP8 training (Transformer Engine FP8 GEMMs: use {self.alternative(lambda e: e.fp8)})")
+            out.append(f"{self.name} has no FP8 training (FP8 GEMMs: use {self.alternative(lambda e: e.fp8)})")
         if (layout.ep > 1 or layout.etp > 1) and not self.expert_parallel:
             out.append(f"{self.name} runs no expert parallelism ({self.no_expert_parallel}; use {self.alternative(lambda e: e.expert_parallel)} for ep > 1)")
         return out

@@ -91,6 +91,9 @@ class Layout:
     #: DotProductAttention cp_comm_type): "p2p" (ring, overlapped with the attention blocks), "all_gather" (keys and
     #: values gathered before attention, exposed), "a2a" (DeepSpeed-Ulysses: heads scattered, sequence gathered)
     cp_comm: str = "p2p"
+    #: torch.compile of the model's blocks (torchtitan --compile.enable): rendered and required by async tensor
+    #: parallelism; priced as eager (the fused kernels' savings are not modelled: see the engine's rules)
+    compile: bool = False
 
     @property
     def modules_recomputed(self) -> frozenset[str]:
@@ -138,6 +141,7 @@ class Layout:
         sp = " +sp" if self.sequence_parallel else ""
         cp = (f" cp{self.cp}" + (f"({self.cp_comm})" if self.cp_comm != "p2p" else "")) if self.cp > 1 else ""
         fp8 = (" fp8" + (" fp8-params" if self.fp8_param_gather else "")) if self.fp8 else ""
+        fp8 += " compile" if self.compile else ""
         ep = f" ep{self.ep}" + (f" etp{self.etp}" if self.etp > 1 else "") if self.ep > 1 else ""
         rc = f"({'+'.join(self.recompute_modules)})" if self.recompute_modules and self.recompute == "selective" else ""
         g = f" group{self.microbatch_group}" if self.microbatch_group else ""

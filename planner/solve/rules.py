@@ -7,9 +7,11 @@ solver never imports an engine and adding an engine touches no solver code.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
+
+from planner.records import DEFAULT_LOSS, LossRun
 
 if TYPE_CHECKING:  # only for annotations: no import at run time
     import numpy as np
@@ -50,6 +52,11 @@ class EngineRules(Protocol):
     expert_parallel: bool
     fp8: bool
     overlaps: tuple[str, ...]
+    overlap_needs_compile: bool
+    compiles: bool
+    loss_chunks: bool
+    tp_overlap_buffers: float
+    fp8_amax_history: int
     zeroes_grad_buffer: bool
     model_io_buffers: bool
 
@@ -79,16 +86,29 @@ class EngineRules(Protocol):
         """Why this engine cannot run ``layout`` (empty when it can)."""
         ...
 
+    def fp8_cast_bytes(self, arch: Mapping[str, object], kind: str, tokens: float, tp: int) -> tuple[list[float], list[float]]:
+        """Bytes of each FP8 cast kernel of a dense transformer piece on one GPU (forward, backward) as the engine casts."""
+        ...
+
     def state_recipe(self, precision: str, zero: int, optimizer: str, layout: Layout | None = None) -> StateRecipe:
         """Model-state bytes per parameter as this engine allocates them for ``layout``'s precision options."""
         ...
 
     def layer_activations(
-        self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str, etp: int = 1, modules: frozenset[str] = frozenset()
+        self,
+        costs: ModelCosts,
+        tp: int,
+        sequence_parallel: bool,
+        cp: int,
+        recompute: str,
+        etp: int = 1,
+        modules: frozenset[str] = frozenset(),
+        loss: LossRun = DEFAULT_LOSS,
     ) -> ModelCosts:
         """The sharded ``costs`` with the saved activations of the layers the engine runs (the traced ones unless it
         builds its own; then its expert layers' rows include the expert tensor-parallel all-gather over ``etp``);
-        ``modules``: what selective recomputation recomputes."""
+        ``modules``: what selective recomputation recomputes; ``loss``: how an engine with its own loss runs it (chunks,
+        compiled; engines without one ignore it)."""
         ...
 
     def recompute_work(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, modules: frozenset[str]) -> tuple[RecomputeWork, ...] | None:

@@ -245,7 +245,7 @@ class Context:
         key = (b, tp, recompute, sp, cp, fp8, ep, etp, modules)
         if key not in self._memory:
             sharded = self.sharded(b, tp, sp, cp)
-            costs = self.engine.layer_activations(sharded, tp, sp and tp > 1, cp, recompute, etp, modules)
+            costs = self.engine.layer_activations(sharded, tp, sp and tp > 1, cp, recompute, etp, modules, self.opts.loss_run)
             policy = "none" if self.engine.checkpoints_itself else recompute  # the engine applied its own checkpointing
             trans = transient_matrix(costs, policy, fp8, self.engine.model_io_buffers)
             params, other, act, wgrad = range_matrices(costs, tp, policy, fp8, ep=ep, etp=etp, transient=trans)
@@ -460,7 +460,7 @@ class Context:
             split = tp if sp and tp > 1 else 1  # tokens per GPU entering the MoE layers: 1/tp with sequence parallelism
             dispatch = [self._dispatch(l.routed_bytes / split, first_rank, ep, etp) if l.num_experts else 0.0 for l in sharded.layers]
             experts = (ep, split, dispatch)
-            casts, kept = fp8_casts(self.costs, b, tp, cp, split, etp) if fp8 else (None, None)
+            casts, kept = fp8_casts(self.costs, b, tp, cp, split, etp, self.engine) if fp8 else (None, None)
             coll_t = list(coll) if coll else 0.0
             terms = [self._dispatcher_terms(l, split, first_rank, ep, etp) for l in sharded.layers] if any(l.num_experts for l in sharded.layers) else None
             work = self.engine.recompute_work(sharded, tp, sp and tp > 1, cp, modules) if recompute == "selective" and modules else None
@@ -496,21 +496,20 @@ class Context:
 
 
 def fp8_casts(
-    costs: ModelCosts, b: int, tp: int, cp: int, split: int = 1, etp: int = 1
+    costs: ModelCosts, b: int, tp: int, cp: int, split: int = 1, etp: int = 1, engine: EngineRules | None = None
 ) -> tuple[list[tuple[list[float], list[float]]] | None, list[tuple[float, float]] | None]:
-    """Per piece at micro-batch ``b`` on one GPU (s / cp x b tokens): the bytes of each Transformer Engine FP8 cast
-    (timing.fp8_cast_bytes; MoE pieces timing.moe_fp8_cast_bytes over the 1/``split`` of the routed rows a GPU routes,
-    expert tensor parallelism ``etp``) and the attention-core FLOPs that stay in bf16 (timing.attention_core_flops);
-    (None, None) without the model's architecture."""
+    """Per piece at micro-batch ``b`` on one GPU (s / cp x b tokens): the bytes of each FP8 cast the engine runs
+    (``engine.fp8_cast_bytes``; without an engine Transformer Engine's, timing.fp8_cast_bytes; MoE pieces
+    timing.moe_fp8_cast_bytes over the 1/``split`` of the routed rows a GPU routes, expert tensor parallelism ``etp``)
+    and the attention-core FLOPs that stay in bf16 (timing.attention_core_flops); (None, None) without the model's
+    architecture."""
     arch = costs.architecture
     if not arch or not costs.seq_len:
         return None, None
     tokens = costs.seq_len / cp * b
     f = b / costs.micro_batch / cp / split
-    casts = [
-        moe_fp8_cast_bytes(arch, l.kind, tokens, tp, l.routed_rows * f, etp) if l.num_experts else fp8_cast_bytes(arch, l.kind, tokens, tp)
-        for l in costs.layers
-    ]
+    dense = engine.fp8_cast_bytes if engine is not None else fp8_cast_bytes
+    casts = [moe_fp8_cast_bytes(arch, l.kind, tokens, tp, l.routed_rows * f, etp) if l.num_experts else dense(arch, l.kind, tokens, tp) for l in costs.layers]
     kept = [attention_core_flops(arch, l.kind, costs.seq_len, tokens, tp) for l in costs.layers]
     return casts, kept
 
@@ -530,8 +529,16 @@ def enumerate_layouts(costs: ModelCosts, cluster: Cluster, opts: Settings, engin
     gpn = min(g.gpus_per_node for g in cluster.groups)
     if opts.memory.fp8 and not engine.fp8:
         raise UsageError(
-            f"engine {engine.name} has no FP8 training (Transformer Engine FP8 GEMMs).",
+            f"engine {engine.name} has no FP8 training (FP8 GEMMs).",
             f"Use {engine.alternative(lambda e: e.fp8)} for --dtype fp8, or --dtype bf16.",
+        )
+    if opts.memory.loss_chunks and not engine.loss_chunks:
+        raise UsageError(
+            f"engine {engine.name} has no chunked loss (--loss-chunks).", f"Use {engine.alternative(lambda e: e.loss_chunks)} for --loss-chunks, or drop it."
+        )
+    if (opts.model.compile or opts.model.compile_loss) and not engine.compiles:
+        raise UsageError(
+            f"engine {engine.name} has no torch.compile option (--compile).", f"Use {engine.alternative(lambda e: e.compiles)} for --compile, or drop it."
         )
     if opts.memory.fp8:
         fp8_problems(cluster)
@@ -708,7 +715,8 @@ def with_options(base: Layout, opts: Settings, engine: EngineRules) -> list[Layo
     if opts.overlaps.tp_comm_overlap is not None:
         tpo = [opts.overlaps.tp_comm_overlap]
     else:
-        tpo = [False, True] if "tp-comm-overlap" in engine.overlaps and base.tp > 1 and base.sequence_parallel else [False]
+        compiled = opts.model.compile or not engine.overlap_needs_compile
+        tpo = [False, True] if "tp-comm-overlap" in engine.overlaps and base.tp > 1 and base.sequence_parallel and compiled else [False]
     if opts.overlaps.ep_comm_overlap is not None:
         epo = [opts.overlaps.ep_comm_overlap]
     else:
@@ -724,6 +732,7 @@ def with_options(base: Layout, opts: Settings, engine: EngineRules) -> list[Layo
             optimizer_state_dtype=opts.memory.optimizer_state_dtype,
             fp8=opts.memory.fp8,
             fp8_param_gather=opts.memory.fp8_param_gather,
+            compile=opts.model.compile,
             recompute_modules=opts.memory.recompute_modules if base.recompute == "selective" else (),
         )
         for t in tpo
@@ -879,7 +888,12 @@ def price_layout(
     # the fragmentation reserve is charged on what is allocated and freed every micro-batch (the working set and the
     # point-to-point buffers, trans_m, here; the activations by the rank problem), never on the model state
     held_trans = trans_m * frag
-    fixed = opts.knobs.overhead.context + opts.knobs.overhead.communicator + feature_buffers(costs, lay) + dispatch_buffer_bytes(sharded, lay)
+    fixed = (
+        opts.knobs.overhead.context
+        + opts.knobs.overhead.communicator
+        + feature_buffers(costs, lay, ctx.engine.tp_overlap_buffers, ctx.engine.fp8_amax_history)
+        + dispatch_buffer_bytes(sharded, lay)
+    )
     points = rmem.order_points(sched.name, p, m if group else _points_m(sched.name, p, m), v, group) if p > 1 else rmem.order_points(sched.name, 1, 1, 1)
     if lay.ep_comm_overlap:
         points = one_more_in_flight(points)
@@ -1103,17 +1117,18 @@ def dispatch_buffer_bytes(sharded: ModelCosts, lay: Layout) -> float:
     return rows * (1 + lay.etp)
 
 
-def feature_buffers(costs: ModelCosts, lay: Layout) -> float:
-    """Bytes per GPU of the buffers the layout's features allocate: TE userbuffers for --tp-comm-overlap
-    (:data:`TP_OVERLAP_BUFFERS` x (s / cp x b) x h x 2 bytes) and the FP8 delayed-scaling state of the
-    transformer layers one pipeline rank holds (at most ceil(layers / pp))."""
+def feature_buffers(costs: ModelCosts, lay: Layout, overlap_buffers: float = TP_OVERLAP_BUFFERS, amax_history: int = FP8_AMAX_HISTORY) -> float:
+    """Bytes per GPU of the buffers the layout's features allocate: the tensor-parallel overlap's buffers
+    (``overlap_buffers`` x (s / cp x b) x h x 2 bytes; Megatron's TE userbuffers: :data:`TP_OVERLAP_BUFFERS`) and an
+    FP8 delayed-scaling state of ``amax_history`` entries for the transformer layers one pipeline rank holds (at most
+    ceil(layers / pp)); the engine says both (EngineRules.tp_overlap_buffers, fp8_amax_history)."""
     arch = costs.architecture or {}
     out = 0.0
     if lay.tp_comm_overlap and arch and costs.seq_len:
-        out += TP_OVERLAP_BUFFERS * costs.seq_len / lay.cp * lay.micro_batch * arch["hidden_size"] * 2.0
-    if lay.fp8:
+        out += overlap_buffers * costs.seq_len / lay.cp * lay.micro_batch * arch["hidden_size"] * 2.0
+    if lay.fp8 and amax_history:
         blocks = len({l.block for l in costs.layers if l.block is not None})
-        out += fp8_amax_bytes(-(-blocks // lay.pp), FP8_AMAX_HISTORY)
+        out += fp8_amax_bytes(-(-blocks // lay.pp), amax_history)
     return out
 
 

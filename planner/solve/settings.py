@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from planner.errors import UsageError
+from planner.records import LossRun
 from planner.solve.memory import RuntimeOverhead
 
 DEFAULT_MEM_TARGET = 0.85
@@ -47,10 +48,14 @@ class ModelSettings:
 
     model_file: str = setting("", "Model file defining build_model() and example_inputs(), or hf:CONFIG.json, timm:NAME, torchvision:NAME.", flag="MODEL")
     model_args: dict[str, Any] = setting(help="KEY=VALUE passed to the model file's functions (repeatable).", flag="--model-arg", factory=dict)
-    dtype: str = setting("bf16", "bf16 | fp16 | fp32 | fp8 (Transformer Engine FP8 GEMMs; Megatron, H100/H200/B200)")
+    dtype: str = setting("bf16", "bf16 | fp16 | fp32 | fp8 (FP8 GEMMs: Megatron's Transformer Engine, torchtitan's Float8 rowwise; H100/H200/B200)")
     cost_micro_batch: int = setting(1, "The micro-batch the pieces are costed at (the search scales the costs from it).", cli=False)
     leaf: tuple[str, ...] = setting((), "Class name to keep as one piece (repeatable).")
     tracer: str = setting("auto", "auto | fx | export")
+    compile: bool = setting(False, "torch.compile the model's blocks (torchtitan --compile.enable; needed by its async TP). Priced as eager.")
+    compile_loss: bool | None = setting(
+        None, "torch.compile torchtitan's loss too (--compile.components): its fp32 upcast and log-softmax fused; default: with --compile."
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,7 +75,7 @@ class Pins:
 
     global_batch: int | None = setting(None, "Samples per optimizer step (default: 8 per GPU).")
     pp: int | None = setting(None, "Pin the pipeline-parallel degree.")
-    tp: int | None = setting(None, "Pin the tensor-parallel degree (Megatron).")
+    tp: int | None = setting(None, "Pin the tensor-parallel degree (Megatron, torchtitan).")
     dp: int | None = setting(None, "Pin the data-parallel degree.")
     cp: int | None = setting(None, "Pin the context-parallel degree (Megatron; sequence divisible by 2 x cp).")
     cp_comm: str | None = setting(None, "Pin how context parallelism exchanges keys and values (Megatron): p2p | all_gather | a2a.", flag="--cp-comm-type")
@@ -99,15 +104,18 @@ class MemorySettings:
     optimizer: str = setting("adam", "adam | sgd: optimizer state bytes per parameter.", cli=False)
     main_grads_dtype: str = setting("fp32", "fp32 | bf16: gradients kept and reduced in (Megatron).")
     optimizer_state_dtype: str = setting("fp32", "fp32 | bf16 | fp16: Adam moments (Megatron, zero 1).")
-    fp8: bool = setting(False, "Transformer Engine FP8 GEMMs at the device's FP8 peak (set from --dtype fp8).", knob=True)
+    fp8: bool = setting(False, "FP8 GEMMs at the device's FP8 peak (set from --dtype fp8).", knob=True)
     fp8_param_gather: bool = setting(False, "FP8 primary weights, no bf16 copy (Megatron --fp8-param-gather; needs --dtype fp8 and zero 1).")
+    loss_chunks: int = setting(
+        0, "Chunks torchtitan's ChunkedLossWrapper splits the sequence into for the output layer and loss (--loss.num_chunks); 0: its default, 8."
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
 class Overlaps:
     """Communication overlapped with computation; None: the engine's default, or searched both ways."""
 
-    tp_comm_overlap: bool | None = setting(None, "Pin TP communication overlap (Megatron, needs tp > 1).")
+    tp_comm_overlap: bool | None = setting(None, "Pin TP communication overlap (Megatron --tp-comm-overlap, torchtitan's async TP; needs tp > 1).")
     overlap_grad_reduce: bool | None = setting(None, "Pin the gradient-reduce overlap (Megatron).")
     overlap_param_gather: bool | None = setting(None, "Pin the parameter all-gather overlap (Megatron, zero 1).")
     ep_comm_overlap: bool | None = setting(
@@ -191,6 +199,13 @@ class Settings:
             if mine:
                 changed[section] = replace(getattr(self, section), **mine)
         return replace(self, **changed)
+
+    @property
+    def loss_run(self) -> LossRun:
+        """How an engine with its own loss runs it: ``--loss-chunks``, and compiled with ``--compile-loss`` (by
+        default with ``--compile``, as torchtitan's compile components default to model and loss)."""
+        compiled = self.model.compile_loss if self.model.compile_loss is not None else self.model.compile
+        return LossRun(self.memory.loss_chunks, compiled)
 
     def flat(self) -> dict[str, Any]:
         """Every field by its flat name (the engine first, then the sections in order)."""

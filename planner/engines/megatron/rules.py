@@ -58,10 +58,11 @@ from planner.engines.megatron.moe import layer_pattern
 from planner.engines.megatron.moe_activations import AUX_LOSSES, MLAShape, megatron_layer_saved
 from planner.engines.megatron.recompute import NO_RECOMPUTE, dense_mlp_work, mla_up_proj_work
 from planner.engines.megatron.traffic import ROTARY, layer_traffic, part_traffic
-from planner.records import Layer, ModelCosts, RecomputeWork
+from planner.records import DEFAULT_LOSS, Layer, LossRun, ModelCosts, RecomputeWork
 from planner.solve.memory import DTYPE_BYTES, StateRecipe, state_recipe
 from planner.solve.plan import LAYOUT_UPGRADES, Layout, ep_overlap_allowed
 from planner.solve.schedules import group_constraints
+from planner.solve.search import FP8_AMAX_HISTORY, TP_OVERLAP_BUFFERS
 
 #: DistributedDataParallel's default bucket: max(40,000,000, 1,000,000 x data-parallel size) parameters
 #: (megatron/core/distributed/distributed_data_parallel.py, core_v0.16.1)
@@ -339,6 +340,10 @@ class MegatronEngine(Engine):
     overlaps = ("tp-comm-overlap", "overlap-grad-reduce", "overlap-param-gather", "overlap-moe-expert-parallel-comm")
     precision_options = True
     fp8 = True
+    #: Transformer Engine's userbuffers of --tp-comm-overlap and its delayed-scaling amax history (the renderer's
+    #: --fp8-amax-history-len): planner.solve.search.TP_OVERLAP_BUFFERS, FP8_AMAX_HISTORY
+    tp_overlap_buffers = float(TP_OVERLAP_BUFFERS)
+    fp8_amax_history = FP8_AMAX_HISTORY
 
     def state_recipe(self, precision: str, zero: int, optimizer: str = "adam", layout: Layout | None = None) -> StateRecipe:
         # bf16/fp16 weights, fp32 main grads (or bf16), fp32 master + Adam moments (or bf16); zero >= 1 is the distributed optimizer
@@ -362,7 +367,15 @@ class MegatronEngine(Engine):
         return reduce + gather
 
     def layer_activations(
-        self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str, etp: int = 1, modules: frozenset[str] = frozenset()
+        self,
+        costs: ModelCosts,
+        tp: int,
+        sequence_parallel: bool,
+        cp: int,
+        recompute: str,
+        etp: int = 1,
+        modules: frozenset[str] = frozenset(),
+        loss: LossRun = DEFAULT_LOSS,
     ) -> ModelCosts:
         """pretrain_gpt.py runs its own TE layer and loss, not the user's module: :func:`megatron_layer_activations`,
         :func:`megatron_loss_working_set`."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planner.engines.base import repeated_layers
+from planner.engines.torchtitan.loss import LOSS_CHUNKS
 from planner.engines.torchtitan.rules import SCHEDULE_NAMES
 from planner.errors import UsageError
 from planner.launch import cluster_shape
@@ -23,6 +24,11 @@ from planner.solve.schedules import SCHEDULE_INFO
 from planner.templating import one_line, render_template
 
 SCRIPT = "launch_torchtitan.sh"
+#: the config_registry module a Float8 plan launches (torchtitan 0.3.0 sets Float8 in the model spec, which its
+#: command line does not reach: Trainer.Config.model_spec is tyro.conf.Suppress)
+CONFIG_MODULE = "torchtitan_plan"
+#: torchao Float8 recipe (Float8LinearConverter.Config.recipe_name; the default, and the one priced)
+FLOAT8_RECIPE = "rowwise"
 
 #: our piece names outside the transformer layers -> torchtitan Llama's module names (models/common/decoder.py)
 TOP_MODULES = {"tok_embeddings": "tok_embeddings", "norm": "norm", "output": "lm_head", "lm_head": "lm_head"}
@@ -40,14 +46,16 @@ class Flavor:
     n_kv_heads: int
     ffn_dim: int
     vocab_size: int
+    #: the llama3 ``model_registry`` flavor the function builds (models/llama3/__init__.py ``llama3_configs``)
+    flavor: str
 
 
 #: read from torchtitan 0.3.0's llama3 config_registry (llama3_405b from models/llama3/__init__.py ``_405b``)
 FLAVORS = (
-    Flavor("llama3_debugmodel", 6, 256, 16, 16, 768, 2048),
-    Flavor("llama3_8b", 32, 4096, 32, 8, 14336, 128256),
-    Flavor("llama3_70b", 80, 8192, 64, 8, 28672, 128256),
-    Flavor("llama3_405b", 126, 16384, 128, 8, 53248, 128256),
+    Flavor("llama3_debugmodel", 6, 256, 16, 16, 768, 2048, "debugmodel"),
+    Flavor("llama3_8b", 32, 4096, 32, 8, 14336, 128256, "8B"),
+    Flavor("llama3_70b", 80, 8192, 64, 8, 28672, 128256, "70B"),
+    Flavor("llama3_405b", 126, 16384, 128, 8, 53248, 128256, "405B"),
 )
 
 PRECISION = {"bf16": "bfloat16", "fp32": "float32"}
@@ -114,6 +122,22 @@ def closest_flavor(plan: Plan) -> Flavor:
     return min(FLAVORS, key=distance)
 
 
+def loss_chunks(plan: Plan) -> int:
+    """The chunks of torchtitan's ChunkedLossWrapper the plan was priced with (``--loss.num_chunks``)."""
+    return plan.settings.memory.loss_chunks or LOSS_CHUNKS
+
+
+def compile_components(plan: Plan) -> list[str]:
+    """What torch.compile compiles (CompileConfig.components): the model's blocks (Layout.compile) and the loss
+    (``--compile-loss``, by default with ``--compile``)."""
+    return [name for name, on in (("model", plan.layout.compile), ("loss", plan.settings.loss_run.compiled)) if on]
+
+
+def param_dtype(plan: Plan) -> str:
+    """The parameters' mixed-precision dtype: bf16 under Float8 (``--dtype fp8``: FP8 GEMMs on bf16 weights)."""
+    return "bf16" if plan.settings.model.dtype == "fp8" else plan.settings.model.dtype
+
+
 def check_renderable(plan: Plan) -> None:
     """A UsageError saying why torchtitan cannot run ``plan`` (none when it can)."""
     lay = plan.layout
@@ -121,11 +145,20 @@ def check_renderable(plan: Plan) -> None:
         raise UsageError(f"render_torchtitan got a plan for engine {lay.engine!r}.", "Plan with --engine torchtitan.")
     if lay.schedule not in SCHEDULE_NAMES:
         raise UsageError(f"torchtitan does not run schedule {lay.schedule!r}.", f"Pick one with --schedule: {', '.join(SCHEDULE_NAMES)}.")
-    if lay.tp != 1 or lay.cp != 1:
-        raise UsageError(f"the torchtitan engine plans no tensor or context parallelism; the plan has tp={lay.tp}, cp={lay.cp}.", "Plan with --tp 1.")
+    if lay.cp != 1:
+        raise UsageError(f"the torchtitan engine plans no context parallelism; the plan has cp={lay.cp}.", "Plan with --cp 1.")
+    chunks = loss_chunks(plan)
+    seq = plan.model.get("seq_len")
+    if seq and int(seq) % chunks:
+        raise UsageError(
+            f"torchtitan's ChunkedLossWrapper splits the sequence into {chunks} chunks, and {seq} tokens do not divide by {chunks}.",
+            "Plan with --loss-chunks set to a divisor of the sequence length.",
+        )
+    if lay.tp_comm_overlap and not lay.compile:
+        raise UsageError("torchtitan's async TP needs torch.compile of the model; the plan has async TP without it.", "Plan with --compile.")
     if lay.zero not in (0, 3):
         raise UsageError(f"torchtitan runs FSDP2 (ZeRO 3) or replicated data parallelism (ZeRO 0), not ZeRO {lay.zero}.", "Plan with --zero 0 or --zero 3.")
-    dtype = plan.settings.model.dtype
+    dtype = param_dtype(plan)
     if dtype not in PRECISION:
         raise UsageError(f"torchtitan trains bf16 or fp32 parameters (training.mixed_precision_param), not {dtype}.", "Plan with --dtype bf16 or fp32.")
     if len(plan.stages) != lay.pp * lay.vp:
@@ -147,14 +180,22 @@ def override_groups(plan: Plan) -> list[list[str]]:
         ["--parallelism.module_fqns_per_model_part", *(",".join(part) for part in stage_fqns(plan))],
         ["--parallelism.data_parallel_replicate_degree", str(1 if sharded else lay.dp)],
         ["--parallelism.data_parallel_shard_degree", str(lay.dp if sharded else 1)],
-        ["--parallelism.tensor_parallel_degree", "1"],
+        ["--parallelism.tensor_parallel_degree", str(lay.tp)],
         ["--parallelism.context_parallel_degree", "1"],
         ["--training.local_batch_size", str(lay.micro_batch * lay.num_microbatches)],
         ["--training.global_batch_size", str(lay.global_batch)],
-        ["--training.mixed_precision_param", PRECISION[plan.settings.model.dtype]],
+        ["--training.mixed_precision_param", PRECISION[param_dtype(plan)]],
     ]
     if plan.model.get("seq_len"):
         groups.append(["--training.seq_len", str(plan.model["seq_len"])])
+    groups.append(["--loss.num_chunks", str(loss_chunks(plan))])
+    if lay.tp > 1:  # ParallelismConfig.enable_sequence_parallel (default True): the planned sequence parallelism
+        groups.append(["--parallelism.enable_sequence_parallel" if lay.sequence_parallel else "--parallelism.no-enable_sequence_parallel"])
+    # CompileConfig (config/configs.py): enable, components (default model and loss), enable_async_tensor_parallel
+    components = compile_components(plan)
+    groups.append(["--compile.enable", "--compile.components", ",".join(components)] if components else ["--compile.no-enable"])
+    if lay.tp > 1:
+        groups.append(["--compile.enable_async_tensor_parallel" if lay.tp_comm_overlap else "--compile.no-enable_async_tensor_parallel"])
     if lay.pp > 1:  # Trainer.Config._validate_cuda_graphs: "CUDA graphs do not support pipeline parallelism yet"
         groups.append(["--training.disable_cuda_graphs"])
     # tyro subcommand for Trainer.Config.activation_checkpoint (every registry function sets its own); it must come last
@@ -180,11 +221,21 @@ def _differences(plan: Plan, flavor: Flavor) -> list[str]:
     return [one_line(f"{name}: planned {mine}, {flavor.config} builds {theirs}") for name, mine, theirs in pairs if mine is not None and int(mine) != theirs]
 
 
+def registry_function(plan: Plan) -> tuple[str, str]:
+    """(``--module``, ``--config``) the launch script defaults to: torchtitan's llama3 function closest to the planned
+    model, or for a Float8 plan the function of :data:`CONFIG_MODULE` that wraps it."""
+    flavor = closest_flavor(plan)
+    if plan.layout.fp8:
+        return CONFIG_MODULE, f"{flavor.config}_float8"
+    return "llama3", flavor.config
+
+
 def render(plan: Plan, command: str, out_dir: Path | None = None) -> dict[str, str]:
     """The torchtitan engine's files of the plan directory as {relative path: text} (deterministic)."""
     groups = override_groups(plan)
     lay = plan.layout
     flavor = closest_flavor(plan)
+    module, function = registry_function(plan)
     nodes, nprocs = cluster_shape(plan)
     ctx = dict(
         command=one_line(command),
@@ -192,6 +243,17 @@ def render(plan: Plan, command: str, out_dir: Path | None = None) -> dict[str, s
         nodes=nodes,
         nprocs=nprocs,
         config=flavor.config,
+        module=module,
+        function=function,
+        flavor=flavor.flavor,
+        float8_recipe=FLOAT8_RECIPE,
+        fp8=lay.fp8,
+        compile=lay.compile,
+        compile_components=compile_components(plan),
+        loss_chunks=loss_chunks(plan),
+        tp=lay.tp,
+        sequence_parallel=lay.sequence_parallel,
+        async_tp=lay.tp_comm_overlap,
         groups=groups,
         parts=[", ".join(part) for part in stage_fqns(plan)],
         stage_ranks=[s.rank for s in plan.stages],
@@ -207,7 +269,10 @@ def render(plan: Plan, command: str, out_dir: Path | None = None) -> dict[str, s
         recompute=lay.recompute,
         differences=_differences(plan, flavor),
     )
-    return {
+    files = {
         SCRIPT: render_template("torchtitan/launch_torchtitan.sh.j2", **ctx),
         "README.md": render_template("torchtitan/README.md.j2", **ctx),
     }
+    if lay.fp8:
+        files[f"{CONFIG_MODULE}.py"] = render_template("torchtitan/torchtitan_plan.py.j2", **ctx)
+    return files
