@@ -88,6 +88,7 @@ def main() -> None:
         host_issue,
         inspect_speed,
         loso,
+        memory_runs,
         partition_quality,
         planning_speed,
         published_runs,
@@ -137,6 +138,8 @@ def main() -> None:
     sections.append(
         ("torchtitan's published runs: per-GPU memory and throughput", torchtitan_runs.__doc__.strip() + "\n\n" + torchtitan_runs.markdown(), time.time() - t)
     )
+    t = time.time()
+    sections.append(("The memory validation set: measured per-GPU peaks", memory_runs.__doc__.strip() + "\n\n" + memory_runs.markdown(), time.time() - t))
     t = time.time()
     sections.append(("Planning speed and memory", planning_speed.__doc__.strip() + "\n\n" + planning_speed.markdown(planning_speed.run_all()), time.time() - t))
     t = time.time()

@@ -17,7 +17,7 @@ The measured rank is the source's (Megatron: the last rank; torchtitan: the maxi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,8 @@ class Row:
     measured_gib: float
     float8: bool = False
     compile: bool = False
-    pins: dict[str, Any] = field(default_factory=dict)
+    #: measured tokens per second per GPU, where the source gives it (0: not given)
+    tps: float = 0.0
 
 
 def load() -> list[Row]:
@@ -77,13 +78,14 @@ def load() -> list[Row]:
                 t.pp,
                 1,
                 t.dp,
-                t.local_batch,
+                t.local_batch // t.pp,  # torchtitan 9dec370: as many micro-batches as pipeline stages
                 t.local_batch * t.dp,
                 3,
                 t.ac,
                 t.memory_gib,
                 t.float8,
                 t.compile,
+                t.tps,
             )
         )
     for r in doc["rows"]:
@@ -111,6 +113,7 @@ def load() -> list[Row]:
                 float(r["measured_gib"]),
                 bool(r.get("float8", False)),
                 bool(r.get("compile", False)),
+                float(r.get("tps", 0.0)),
             )
         )
     return rows
@@ -126,7 +129,7 @@ def even_bounds(costs, layers_per_stage: int, stages: int) -> tuple[int, ...]:
 
 
 def evaluate(row: Row):
-    """(rank memory dicts, runtime overhead) of the row's layout as it ran, priced by its engine."""
+    """(rank memory dicts, predicted tokens/s per GPU) of the row's layout as it ran, priced by its engine."""
     from dataclasses import replace
 
     if row.source == "T1":
@@ -134,7 +137,7 @@ def evaluate(row: Row):
 
         t = next(t for t in torchtitan_runs.load() if t.name == row.name)
         plan = plan_model(torchtitan_runs.settings(t))[0]
-        return [r.memory_bytes for r in plan.ranks]
+        return [r.memory_bytes for r in plan.ranks], plan.predicted.tokens_per_s / plan.layout.world
     from planner import hardware
     from planner.engines import get_engine
     from planner.model.analyze import analyze
@@ -160,39 +163,50 @@ def evaluate(row: Row):
     ev = evaluate_layout(Context(costs, hardware.parse_gpus(row.gpus), opts, engine), lay, costs.dtype, bounds)
     if isinstance(ev, Rejection):
         raise RuntimeError(f"{row.name}: {ev.reason}")
-    return ev.rank_memory
+    return ev.rank_memory, ev.predicted.tokens_per_s / lay.world
 
 
 def predict(row: Row) -> float:
     """Predicted GiB of what the row's source measured, on the rank it measured."""
+    return predict_both(row)[0]
+
+
+def predict_both(row: Row) -> tuple[float, float]:
+    """(predicted GiB of what the row's source measured on the rank it measured, predicted tokens/s per GPU)."""
     from planner.solve.memory import RuntimeOverhead
 
-    ranks = evaluate(row)
+    ranks, tps = evaluate(row)
     mem = {"last": ranks[-1], "first": ranks[0], "max": max(ranks, key=lambda m: m["total"])}[row.rank]
     overhead = RuntimeOverhead()
     if row.metric == "allocated":
         got = sum(mem[k] for k in ("weights", "grads", "optimizer", "activations", "buffers"))
     else:
         got = mem["total"] - overhead.context - overhead.communicator
-    return got / GiB
+    return got / GiB, tps
 
 
 def markdown() -> str:
     lines = [
-        "| row | source (split) | engine | layout | measured | predicted GiB | error |",
-        "|---|---|---|---|---:|---:|---:|",
+        "| row | source (split) | engine | layout | measured | predicted GiB | error | tok/s/GPU measured | predicted | error |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     errors: dict[str, list[float]] = {}
+    tps_errors: dict[str, list[float]] = {}
     split_of: dict[str, str] = {}
     for row in load():
         layout = f"{row.gpus or 'H100-96GB'} tp {row.tp} pp {row.pp} vp {row.vp} dp {row.dp}, mb {row.micro_batch}, {row.recompute}"
         layout += (", Float8" if row.float8 else "") + (", compile" if row.compile else "")
-        got = predict(row)
+        got, tps = predict_both(row)
         err = (got - row.measured_gib) / row.measured_gib
         errors.setdefault(row.source, []).append(err)
         split_of[row.source] = row.split
+        speed = "| | |"
+        if row.tps:
+            te = (tps - row.tps) / row.tps
+            tps_errors.setdefault(row.source, []).append(te)
+            speed = f"{row.tps:,.0f} | {tps:,.0f} | {te:+.1%} |"
         lines.append(
-            f"| {row.name} | {row.source} ({row.split}) | {row.engine} | {layout} | {row.measured_gib:.2f} GiB {row.metric} ({row.rank} rank) | {got:.2f} | {err:+.1%} |"
+            f"| {row.name} | {row.source} ({row.split}) | {row.engine} | {layout} | {row.measured_gib:.2f} GiB {row.metric} ({row.rank} rank) | {got:.2f} | {err:+.1%} | {speed}"
         )
     lines += ["", "| source | split | rows | mean absolute error | worst |", "|---|---|---:|---:|---:|"]
     for src, errs in errors.items():
@@ -201,6 +215,16 @@ def markdown() -> str:
         errs = [e for s, es in errors.items() if split_of[s] == split for e in es]
         if errs:
             lines.append(f"| all {split} | {split} | {len(errs)} | {sum(map(abs, errs)) / len(errs):.1%} | {max(errs, key=abs):+.1%} |")
+    if tps_errors:
+        lines += [
+            "",
+            "Tokens per second per GPU (torchtitan's rows, as published):",
+            "",
+            "| source | split | rows | mean absolute error | worst |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for src, errs in tps_errors.items():
+            lines.append(f"| {src} | {split_of[src]} | {len(errs)} | {sum(map(abs, errs)) / len(errs):.1%} | {max(errs, key=abs):+.1%} |")
     under = [r.name for r in load() if not math.isnan(r.measured_gib)]
     lines += ["", f"Rows: {len(under)} from {len(errors)} sources."]
     return "\n".join(lines)

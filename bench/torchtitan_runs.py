@@ -55,14 +55,30 @@ def not_priced(row: Row) -> str | None:
         what
         for what, used in (
             ("context parallelism", row.cp > 1),
-            # torchtitan 9dec370 derived the micro-batch count and the stage split from its own defaults, which the
-            # source does not restate
-            ("pipeline parallelism (micro-batches and stage split not published)", row.pp > 1),
+            # torchtitan 9dec370's Interleaved1F1B took its stages per rank from split points the source does not restate
+            ("the interleaved schedule's stages per rank (not published)", row.pp > 1 and row.schedule != "1f1b"),
             ("tensor parallelism without full checkpointing", row.tp > 1 and row.ac != "full"),
         )
         if used
     ]
     return ", ".join(missing) or None
+
+
+def pipeline_bounds(row: Row, costs) -> tuple[int, ...]:
+    """Piece boundaries of torchtitan 9dec370's default split for a 1F1B row: ``generate_split_points`` counts the
+    embedding and the output layer as one layer each and gives every stage (layers + 2) / pp of them, so the first
+    and last stages hold one transformer layer fewer (405B at pp 8: 15, 16 x 6, 15)."""
+    layers = int(row.model["n_layers"])
+    per, rest = divmod(layers + 2, row.pp)
+    if rest:
+        raise ValueError(f"{row.name}: {layers} layers + 2 do not split evenly over {row.pp} stages")
+    counts = [per - 1] + [per] * (row.pp - 2) + [per - 1]
+    starts = [i for i, l in enumerate(costs.layers) if l.block is not None and (i == 0 or costs.layers[i - 1].block != l.block)]
+    bounds, at = [0], 0
+    for c in counts[:-1]:
+        at += c
+        bounds.append(starts[at])
+    return (*bounds, costs.n)
 
 
 def settings(row: Row):
@@ -72,6 +88,14 @@ def settings(row: Row):
     from planner.solve.settings import Settings
 
     args = {"preset": "llama-7b", **row.model, "seq_len": row.seq}
+    pipeline: dict = {}
+    if row.pp > 1:
+        from planner.model.analyze import analyze
+
+        # 9dec370: pipeline_parallel_microbatches unset -> the pipeline degree (build_pipeline_schedule), 1F1B
+        costs = analyze(ROOT / "examples" / "llama.py", args, 1, "bf16").costs
+        pipeline = {"schedule": "1f1b", "vp": 1, "bounds": pipeline_bounds(row, costs)}
+    micro = row.local_batch // row.pp if row.pp > 1 else row.local_batch
     return Settings.of(
         model_file=str(ROOT / "examples" / "llama.py"),
         model_args=args,
@@ -81,7 +105,7 @@ def settings(row: Row):
         tp=row.tp,
         dp=row.dp,
         zero=3,
-        micro_batch=row.local_batch,
+        micro_batch=micro,
         global_batch=row.local_batch * row.dp,
         recompute=row.ac,
         dtype="fp8" if row.float8 else "bf16",
@@ -93,6 +117,7 @@ def settings(row: Row):
         loss_chunks=1,
         compile_loss=False,
         mem_target=1.0,
+        **pipeline,
     )
 
 

@@ -33,7 +33,9 @@ def test_bench_gpt_has_megatrons_parameter_count():
     kv = h // heads * groups
     per_layer = 2 * h + (h * (h + 2 * kv) + h + 2 * kv) + (h * h + h) + 2 * h + (h * 4 * h + 4 * h) + (4 * h * h + h)
     want = V * h + s * h + L * per_layer + 2 * h + V * h
-    costs = analyze(ROOT / "bench/models/megatron_gpt.py", {"layers": L, "hidden": h, "heads": heads, "groups": groups, "seq_len": s, "vocab_size": V}, 1, "bf16").costs
+    costs = analyze(
+        ROOT / "bench/models/megatron_gpt.py", {"layers": L, "hidden": h, "heads": heads, "groups": groups, "seq_len": s, "vocab_size": V}, 1, "bf16"
+    ).costs
     got = sum(l.params for l in costs.layers)  # untied: no parameter is counted twice
     assert got == want
 
@@ -50,7 +52,13 @@ def test_even_bounds_match_megatron_core():
     costs = analyze(ROOT / "bench/models/megatron_gpt.py", args, 1, "bf16").costs
     bounds = memory_runs.even_bounds(costs, 2, 4)
     layers = [len({l.block for l in costs.layers[a:b] if l.block}) for a, b in zip(bounds, bounds[1:])]
-    flags = (("--num-layers", "8"), ("--hidden-size", "64"), ("--num-attention-heads", "4"), ("--pipeline-model-parallel-size", "2"), ("--num-virtual-stages-per-pipeline-rank", "2"))
+    flags = (
+        ("--num-layers", "8"),
+        ("--hidden-size", "64"),
+        ("--num-attention-heads", "4"),
+        ("--pipeline-model-parallel-size", "2"),
+        ("--num-virtual-stages-per-pipeline-rank", "2"),
+    )
     megatron = stage_layers(MegatronArgs("args", tuple(Flag(n, (v,), k + 1) for k, (n, v) in enumerate(flags))))
     assert layers == megatron == [2, 2, 2, 2]
     assert costs.layers[0].block is None and costs.layers[-1].block is None  # embedding first, output last
