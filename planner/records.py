@@ -87,6 +87,11 @@ class Layer:
     op_bytes_core: tuple[float, ...] = ()
     op_bytes_fwd_resid: tuple[float, ...] = ()
     op_bytes_bwd_resid: tuple[float, ...] = ()
+    #: the memory-bound bytes as torch.compile's inductor fuses them: per fused region (the operators between two
+    #: compute operators), the tensors it reads from outside and those it writes that outlive it
+    #: (planner.model.cost._Fusion); forward and backward
+    fused_bytes_fwd: tuple[float, ...] = ()
+    fused_bytes_bwd: tuple[float, ...] = ()
     expert_params: int = 0
     num_experts: int = 0
     routed_rows: float = 0.0
@@ -120,6 +125,8 @@ _OP_LISTS = (
     "op_bytes_core",
     "op_bytes_fwd_resid",
     "op_bytes_bwd_resid",
+    "fused_bytes_fwd",
+    "fused_bytes_bwd",
     "expert_op_flops_fwd",
     "expert_op_flops_bwd",
     "compute_op_bytes",

@@ -175,9 +175,9 @@ class Engine(ABC):
         traced attention core (``op_flops_core``, recomputed when core_attn is among them); None: the core alone."""
         return None
 
-    def fp8_cast_bytes(self, arch: Mapping[str, object], kind: str, tokens: float, tp: int) -> tuple[list[float], list[float]]:
+    def fp8_cast_bytes(self, arch: Mapping[str, object], kind: str, tokens: float, tp: int, compiled: bool = False) -> tuple[list[float], list[float]]:
         """Bytes of each FP8 cast kernel of a dense piece (forward, backward): Transformer Engine's
-        (planner.solve.timing.fp8_cast_bytes)."""
+        (planner.solve.timing.fp8_cast_bytes; ``compiled`` changes nothing: TE's casts are its own kernels)."""
         return fp8_cast_bytes(arch, kind, tokens, tp)
 
     def layer_traffic(self, costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int) -> ModelCosts:

@@ -152,6 +152,65 @@ def _tensor_bytes(t: Any) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
+class _Fusion:
+    """The memory-bound traffic left when torch.compile's inductor fuses the memory-bound operators between two compute
+    operators (its vertical fusion; a row reduction such as a norm's fuses with its pointwise neighbours too).
+
+    Within a region (closed by each compute operator) an operator reads a tensor another one of the region wrote for
+    free (it stays in registers), and an outside tensor once. A tensor the region produces is written to memory when a
+    compute operator reads it, when any operator reads it after the region closed, or when nothing in the piece reads
+    it (an output, or saved); one only the region's own operators read is never written. Bytes per region, in order."""
+
+    def __init__(self) -> None:
+        self.pending: dict[int, list[Any]] = {}  # storage -> [tensor, bytes, read in region]
+        self.closed: dict[int, list[Any]] = {}  # produced in a closed region and not written: [tensor, bytes, read]
+        self.read: set[int] = set()
+        self.region = 0.0
+        self.regions: list[float] = []
+
+    def _read(self, t: torch.Tensor) -> None:
+        k = _storage_key(t)
+        if k in self.pending:
+            self.pending[k][2] = True
+            return
+        if k in self.closed:  # it outlived its region: written there, read here
+            self.region += self.closed.pop(k)[1]
+        if k not in self.read:
+            self.read.add(k)
+            self.region += _tensor_bytes(t)
+
+    def memory_bound(self, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        for t in ins:
+            self._read(t)
+        for t in outs:
+            self.pending[_storage_key(t)] = [t, _tensor_bytes(t), False]
+
+    def compute(self, ins: list[torch.Tensor]) -> None:
+        for t in ins:
+            k = _storage_key(t)
+            if k in self.pending:
+                self.region += self.pending.pop(k)[1]
+            elif k in self.closed:
+                self.region += self.closed.pop(k)[1]
+        self._close()
+
+    def _close(self) -> None:
+        for k, (t, nbytes, was_read) in self.pending.items():
+            if was_read:
+                self.closed[k] = [t, nbytes, was_read]
+            else:
+                self.region += nbytes  # nothing in the region read it: it is needed later
+        self.pending.clear()
+        self.read.clear()
+        if self.region:
+            self.regions.append(self.region)
+        self.region = 0.0
+
+    def finish(self) -> tuple[float, ...]:
+        self._close()
+        return tuple(self.regions)
+
+
 class _OpMeter(TorchDispatchMode):
     """Counts, per operator call: bytes moved by operators without a FLOP formula, attention-core work, largest output."""
 
@@ -175,6 +234,7 @@ class _OpMeter(TorchDispatchMode):
         self.routed_bytes = 0.0
         #: the compute operators in order: (aten name, output bytes, FLOPs) (Layer.compute_op_*)
         self.compute_ops: list[tuple[str, float, float]] = []
+        self.fusion = _Fusion()
 
     def _is_core(self, tensors: list[torch.Tensor]) -> bool:
         s = self.seq_len
@@ -208,6 +268,10 @@ class _OpMeter(TorchDispatchMode):
         outs = tensor_leaves(out)
         core = self._is_core(ins + outs)
         packet = func.overloadpacket
+        if packet is _aten._grouped_mm or packet in REGISTRY:
+            self.fusion.compute(ins)
+        elif not func.is_view and func not in _NO_TRAFFIC:
+            self.fusion.memory_bound(ins, outs)
         if packet is _aten._grouped_mm:
             # routed experts: kept apart, the time model splits them into one GEMM per local expert
             self.expert_op_flops.append(float(REGISTRY[packet](*args, **kwargs, out_val=out)))
@@ -281,6 +345,8 @@ class PieceCost:
     op_bytes_core: tuple[float, ...]
     op_bytes_fwd_resid: tuple[float, ...]
     op_bytes_bwd_resid: tuple[float, ...]
+    fused_bytes_fwd: tuple[float, ...] = ()
+    fused_bytes_bwd: tuple[float, ...] = ()
     uncounted_ops: tuple[str, ...] = ()
     expert_op_flops_fwd: tuple[float, ...] = ()
     expert_op_flops_bwd: tuple[float, ...] = ()
@@ -381,6 +447,8 @@ def cost_piece(
         op_bytes_core=tuple(fwd_meter.core_op_bytes),
         op_bytes_fwd_resid=tuple(fwd_meter.resid_op_bytes),
         op_bytes_bwd_resid=tuple(bwd_meter.resid_op_bytes),
+        fused_bytes_fwd=fwd_meter.fusion.finish(),
+        fused_bytes_bwd=bwd_meter.fusion.finish(),
         uncounted_ops=tuple(sorted(fwd_meter.uncounted | bwd_meter.uncounted)),
         expert_op_flops_fwd=tuple(fwd_meter.expert_op_flops),
         expert_op_flops_bwd=tuple(bwd_meter.expert_op_flops),
@@ -583,6 +651,8 @@ def cost_layers(
                 op_bytes_core=cost.op_bytes_core,
                 op_bytes_fwd_resid=cost.op_bytes_fwd_resid,
                 op_bytes_bwd_resid=cost.op_bytes_bwd_resid,
+                fused_bytes_fwd=cost.fused_bytes_fwd,
+                fused_bytes_bwd=cost.fused_bytes_bwd,
                 expert_params=sum(k for _, k in mine),
                 num_experts=max((e for e, _ in mine), default=0),
                 routed_rows=cost.routed_rows,

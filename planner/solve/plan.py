@@ -91,8 +91,9 @@ class Layout:
     #: DotProductAttention cp_comm_type): "p2p" (ring, overlapped with the attention blocks), "all_gather" (keys and
     #: values gathered before attention, exposed), "a2a" (DeepSpeed-Ulysses: heads scattered, sequence gathered)
     cp_comm: str = "p2p"
-    #: torch.compile of the model's blocks (torchtitan --compile.enable): rendered and required by async tensor
-    #: parallelism; priced as eager (the fused kernels' savings are not modelled: see the engine's rules)
+    #: torch.compile of the model's blocks (torchtitan --compile.enable): rendered, required by async tensor
+    #: parallelism, and priced with the blocks' memory-bound operators fused (planner.solve.timing.compiled_traffic);
+    #: their memory as eager
     compile: bool = False
 
     @property

@@ -86,7 +86,7 @@ class EngineRules(Protocol):
         """Why this engine cannot run ``layout`` (empty when it can)."""
         ...
 
-    def fp8_cast_bytes(self, arch: Mapping[str, object], kind: str, tokens: float, tp: int) -> tuple[list[float], list[float]]:
+    def fp8_cast_bytes(self, arch: Mapping[str, object], kind: str, tokens: float, tp: int, compiled: bool = False) -> tuple[list[float], list[float]]:
         """Bytes of each FP8 cast kernel of a dense transformer piece on one GPU (forward, backward) as the engine casts."""
         ...
 

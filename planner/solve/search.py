@@ -26,7 +26,7 @@ from __future__ import annotations
 import gc
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -60,6 +60,7 @@ from planner.solve.timing import (
     PieceTimes,
     analytical_times,
     attention_core_flops,
+    compiled_traffic,
     cp_exchange_exposed,
     expert_dispatch_time,
     fp8_cast_bytes,
@@ -448,19 +449,25 @@ class Context:
         ep_overlap: float = 0.0,
         modules: frozenset[str] = frozenset(),
         cp_comm: str = "p2p",
+        compiled: bool = False,
     ) -> PieceTimes:
+        """Per-piece times of one micro-batch on the device of ``first_rank``; ``compiled``: the blocks run as
+        torch.compile fuses their memory-bound operators (timing.compiled_traffic; the loss too where the settings
+        compile it)."""
         dev = self.cluster.device_of(first_rank)
         cp_comm = cp_comm if cp > 1 else "p2p"
-        key = (b, tp, recompute, dev.key, sp, cp, tp_overlap, fp8, ep, etp, ep_overlap, modules, cp_comm)
+        key = (b, tp, recompute, dev.key, sp, cp, tp_overlap, fp8, ep, etp, ep_overlap, modules, cp_comm, compiled)
         if key not in self._times:
             sharded = self.sharded(b, tp, sp, cp)
             timed = self.timed(b, tp, sp, cp)
+            if compiled:
+                timed = compiled_traffic(timed, self.opts.loss_run.compiled)
             coll, step = self._collectives(b, tp, first_rank, sp, cp)
             kernel = fixed_costs(dev)[0]
             split = tp if sp and tp > 1 else 1  # tokens per GPU entering the MoE layers: 1/tp with sequence parallelism
             dispatch = [self._dispatch(l.routed_bytes / split, first_rank, ep, etp) if l.num_experts else 0.0 for l in sharded.layers]
             experts = (ep, split, dispatch)
-            casts, kept = fp8_casts(self.costs, b, tp, cp, split, etp, self.engine) if fp8 else (None, None)
+            casts, kept = fp8_casts(self.costs, b, tp, cp, split, etp, self.engine, compiled) if fp8 else (None, None)
             coll_t = list(coll) if coll else 0.0
             terms = [self._dispatcher_terms(l, split, first_rank, ep, etp) for l in sharded.layers] if any(l.num_experts for l in sharded.layers) else None
             work = self.engine.recompute_work(sharded, tp, sp and tp > 1, cp, modules) if recompute == "selective" and modules else None
@@ -496,7 +503,7 @@ class Context:
 
 
 def fp8_casts(
-    costs: ModelCosts, b: int, tp: int, cp: int, split: int = 1, etp: int = 1, engine: EngineRules | None = None
+    costs: ModelCosts, b: int, tp: int, cp: int, split: int = 1, etp: int = 1, engine: EngineRules | None = None, compiled: bool = False
 ) -> tuple[list[tuple[list[float], list[float]]] | None, list[tuple[float, float]] | None]:
     """Per piece at micro-batch ``b`` on one GPU (s / cp x b tokens): the bytes of each FP8 cast the engine runs
     (``engine.fp8_cast_bytes``; without an engine Transformer Engine's, timing.fp8_cast_bytes; MoE pieces
@@ -508,7 +515,10 @@ def fp8_casts(
         return None, None
     tokens = costs.seq_len / cp * b
     f = b / costs.micro_batch / cp / split
-    dense = engine.fp8_cast_bytes if engine is not None else fp8_cast_bytes
+
+    def dense(arch: Mapping[str, object], kind: str, tokens: float, tp: int) -> tuple[list[float], list[float]]:
+        return engine.fp8_cast_bytes(arch, kind, tokens, tp, compiled) if engine is not None else fp8_cast_bytes(arch, kind, tokens, tp)
+
     casts = [moe_fp8_cast_bytes(arch, l.kind, tokens, tp, l.routed_rows * f, etp) if l.num_experts else dense(arch, l.kind, tokens, tp) for l in costs.layers]
     kept = [attention_core_flops(arch, l.kind, costs.seq_len, tokens, tp) for l in costs.layers]
     return casts, kept
@@ -797,6 +807,7 @@ def lower_bound(ctx: Context, lay: Layout, dtype: str) -> float:
             ep_paired(lay),
             lay.modules_recomputed,
             lay.cp_comm,
+            lay.compile,
         )
         total, largest = ctx.sum_and_max(t)
         best = min(best, lay.num_microbatches * max(total / lay.pp, largest))
@@ -939,6 +950,7 @@ def price_layout(
                     ep_paired(lay),
                     lay.modules_recomputed,
                     lay.cp_comm,
+                    lay.compile,
                 )
             )
     compute = [ctx.prefix(t) for t in times_by_class]

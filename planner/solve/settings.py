@@ -52,7 +52,9 @@ class ModelSettings:
     cost_micro_batch: int = setting(1, "The micro-batch the pieces are costed at (the search scales the costs from it).", cli=False)
     leaf: tuple[str, ...] = setting((), "Class name to keep as one piece (repeatable).")
     tracer: str = setting("auto", "auto | fx | export")
-    compile: bool = setting(False, "torch.compile the model's blocks (torchtitan --compile.enable; needed by its async TP). Priced as eager.")
+    compile: bool = setting(
+        False, "torch.compile the model's blocks (torchtitan --compile.enable; needed by its async TP): their memory-bound operators priced fused."
+    )
     compile_loss: bool | None = setting(
         None, "torch.compile torchtitan's loss too (--compile.components): its fp32 upcast and log-softmax fused; default: with --compile."
     )

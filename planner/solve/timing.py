@@ -302,6 +302,10 @@ def shard_costs(costs: ModelCosts, tp: int, sequence_parallel: bool = True) -> M
     for l in costs.layers:
         shard = l.kind in TP_COLLECTIVES or l.shardable_params > 0
         heads = tp if shard else act
+        # the fused regions mix both kinds of operators: scaled as the operators they fuse are, in total
+        eager_f, eager_b = sum(l.op_bytes_fwd) + sum(l.op_bytes_fwd_resid), sum(l.op_bytes_bwd) + sum(l.op_bytes_bwd_resid)
+        fused_f = (sum(l.op_bytes_fwd) / heads + sum(l.op_bytes_fwd_resid) / act) / eager_f if eager_f else 1.0 / act
+        fused_b = (sum(l.op_bytes_bwd) / heads + sum(l.op_bytes_bwd_resid) / act) / eager_b if eager_b else 1.0 / act
         layers.append(
             replace(
                 l,
@@ -324,12 +328,39 @@ def shard_costs(costs: ModelCosts, tp: int, sequence_parallel: bool = True) -> M
                 op_bytes_bwd=tuple(x / heads for x in l.op_bytes_bwd),
                 op_bytes_fwd_resid=tuple(x / act for x in l.op_bytes_fwd_resid),
                 op_bytes_bwd_resid=tuple(x / act for x in l.op_bytes_bwd_resid),
+                fused_bytes_fwd=tuple(x * fused_f for x in l.fused_bytes_fwd),
+                fused_bytes_bwd=tuple(x * fused_b for x in l.fused_bytes_bwd),
                 max_op_bytes=int(l.max_op_bytes / act),
                 out_bytes=int(l.out_bytes / act),
             )
         )
     cuts = tuple(replace(c, tensors=tuple(replace(t, bytes=int(t.bytes / act)) for t in c.tensors)) for c in costs.cuts)
     return replace(costs, layers=tuple(layers), cuts=cuts)
+
+
+def compiled_traffic(costs: ModelCosts, loss: bool = False) -> ModelCosts:
+    """``costs`` with the memory-bound work of the transformer blocks as torch.compile runs it: each piece's fused
+    regions (Layer.fused_bytes_*, one kernel each) in place of its eager operators. torchtitan compiles each block
+    (``apply_compile``: ``torch.compile(block, fullgraph=True)``) and, with "loss" among the compile components, the
+    loss on its own (``_maybe_compile``), which the output-layer piece after the last block holds (``loss``); the
+    embedding, the final norm and the output layer's matmul stay eager. Pieces costed before the fused regions were
+    recorded (none) keep their eager operators."""
+    last_block = max((k for k, l in enumerate(costs.layers) if l.block is not None), default=-1)
+    layers = []
+    for k, l in enumerate(costs.layers):
+        fuse = l.block is not None or (loss and k > last_block and l.kind == "head")
+        if fuse and (l.fused_bytes_fwd or l.fused_bytes_bwd):
+            l = replace(
+                l,
+                op_bytes_fwd=l.fused_bytes_fwd,
+                op_bytes_bwd=l.fused_bytes_bwd,
+                op_bytes_fwd_resid=(),
+                op_bytes_bwd_resid=(),
+                mem_bytes_fwd=float(sum(l.fused_bytes_fwd)),
+                mem_bytes_bwd=float(sum(l.fused_bytes_bwd)),
+            )
+        layers.append(l)
+    return replace(costs, layers=tuple(layers))
 
 
 def split_context(costs: ModelCosts, cp: int) -> ModelCosts:

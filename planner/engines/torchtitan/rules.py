@@ -37,8 +37,12 @@ Facts (torchtitan 0.3.0 sources):
 * Async TP is ``compile.enable_async_tensor_parallel``, which torchtitan's CompileConfig refuses without
   ``compile.enable`` and "model" among the compiled components (config/configs.py CompileConfig.__post_init__); it is
   priced as Megatron's overlapped TP collectives (Layout.tp_comm_overlap).
-* torch.compile (``compile.enable``, components model and loss) is rendered where asked (Layout.compile) and priced as
-  eager: the fused kernels' savings are not modelled, so a compiled run is predicted slower and larger than it runs.
+* torch.compile (``compile.enable``; ``compile.components`` model and, by default, loss) is rendered where asked
+  (Layout.compile, Settings.model.compile_loss). Time: each compiled block's memory-bound operators as inductor fuses
+  them (planner.model.cost._Fusion, planner.solve.timing.compiled_traffic), the Float8 casts fused
+  (:data:`TORCHAO_COMPILED_CAST_BYTES_PER_ELEMENT`). Memory: a compiled loss keeps no fp32 tensors
+  (planner.engines.torchtitan.loss); the blocks' saved set is priced as eager (what inductor's partitioner saves
+  instead is not modelled).
 * Float8 (``--dtype fp8``): torchtitan 0.3.0 turns it on in the model spec, not on the command line
   (``Float8LinearConverter`` in ``model_registry(..., converters=[...])``, components/quantization/float8.py; recipes
   ``rowwise`` (default) and ``rowwise_with_gw_hp``), so the renderer writes a config_registry module. torchao 0.18's
@@ -83,6 +87,9 @@ SCHEDULE_NAMES: dict[str, str] = {
 #: and cast pass reads it again (2) and writes the FP8 tensor (1) (torchao/float8/float8_scaling_utils.py
 #: hp_tensor_to_float8_dynamic: tensor_to_scale, then hp_tensor_and_scale_to_float8; rowwise scales are one fp32 per row)
 TORCHAO_CAST_BYTES_PER_ELEMENT = 5.0
+#: the same cast compiled: inductor computes the rowwise amax and the scaled cast in one kernel (a row reduction
+#: followed by pointwise work on the same row), which reads the bf16 tensor once (2) and writes the FP8 one (1)
+TORCHAO_COMPILED_CAST_BYTES_PER_ELEMENT = 3.0
 
 
 def float8_linears(arch: Mapping[str, object], kind: str, tp: int) -> list[tuple[float, float]]:
@@ -98,12 +105,13 @@ def float8_linears(arch: Mapping[str, object], kind: str, tp: int) -> list[tuple
     return {"attention": attn, "mlp": mlp, "block": attn + mlp}.get(kind, [])
 
 
-def float8_cast_bytes(arch: Mapping[str, object], kind: str, tokens: float, tp: int) -> tuple[list[float], list[float]]:
+def float8_cast_bytes(arch: Mapping[str, object], kind: str, tokens: float, tp: int, compiled: bool = False) -> tuple[list[float], list[float]]:
     """Bytes of each torchao Float8 cast of one piece for ``tokens`` tokens per GPU (forward, backward): per linear
     (k -> n) forward the input (tokens x k) and the weight (k x n); backward the output gradient for the input
     gradient and again along the other axis for the weight gradient (2 x tokens x n), the weight (k x n) and the saved
-    bf16 input (tokens x k); :data:`TORCHAO_CAST_BYTES_PER_ELEMENT` each."""
-    c = TORCHAO_CAST_BYTES_PER_ELEMENT
+    bf16 input (tokens x k); :data:`TORCHAO_CAST_BYTES_PER_ELEMENT` each, or compiled
+    :data:`TORCHAO_COMPILED_CAST_BYTES_PER_ELEMENT`."""
+    c = TORCHAO_COMPILED_CAST_BYTES_PER_ELEMENT if compiled else TORCHAO_CAST_BYTES_PER_ELEMENT
     fwd: list[float] = []
     bwd: list[float] = []
     for k, n in float8_linears(arch, kind, tp):
@@ -192,9 +200,9 @@ class TorchtitanEngine(PipeliningEngine):
         costs = replace(costs, layers=tuple(replace(l, gemm_saved_bytes=0, gemm_shared_bytes=0) for l in costs.layers))
         return chunked_loss(tp_gathered_inputs(checkpointed(costs, recompute), tp, sequence_parallel), loss.chunks or LOSS_CHUNKS, loss.compiled)
 
-    def fp8_cast_bytes(self, arch: Mapping[str, object], kind: str, tokens: float, tp: int) -> tuple[list[float], list[float]]:
-        """torchao's dynamic Float8 casts (:func:`float8_cast_bytes`)."""
-        return float8_cast_bytes(arch, kind, tokens, tp)
+    def fp8_cast_bytes(self, arch: Mapping[str, object], kind: str, tokens: float, tp: int, compiled: bool = False) -> tuple[list[float], list[float]]:
+        """torchao's dynamic Float8 casts (:func:`float8_cast_bytes`), fused when the blocks are compiled."""
+        return float8_cast_bytes(arch, kind, tokens, tp, compiled)
 
     def tensor_parallel_problems(self, costs: ModelCosts, tp: int) -> list[str]:
         """torchtitan's Llama shards whole heads: query and key/value heads divide by tp (models/common/attention.py)."""
