@@ -54,7 +54,6 @@ def not_priced(row: Row) -> str | None:
     missing = [
         what
         for what, used in (
-            ("context parallelism", row.cp > 1),
             # torchtitan 9dec370's Interleaved1F1B took its stages per rank from split points the source does not restate
             ("the interleaved schedule's stages per rank (not published)", row.pp > 1 and row.schedule != "1f1b"),
             ("tensor parallelism without full checkpointing", row.tp > 1 and row.ac != "full"),
@@ -103,6 +102,7 @@ def settings(row: Row):
         engine="torchtitan",
         pp=row.pp,
         tp=row.tp,
+        cp=row.cp,
         dp=row.dp,
         zero=3,
         micro_batch=micro,

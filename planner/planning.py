@@ -173,6 +173,8 @@ def evaluate_pinned(costs: ModelCosts, cluster: Cluster, req: Settings) -> Searc
         cp=req.pins.cp or 1,
         ep=req.pins.ep or 1,
         etp=req.pins.etp or 1,
+        microbatch_group=req.pins.microbatch_group or 0,
+        cp_comm=req.pins.cp_comm or get_engine(req.engine).cp_comm_types[0],
     )
     lay = with_options(base, req, get_engine(req.engine))[-1]
     ev = evaluate_layout(Context(costs, cluster, req, get_engine(req.engine)), lay, costs.dtype, bounds=req.pins.bounds)

@@ -79,8 +79,10 @@ class Pins:
     pp: int | None = setting(None, "Pin the pipeline-parallel degree.")
     tp: int | None = setting(None, "Pin the tensor-parallel degree (Megatron, torchtitan).")
     dp: int | None = setting(None, "Pin the data-parallel degree.")
-    cp: int | None = setting(None, "Pin the context-parallel degree (Megatron; sequence divisible by 2 x cp).")
-    cp_comm: str | None = setting(None, "Pin how context parallelism exchanges keys and values (Megatron): p2p | all_gather | a2a.", flag="--cp-comm-type")
+    cp: int | None = setting(None, "Pin the context-parallel degree (Megatron, torchtitan; sequence divisible by 2 x cp).")
+    cp_comm: str | None = setting(
+        None, "Pin how context parallelism exchanges keys and values: p2p | all_gather | a2a (Megatron), all_gather (torchtitan).", flag="--cp-comm-type"
+    )
     vp: int | None = setting(None, "Pin virtual stages per rank (interleaved).")
     ep: int | None = setting(None, "Pin the expert-parallel degree (Megatron, MoE models; divides the experts).")
     etp: int | None = setting(None, "Pin the expert tensor-parallel degree (Megatron, MoE models).")

@@ -274,3 +274,27 @@ def test_compile_prices_the_fused_blocks():
     compiled = plan_of(pp=1, dp=8, recompute="full", micro_batch=2, compile=True, compile_loss=False)
     assert compiled.predicted.step_time_s < eager.predicted.step_time_s
     assert [r.memory_bytes for r in compiled.ranks] == [r.memory_bytes for r in eager.ranks]
+
+
+def test_context_parallelism_is_the_all_gather_exchange_and_parses(tmp_path, monkeypatch):
+    """torchtitan's CP all-gathers keys and values (FlexAttention's CP wrapper): planned as that exchange, rendered
+    as context_parallel_degree, read back by torchtitan's ConfigManager; a ring it does not run is refused."""
+    req = Settings.of(
+        model_file=str(EXAMPLES / "llama.py"),
+        model_args={"preset": "llama-1b", "seq_len": 8192},
+        gpus="16xH100",
+        engine="torchtitan",
+        cp=2,
+        pp=1,
+        recompute="full",
+    )
+    plan = plan_model(req)[0]
+    assert (plan.layout.cp, plan.layout.cp_comm) == (2, "all_gather")
+    words = overrides(plan)
+    assert words[words.index("--parallelism.context_parallel_degree") + 1] == "2"
+    with pytest.raises(InfeasibleError, match="no --cp-comm-type p2p"):
+        plan_model(req.but(cp_comm="p2p"))
+    manager = _config_manager()
+    monkeypatch.chdir(tmp_path)
+    cfg = manager().parse_args(["--module", "llama3", "--config", "llama3_8b", *words])
+    assert cfg.parallelism.context_parallel_degree == 2

@@ -191,3 +191,26 @@ def test_the_command_line_answers_a_bad_exchange_with_exit_2():
     for extra, why in cases:
         r = CliRunner().invoke(app, [*base, *extra])
         assert r.exit_code == 2 and why in r.output, (extra, r.exit_code, r.output)
+
+
+@pytest.mark.parametrize("comm", ["all_gather", "a2a"])
+def test_a_fully_pinned_layout_is_priced_with_its_exchange(comm):
+    """`smoke`, `validate` and `calibrate` re-price a plan with every dimension pinned (Settings.pinned_to,
+    planning.evaluate_pinned): the exchange the plan chose is priced again, not the engine's default ring."""
+    from planner.planning import evaluate_pinned, plan_model
+    from tests.conftest import EXAMPLES
+
+    req = Settings.of(
+        model_file=str(EXAMPLES / "llama.py"),
+        model_args={"preset": "llama-1b", "seq_len": SEQ},
+        gpus="16xH100",
+        engine="megatron",
+        cp=2,
+        tp=2,
+        cp_comm=comm,
+    )
+    plan, analysis, _ = plan_model(req)
+    bounds = tuple([st.pieces[0] for st in plan.stages] + [plan.stages[-1].pieces[1]])
+    again = evaluate_pinned(analysis.costs, hardware.parse_gpus("16xH100"), Settings.pinned_to(plan.inputs, plan.layout, bounds))
+    assert again.best is not None and again.best.layout.cp_comm == comm
+    assert again.best.predicted.step_time_s == pytest.approx(plan.predicted.step_time_s)

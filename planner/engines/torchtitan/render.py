@@ -145,14 +145,13 @@ def check_renderable(plan: Plan) -> None:
         raise UsageError(f"render_torchtitan got a plan for engine {lay.engine!r}.", "Plan with --engine torchtitan.")
     if lay.schedule not in SCHEDULE_NAMES:
         raise UsageError(f"torchtitan does not run schedule {lay.schedule!r}.", f"Pick one with --schedule: {', '.join(SCHEDULE_NAMES)}.")
-    if lay.cp != 1:
-        raise UsageError(f"the torchtitan engine plans no context parallelism; the plan has cp={lay.cp}.", "Plan with --cp 1.")
     chunks = loss_chunks(plan)
     seq = plan.model.get("seq_len")
-    if seq and int(seq) % chunks:
+    if seq and (int(seq) // lay.cp) % chunks:
         raise UsageError(
-            f"torchtitan's ChunkedLossWrapper splits the sequence into {chunks} chunks, and {seq} tokens do not divide by {chunks}.",
-            "Plan with --loss-chunks set to a divisor of the sequence length.",
+            f"torchtitan's ChunkedLossWrapper splits each rank's sequence into {chunks} chunks, and {int(seq) // lay.cp} tokens "
+            f"(the sequence over cp {lay.cp}) do not divide by {chunks}.",
+            "Plan with --loss-chunks set to a divisor of the tokens each rank holds.",
         )
     if lay.tp_comm_overlap and not lay.compile:
         raise UsageError("torchtitan's async TP needs torch.compile of the model; the plan has async TP without it.", "Plan with --compile.")
@@ -181,7 +180,7 @@ def override_groups(plan: Plan) -> list[list[str]]:
         ["--parallelism.data_parallel_replicate_degree", str(1 if sharded else lay.dp)],
         ["--parallelism.data_parallel_shard_degree", str(lay.dp if sharded else 1)],
         ["--parallelism.tensor_parallel_degree", str(lay.tp)],
-        ["--parallelism.context_parallel_degree", "1"],
+        ["--parallelism.context_parallel_degree", str(lay.cp)],
         ["--training.local_batch_size", str(lay.micro_batch * lay.num_microbatches)],
         ["--training.global_batch_size", str(lay.global_batch)],
         ["--training.mixed_precision_param", PRECISION[param_dtype(plan)]],
@@ -252,6 +251,7 @@ def render(plan: Plan, command: str, out_dir: Path | None = None) -> dict[str, s
         compile_components=compile_components(plan),
         loss_chunks=loss_chunks(plan),
         tp=lay.tp,
+        cp=lay.cp,
         sequence_parallel=lay.sequence_parallel,
         async_tp=lay.tp_comm_overlap,
         groups=groups,

@@ -52,8 +52,12 @@ Facts (torchtitan 0.3.0 sources):
   bf16. Each linear casts its input and weight forward and, backward, its output gradient twice (one per scaling
   axis), its weight and its saved input again: :func:`float8_cast_bytes`. Like torchtitan's 405B recipe the output
   layer stays bf16 (``filter_fqns=["lm_head"]``), so only the transformer blocks' GEMMs run at the FP8 peak.
-* No context parallelism in this engine (context_parallel_degree is rendered as 1): torchtitan's CP rotates keys and
-  values with an all-gather by default (``context_parallel_rotate_method``), which is not priced for it.
+* Context parallelism (``parallelism.context_parallel_degree``): 0.3.0's llama3 attends with FlexAttention (the
+  registry's ``attn_backend="flex"``), whose CP wrapper all-gathers each rank's keys and values over the CP group
+  before attention (distributed/context_parallel/api.py ``apply_cp_to_forward``: ``flex_cp_allgather``), the
+  sequence load-balanced over the ranks; earlier releases ran SDPA's ring with the ``allgather`` rotate method by
+  default. Both are the all-gather exchange (Layout.cp_comm ``all_gather``): exposed before attention, the gathered
+  keys and values (and their gradients) held while it runs.
 """
 
 from __future__ import annotations
@@ -155,6 +159,9 @@ class TorchtitanEngine(PipeliningEngine):
     zero_levels = (0, 3)
     sub_block_cuts = False
     tensor_parallel = True
+    context_parallel = True
+    #: FlexAttention's CP all-gathers keys and values (module docstring)
+    cp_comm_types = ("all_gather",)
     #: async TP (compile.enable_async_tensor_parallel), by the Layout field Megatron's --tp-comm-overlap sets
     overlaps = ("tp-comm-overlap",)
     compiles = True
