@@ -92,3 +92,14 @@ def test_models_without_a_head_or_a_vocabulary_keep_the_traced_working_set(tiny)
     assert megatron_loss_working_set(no_vocab, 1, 1) is no_vocab
     headless = replace(tiny, layers=tiny.layers[:-1] + (replace(tiny.layers[-1], kind="norm"),))
     assert megatron_loss_working_set(headless, 1, 1) is headless
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True), (4, False)])
+def test_megatron_output_piece_keeps_its_input_and_the_fp32_vocabulary_shard(tiny, tp, sp):
+    """The output piece keeps its input (the cut into it, sharded over tp with sequence parallelism only) and the loss's
+    fp32 copy of this rank's vocabulary shard, mb x s x V / tp x 4 bytes, with or without sequence parallelism (the
+    logits are split over tp either way); the traced piece's saved bytes, divided by tp only with it, are not used."""
+    s, V, mb = 32, 256, 2
+    sharded = _ctx(tiny, "megatron").sharded(mb, tp, sp, 1)
+    layers = get_engine("megatron").layer_activations(sharded, tp, sp and tp > 1, 1, "none").layers
+    assert layers[-1].saved_bytes == sharded.cuts[sharded.n - 1].bytes + mb * s * V // tp * 4

@@ -176,13 +176,20 @@ def megatron_loss_working_set(costs: ModelCosts, tp: int, cp: int) -> ModelCosts
     maximum, exponentiates and normalises it in place and saves it for backward (the piece's saved bytes, as traced: the
     user's loss keeps its fp32 log-softmax, the same size); its backward turns that tensor into the gradient in place and
     autograd casts it to the logits' dtype. Beyond what is saved, the logits then live once: forward until the loss returns,
-    backward as their gradient. The traced loss (the user's loss_fn on the model output) is not what runs."""
+    backward as their gradient. The traced loss (the user's loss_fn on the model output) is not what runs.
+
+    So the piece keeps the output layer's input (its cut, as sharded) and the fp32 copy of its vocabulary shard (4
+    bytes per logit), the logits being split over tp with or without sequence parallelism (the traced piece's saved
+    bytes are divided by tp only with it, since its input is replicated without)."""
     arch = costs.architecture or {}
     vocab = arch.get("vocab_size")
     if not costs.layers or costs.layers[-1].kind != "head" or not vocab or not costs.seq_len:
         return costs
-    logits = costs.micro_batch * (costs.seq_len / cp) * (int(vocab) / tp) * DTYPE_BYTES.get(costs.dtype, 2.0)
-    return replace(costs, layers=costs.layers[:-1] + (replace(costs.layers[-1], max_op_bytes=int(logits)),))
+    elems = costs.micro_batch * (costs.seq_len / cp) * (int(vocab) / tp)
+    logits = elems * DTYPE_BYTES.get(costs.dtype, 2.0)
+    saved = costs.cuts[costs.n - 1].bytes + elems * DTYPE_BYTES["fp32"]
+    head = replace(costs.layers[-1], max_op_bytes=int(logits), saved_bytes=int(saved), core_saved_bytes=0, gemm_saved_bytes=0, gemm_shared_bytes=0)
+    return replace(costs, layers=costs.layers[:-1] + (head,))
 
 
 def megatron_recompute_work(costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, modules: frozenset[str]) -> tuple[RecomputeWork, ...] | None:
