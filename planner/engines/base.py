@@ -98,6 +98,8 @@ class Engine(ABC):
     overlap_needs_compile: bool = False
     #: buffers of (s / cp x b) x h bf16 elements its tensor-parallel overlap allocates (planner.solve.search.feature_buffers)
     tp_overlap_buffers: float = 0.0
+    #: and buffers of one rank's sequence shard (1 / tp of those)
+    tp_overlap_shard_buffers: float = 0.0
     #: entries of the FP8 delayed-scaling amax history per tensor (0: dynamic scaling keeps no history)
     fp8_amax_history: int = 0
     #: expert parallelism for mixture-of-experts layers (Layout.ep > 1, Layout.etp > 1)

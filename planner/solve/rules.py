@@ -56,6 +56,7 @@ class EngineRules(Protocol):
     compiles: bool
     loss_chunks: bool
     tp_overlap_buffers: float
+    tp_overlap_shard_buffers: float
     fp8_amax_history: int
     zeroes_grad_buffer: bool
     model_io_buffers: bool

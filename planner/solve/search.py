@@ -902,7 +902,7 @@ def price_layout(
     fixed = (
         opts.knobs.overhead.context
         + opts.knobs.overhead.communicator
-        + feature_buffers(costs, lay, ctx.engine.tp_overlap_buffers, ctx.engine.fp8_amax_history)
+        + feature_buffers(costs, lay, ctx.engine.tp_overlap_buffers, ctx.engine.fp8_amax_history, ctx.engine.tp_overlap_shard_buffers)
         + dispatch_buffer_bytes(sharded, lay)
     )
     points = rmem.order_points(sched.name, p, m if group else _points_m(sched.name, p, m), v, group) if p > 1 else rmem.order_points(sched.name, 1, 1, 1)
@@ -1129,15 +1129,18 @@ def dispatch_buffer_bytes(sharded: ModelCosts, lay: Layout) -> float:
     return rows * (1 + lay.etp)
 
 
-def feature_buffers(costs: ModelCosts, lay: Layout, overlap_buffers: float = TP_OVERLAP_BUFFERS, amax_history: int = FP8_AMAX_HISTORY) -> float:
+def feature_buffers(
+    costs: ModelCosts, lay: Layout, overlap_buffers: float = TP_OVERLAP_BUFFERS, amax_history: int = FP8_AMAX_HISTORY, shard_buffers: float = 0.0
+) -> float:
     """Bytes per GPU of the buffers the layout's features allocate: the tensor-parallel overlap's buffers
-    (``overlap_buffers`` x (s / cp x b) x h x 2 bytes; Megatron's TE userbuffers: :data:`TP_OVERLAP_BUFFERS`) and an
-    FP8 delayed-scaling state of ``amax_history`` entries for the transformer layers one pipeline rank holds (at most
-    ceil(layers / pp)); the engine says both (EngineRules.tp_overlap_buffers, fp8_amax_history)."""
+    (``overlap_buffers`` x (s / cp x b) x h x 2 bytes, Megatron's TE userbuffers: :data:`TP_OVERLAP_BUFFERS`; and
+    ``shard_buffers`` of one rank's sequence shard, 1 / tp of that) and an FP8 delayed-scaling state of
+    ``amax_history`` entries for the transformer layers one pipeline rank holds (at most ceil(layers / pp)); the
+    engine says each (EngineRules.tp_overlap_buffers, tp_overlap_shard_buffers, fp8_amax_history)."""
     arch = costs.architecture or {}
     out = 0.0
     if lay.tp_comm_overlap and arch and costs.seq_len:
-        out += overlap_buffers * costs.seq_len / lay.cp * lay.micro_batch * arch["hidden_size"] * 2.0
+        out += (overlap_buffers + shard_buffers / lay.tp) * costs.seq_len / lay.cp * lay.micro_batch * arch["hidden_size"] * 2.0
     if lay.fp8 and amax_history:
         blocks = len({l.block for l in costs.layers if l.block is not None})
         out += fp8_amax_bytes(-(-blocks // lay.pp), amax_history)

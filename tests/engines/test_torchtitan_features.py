@@ -298,3 +298,20 @@ def test_context_parallelism_is_the_all_gather_exchange_and_parses(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     cfg = manager().parse_args(["--module", "llama3", "--config", "llama3_8b", *words])
     assert cfg.parallelism.context_parallel_degree == 2
+
+
+def test_async_tp_holds_two_shards_of_symmetric_memory():
+    """Async TP's workspace: two of one rank's (s / tp x b x h) bf16 shards (torch's pipelined all-gather and
+    reduce-scatter ask for one shard and two output chunks); Transformer Engine's userbuffers are Megatron's, not
+    torchtitan's, and torchao's dynamic scaling keeps no amax history."""
+    from dataclasses import replace
+
+    from planner.solve.search import feature_buffers
+
+    costs = costs_of("llama", "llama-tiny")
+    lay = plan_of(pp=1, tp=2, dp=4, recompute="full", compile=True, tp_comm_overlap=True, micro_batch=2).layout
+    e = ENGINE
+    got = feature_buffers(costs, lay, e.tp_overlap_buffers, e.fp8_amax_history, e.tp_overlap_shard_buffers)
+    h, s = costs.architecture["hidden_size"], costs.seq_len
+    assert got == 2 * (s / 2) * 2 * h * 2
+    assert feature_buffers(costs, replace(lay, fp8=True), e.tp_overlap_buffers, e.fp8_amax_history, e.tp_overlap_shard_buffers) == got

@@ -167,9 +167,11 @@ class TorchtitanEngine(PipeliningEngine):
     compiles = True
     loss_chunks = True
     overlap_needs_compile = True
-    #: async TP's symmetric-memory workspace: one buffer of the all-gathered input (s x b x h bf16) per group
-    #: (torch.distributed._symmetric_memory get_symm_mem_workspace, sized by the fused all-gather-matmul's gathered A)
-    tp_overlap_buffers = 1.0
+    #: async TP's symmetric-memory workspace, one per group: the fused all-gather-matmul asks for one rank's shard, the
+    #: fused matmul-reduce-scatter for two of its output chunks (torch 2.13 torch/distributed/_symmetric_memory
+    #: ``_pipelined_all_gather_and_consume``: the shard's bytes; ``_pipelined_produce_and_all2all``: 2 x one chunk), so
+    #: the workspace holds two of one rank's (s / tp x b x h) bf16 shards
+    tp_overlap_shard_buffers = 2.0
     fp8 = True
     #: torchtitan 0.3.0's activation checkpointing policies the planner prices (planner.engines.torchtitan.checkpointing):
     #: selective is its per-op SAC, the Trainer's default
