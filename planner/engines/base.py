@@ -257,7 +257,7 @@ class Engine(ABC):
         out = []
         if layout.cp > 1 and not self.context_parallel:
             out.append(f"{self.name} runs no context parallelism (cp must be 1; use {self.alternative(lambda e: e.context_parallel)} for cp > 1)")
-        if layout.cp_comm not in self.cp_comm_types:
+        if layout.cp > 1 and layout.cp_comm not in self.cp_comm_types:  # with cp 1 nothing is exchanged
             out.append(f"{self.name} has no --cp-comm-type {layout.cp_comm} (it runs: {', '.join(self.cp_comm_types)})")
         elif layout.cp > 1:
             out += cp_comm_problems(layout.cp_comm, layout.cp, layout.tp, costs.architecture)
