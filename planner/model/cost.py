@@ -24,6 +24,7 @@ shapes) are costed once.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -162,18 +163,28 @@ class _Fusion:
     it (an output, or saved); one only the region's own operators read is never written. Bytes per region, in order."""
 
     def __init__(self) -> None:
-        self.pending: dict[int, list[Any]] = {}  # storage -> [tensor, bytes, read in region]
-        self.closed: dict[int, list[Any]] = {}  # produced in a closed region and not written: [tensor, bytes, read]
+        # storage -> [weak reference to the tensor, bytes, read in region]: weak, so that the meter keeps no tensor
+        # alive (storages freed as they would be; a key whose tensor is gone names a new storage)
+        self.pending: dict[int, list[Any]] = {}
+        self.closed: dict[int, list[Any]] = {}  # produced in a closed region and not written
         self.read: set[int] = set()
         self.region = 0.0
         self.regions: list[float] = []
 
+    @staticmethod
+    def _live(table: dict[int, list[Any]], k: int) -> bool:
+        entry = table.get(k)
+        if entry is not None and entry[0]() is None:
+            del table[k]
+            return False
+        return entry is not None
+
     def _read(self, t: torch.Tensor) -> None:
         k = _storage_key(t)
-        if k in self.pending:
+        if self._live(self.pending, k):
             self.pending[k][2] = True
             return
-        if k in self.closed:  # it outlived its region: written there, read here
+        if self._live(self.closed, k):  # it outlived its region: written there, read here
             self.region += self.closed.pop(k)[1]
         if k not in self.read:
             self.read.add(k)
@@ -183,23 +194,23 @@ class _Fusion:
         for t in ins:
             self._read(t)
         for t in outs:
-            self.pending[_storage_key(t)] = [t, _tensor_bytes(t), False]
+            self.pending[_storage_key(t)] = [weakref.ref(t), _tensor_bytes(t), False]
 
     def compute(self, ins: list[torch.Tensor]) -> None:
         for t in ins:
             k = _storage_key(t)
-            if k in self.pending:
+            if self._live(self.pending, k):
                 self.region += self.pending.pop(k)[1]
-            elif k in self.closed:
+            elif self._live(self.closed, k):
                 self.region += self.closed.pop(k)[1]
         self._close()
 
     def _close(self) -> None:
-        for k, (t, nbytes, was_read) in self.pending.items():
+        for k, (ref, nbytes, was_read) in self.pending.items():
             if was_read:
-                self.closed[k] = [t, nbytes, was_read]
+                self.closed[k] = [ref, nbytes, was_read]
             else:
-                self.region += nbytes  # nothing in the region read it: it is needed later
+                self.region += nbytes  # nothing in the region read it: it is needed later (or freed unread)
         self.pending.clear()
         self.read.clear()
         if self.region:

@@ -52,6 +52,8 @@ def test_megatron_cross_entropy_keeps_one_fp32_copy_and_returns_the_logits_dtype
     big = [k for k in got["kept"] if k[1] == got["n"]]
     assert big == [["torch.float32", got["n"]]]
     assert all(k[1] <= got["n"] // 64 for k in got["kept"] if k not in big)  # per-token masks and ids
+    # ... a bool mask and int64 ids, one per token: megatron_loss_working_set's LOSS_TOKEN_BYTES
+    assert sorted(k[0] for k in got["kept"] if k not in big) == ["torch.bool", "torch.int64"]
     assert got["grad"] == "torch.bfloat16"
 
 
@@ -102,4 +104,4 @@ def test_megatron_output_piece_keeps_its_input_and_the_fp32_vocabulary_shard(tin
     s, V, mb = 32, 256, 2
     sharded = _ctx(tiny, "megatron").sharded(mb, tp, sp, 1)
     layers = get_engine("megatron").layer_activations(sharded, tp, sp and tp > 1, 1, "none").layers
-    assert layers[-1].saved_bytes == sharded.cuts[sharded.n - 1].bytes + mb * s * V // tp * 4
+    assert layers[-1].saved_bytes == sharded.cuts[sharded.n - 1].bytes + mb * s * V // tp * 4 + mb * s * (1 + 8)

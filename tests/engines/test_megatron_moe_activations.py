@@ -23,7 +23,7 @@ from planner.engines.megatron.moe_activations import (
     qk_norm_saved,
     router_saved,
 )
-from planner.engines.megatron.rules import megatron_layer, megatron_layer_activations
+from planner.engines.megatron.rules import megatron_layer, megatron_layer_activations, megatron_loss_working_set
 from planner.solve.memory import range_matrices
 from planner.solve.search import Context, expert_saved_extra
 from planner.solve.settings import Settings
@@ -486,7 +486,7 @@ def test_etp_rows_are_counted_once(moe_tiny):
     T = s / 2  # sequence parallel over tp 2
     # per MoE layer: FC1 input rows 2 x (T k etp) x h grow by one T k h; probabilities 2 x T k more; FC1 output / FC2 input unchanged
     assert two - one == pytest.approx(4 * (2 * T * 2 * h + 2 * T * 2))
-    traced = megatron_layer_activations(ctx.sharded(1, 2), 2, True, 1, "none", 2)
+    traced = megatron_loss_working_set(megatron_layer_activations(ctx.sharded(1, 2), 2, True, 1, "none", 2), 2, 1)
     assert traced is not ctx.sharded(1, 2)
     sharded = ctx.sharded(1, 2)
     extra = expert_saved_extra(sharded, 2, 2, "none")[a, z]

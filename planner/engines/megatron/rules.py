@@ -167,6 +167,11 @@ def megatron_layer_activations(
     return replace(costs, layers=tuple(layers))
 
 
+#: bytes per token megatron-core's vocab-parallel cross entropy saves beside its fp32 softmax: the target mask (bool, 1)
+#: and the masked target ids (int64, 8)
+LOSS_TOKEN_BYTES = 9.0
+
+
 def megatron_loss_working_set(costs: ModelCosts, tp: int, cp: int) -> ModelCosts:
     """``costs`` (scaled and sharded) with the last piece's working set that of Megatron's loss, when that piece is the
     output layer and ``architecture()`` gives the vocabulary; otherwise unchanged.
@@ -178,16 +183,19 @@ def megatron_loss_working_set(costs: ModelCosts, tp: int, cp: int) -> ModelCosts
     autograd casts it to the logits' dtype. Beyond what is saved, the logits then live once: forward until the loss returns,
     backward as their gradient. The traced loss (the user's loss_fn on the model output) is not what runs.
 
-    So the piece keeps the output layer's input (its cut, as sharded) and the fp32 copy of its vocabulary shard (4
-    bytes per logit), the logits being split over tp with or without sequence parallelism (the traced piece's saved
-    bytes are divided by tp only with it, since its input is replicated without)."""
+    So the piece keeps the output layer's input (its cut, as sharded), the fp32 copy of its vocabulary shard (4 bytes
+    per logit) and, per token, the target mask (bool) and masked target ids (int64) the loss saves with it
+    (``ctx.save_for_backward(exp_logits, target_mask, masked_target_1d)``): the logits are split over tp with or
+    without sequence parallelism (the traced piece's saved bytes are divided by tp only with it, since its input is
+    replicated without)."""
     arch = costs.architecture or {}
     vocab = arch.get("vocab_size")
     if not costs.layers or costs.layers[-1].kind != "head" or not vocab or not costs.seq_len:
         return costs
-    elems = costs.micro_batch * (costs.seq_len / cp) * (int(vocab) / tp)
+    tokens = costs.micro_batch * (costs.seq_len / cp)
+    elems = tokens * (int(vocab) / tp)
     logits = elems * DTYPE_BYTES.get(costs.dtype, 2.0)
-    saved = costs.cuts[costs.n - 1].bytes + elems * DTYPE_BYTES["fp32"]
+    saved = costs.cuts[costs.n - 1].bytes + elems * DTYPE_BYTES["fp32"] + tokens * LOSS_TOKEN_BYTES
     head = replace(costs.layers[-1], max_op_bytes=int(logits), saved_bytes=int(saved), core_saved_bytes=0, gemm_saved_bytes=0, gemm_shared_bytes=0)
     return replace(costs, layers=costs.layers[:-1] + (head,))
 
