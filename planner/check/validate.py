@@ -549,7 +549,8 @@ def _memory_plan(run: _Run, ctx: _Ctx) -> None:
     if ctx.cluster is None:
         run.add("MEM003", rel, line, "memory not checked: no hardware known.", "pass --gpus SPEC")
         return
-    costs = _costs(run, ctx, rel, line, plan.settings.model.dtype or "bf16")
+    dtype = plan.settings.model.dtype or "bf16"
+    costs = _costs(run, ctx, rel, line, "bf16" if dtype == "fp8" else dtype)  # FP8 GEMMs on a bf16 model (planning.plan_model)
     if costs is None:
         return
     stages = sorted(plan.stages, key=lambda s: s.index)

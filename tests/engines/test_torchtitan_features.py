@@ -315,3 +315,20 @@ def test_async_tp_holds_two_shards_of_symmetric_memory():
     h, s = costs.architecture["hidden_size"], costs.seq_len
     assert got == 2 * (s / 2) * 2 * h * 2
     assert feature_buffers(costs, replace(lay, fp8=True), e.tp_overlap_buffers, e.fp8_amax_history, e.tp_overlap_shard_buffers) == got
+
+
+def test_a_float8_compiled_tensor_parallel_plan_validates_clean(tmp_path):
+    """`planner validate` of a torchtitan plan directory with Float8, compile, async TP and context parallelism: the
+    command line matches plan.json (and torchtitan's own parser, where it imports, reads it against the function the
+    Float8 module wraps), the files do not drift, and its memory is checked (the model analysed in bf16 under FP8)."""
+    from planner.check.validate import Options, validate
+
+    args = {"preset": "llama-1b", "seq_len": 8192}
+    req = Settings.of(
+        model_file=str(EXAMPLES / "llama.py"), model_args=args, gpus="16xH100", engine="torchtitan", tp=2, cp=2, dtype="fp8", compile=True, tp_comm_overlap=True
+    )
+    out = tmp_path / "plan"
+    write_plan_dir(out, plan_model(req)[0])
+    found = validate([out], Options(model=str(EXAMPLES / "llama.py"), model_args=args))
+    assert [f for f in found.findings if f.severity == "error"] == [], found.findings
+    assert not [f for f in found.findings if f.rule == "MEM003"], found.findings

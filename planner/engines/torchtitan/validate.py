@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.check.validate import _Ctx, _Run, display, launch_capture
-from planner.engines.torchtitan.render import overrides
+from planner.engines.torchtitan.render import CONFIG_MODULE, overrides
 
 FILE_KINDS = ("torchtitan-launch",)
 FILE_WHAT = "torchtitan launch script (launch_torchtitan.sh)"
@@ -132,15 +132,19 @@ def _torchtitan_parse(run: _Run, rel: str, have: dict[str, list[str]], words: li
             "run validate where torchtitan imports (a CUDA build of torch) to have its own parser check the command line",
         )
         return
-    module = (have.get("--module") or ["llama3"])[0]
-    config = (have.get("--config") or ["llama3_debugmodel"])[0]
+    module = given_module = (have.get("--module") or ["llama3"])[0]
+    config = given_config = (have.get("--config") or ["llama3_debugmodel"])[0]
     if module.startswith("$") or config.startswith("$"):
         module, config = "llama3", "llama3_debugmodel"
+    elif module == CONFIG_MODULE:
+        # the rendered Float8 module wraps a llama3 function (its text is checked for drift with the other files):
+        # parse the overrides against that function, since building the Float8 converter needs FP8 hardware
+        module, config = "llama3", config.removesuffix("_float8")
     rest = [w for w in words if not w.startswith("$")]
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            manager().parse_args(["--module", module, "--config", config, *[w for w in rest if w not in ("--module", "--config", module, config)]])
+            manager().parse_args(["--module", module, "--config", config, *[w for w in rest if w not in ("--module", "--config", given_module, given_config)]])
     except (SystemExit, Exception) as e:  # noqa: BLE001 - any refusal of torchtitan's parser is the finding
         said = (err.getvalue().strip().splitlines() or [str(e) or type(e).__name__])[-1]
         run.add("TT003", rel, None, f"torchtitan's ConfigManager refuses the command line: {said}", "fix the flag it names, or re-run `planner plan`")
