@@ -332,3 +332,19 @@ def test_a_float8_compiled_tensor_parallel_plan_validates_clean(tmp_path):
     found = validate([out], Options(model=str(EXAMPLES / "llama.py"), model_args=args))
     assert [f for f in found.findings if f.severity == "error"] == [], found.findings
     assert not [f for f in found.findings if f.rule == "MEM003"], found.findings
+
+
+@pytest.mark.parametrize("config", ["llama", "qwen2"])
+def test_a_transformers_decoder_maps_onto_torchtitans_modules(config):
+    """A transformers decoder (``model.layers.N`` blocks, the embedding before them, the final norm and lm_head after)
+    is planned and rendered for torchtitan: each piece is the torchtitan module at its place, every layer once in
+    order; a model whose pieces are not a decoder's is still refused."""
+    from planner.engines.torchtitan.render import piece_fqns, stage_fqns
+
+    model = EXAMPLES.parent / "tests" / "models" / "hf" / f"{config}.json"
+    plan = plan_model(Settings.of(model_file=f"hf:{model}", gpus="8xH100", engine="torchtitan", pp=2, dp=4))[0]
+    flat = [f for part in stage_fqns(plan) for f in part]
+    layers = sum(1 for b in dict.fromkeys(plan.model["blocks"]) if b)
+    assert flat == ["tok_embeddings", *(f"layers.{i}" for i in range(layers)), "norm", "lm_head"]
+    with pytest.raises(UsageError, match="not a torchtitan Llama module"):
+        piece_fqns(["stem", "h.0:attn", "head"], [None, "h.0", None])

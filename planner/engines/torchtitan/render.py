@@ -33,6 +33,8 @@ FLOAT8_RECIPE = "rowwise"
 #: our piece names outside the transformer layers -> torchtitan Llama's module names (models/common/decoder.py)
 TOP_MODULES = {"tok_embeddings": "tok_embeddings", "norm": "norm", "output": "lm_head", "lm_head": "lm_head"}
 _LAYER = re.compile(r"layers\.(\d+)")
+#: a decoder layer by its module path's end (transformers' ``model.layers.N``)
+_DECODER_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,8 @@ AC_SUBCOMMANDS = {"none": "none", "selective": "selective", "full": "full"}
 
 
 def piece_fqn(name: str, block: str | None) -> str:
-    """torchtitan's module name for one of our pieces; a UsageError for a name its Llama has not."""
+    """torchtitan's module name for one of our pieces named as torchtitan's Llama names its modules; a UsageError for
+    a name its Llama has not."""
     if block is not None and _LAYER.fullmatch(block):
         return block
     if block is None and name in TOP_MODULES:
@@ -76,6 +79,32 @@ def piece_fqn(name: str, block: str | None) -> str:
     )
 
 
+def piece_fqns(pieces: list[str], blocks: list[str | None]) -> list[str]:
+    """torchtitan's module name for each piece. Named as torchtitan names its Llama's modules, by :func:`piece_fqn`;
+    otherwise by position, for a decoder whose blocks are ``...layers.N`` (transformers' ``model.layers.N``): the
+    pieces before the first block are the embedding, the last piece is the output layer and those between the last
+    block and it the final norm. A UsageError where neither holds."""
+    try:
+        return [piece_fqn(name, block) for name, block in zip(pieces, blocks)]
+    except UsageError:
+        at = [i for i, b in enumerate(blocks) if b is not None]
+        layers = [_DECODER_LAYER.search(b) for b in blocks if b is not None]
+        if not at or not all(layers) or at[-1] + 2 > len(pieces):
+            raise
+        first, last = at[0], at[-1]
+        out = []
+        for i, block in enumerate(blocks):
+            if block is not None:
+                found = _DECODER_LAYER.search(block)
+                assert found is not None
+                out.append(f"layers.{found.group(1)}")
+            else:
+                out.append("tok_embeddings" if i < first else "lm_head" if i == len(pieces) - 1 else "norm" if i > last else "")
+        if "" in out:  # a piece between two blocks that is none of them
+            raise
+        return out
+
+
 def stage_fqns(plan: Plan) -> list[list[str]]:
     """``module_fqns_per_model_part``: the torchtitan modules of each planned stage, in stage order.
 
@@ -83,11 +112,12 @@ def stage_fqns(plan: Plan) -> list[list[str]]:
     lm_head in order, or that splits a module over two stages.
     """
     pieces, blocks = plan.model["pieces"], plan.model["blocks"]
+    fqns = piece_fqns(list(pieces), list(blocks))
     parts: list[list[str]] = []
     for stage in plan.stages:
         names: list[str] = []
         for i in range(*stage.pieces):
-            fqn = piece_fqn(pieces[i], blocks[i])
+            fqn = fqns[i]
             if not names or names[-1] != fqn:
                 names.append(fqn)
         parts.append(names)
