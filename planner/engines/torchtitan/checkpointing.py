@@ -53,7 +53,7 @@ SAVED_OPS = frozenset(
 ALTERNATING = frozenset({"mm", "linear"})
 
 
-def _blocks(costs: ModelCosts) -> list[tuple[int, int]]:
+def block_ranges(costs: ModelCosts) -> list[tuple[int, int]]:
     """[a, b) piece ranges of the checkpointed units: consecutive pieces of one repeated block."""
     out: list[tuple[int, int]] = []
     k = 0
@@ -95,7 +95,7 @@ def checkpointed(costs: ModelCosts, recompute: str) -> ModelCosts:
     if recompute == "none":
         return costs
     layers = list(costs.layers)
-    for a, b in _blocks(costs):
+    for a, b in block_ranges(costs):
         full = sum(l.saved_bytes for l in layers[a:b])
         entry = costs.cuts[a].bytes  # the block's input, which the checkpoint keeps
         if recompute == "selective":
@@ -123,7 +123,7 @@ def selective_work(costs: ModelCosts) -> tuple[RecomputeWork, ...]:
     """Per piece: what SelectiveAC runs again in the backward: the recomputed matmuls and every memory-bound operator
     of the blocks (pieces outside the blocks: nothing)."""
     work = [RecomputeWork() for _ in costs.layers]
-    for a, b in _blocks(costs):
+    for a, b in block_ranges(costs):
         for k, (_, flops) in zip(range(a, b), selective_kept(costs.layers[a:b])):
             l = costs.layers[k]
             work[k] = RecomputeWork((flops,) if flops else (), tuple(l.op_bytes_fwd) + tuple(l.op_bytes_fwd_resid))

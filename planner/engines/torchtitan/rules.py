@@ -69,7 +69,7 @@ import numpy as np
 
 from planner.engines.base import whole_block_cuts
 from planner.engines.pipelining import PipeliningEngine
-from planner.engines.torchtitan.checkpointing import checkpointed, selective_work
+from planner.engines.torchtitan.checkpointing import block_ranges, checkpointed, selective_work
 from planner.engines.torchtitan.loss import LOSS_CHUNKS, chunked_loss
 from planner.records import DEFAULT_LOSS, LossRun, ModelCosts, RecomputeWork
 from planner.solve.memory import DTYPE_BYTES, OPTIMIZER_STATE_BYTES, StateRecipe, state_recipe
@@ -131,17 +131,10 @@ def tp_gathered_inputs(costs: ModelCosts, tp: int, sequence_parallel: bool) -> M
     if tp == 1 or not sequence_parallel:
         return costs
     layers = list(costs.layers)
-    k = 0
-    while k < costs.n:
-        blk = layers[k].block
-        j = k + 1
-        while blk is not None and j < costs.n and layers[j].block == blk:
-            j += 1
-        if blk is not None:
-            extra = 2 * costs.cuts[k].bytes * (tp - 1)
-            for i in range(k, j):
-                layers[i] = replace(layers[i], max_op_bytes=int(layers[i].max_op_bytes + extra))
-        k = j
+    for a, b in block_ranges(costs):
+        extra = 2 * costs.cuts[a].bytes * (tp - 1)
+        for i in range(a, b):
+            layers[i] = replace(layers[i], max_op_bytes=int(layers[i].max_op_bytes + extra))
     return replace(costs, layers=tuple(layers))
 
 
