@@ -9,8 +9,29 @@ so the solver rescales them with :meth:`ModelCosts.scaled`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
+
+_R = TypeVar("_R")
+
+
+def evolve(record: _R, **changes: Any) -> _R:
+    """``dataclasses.replace`` for the frozen records the search copies by the hundred thousand (layers, cuts, tensors,
+    layouts): the same new record, built by copying the fields instead of calling ``__init__`` (about five times
+    faster). A record with a ``__post_init__`` goes through ``replace``, so its checks still run; an unknown field is
+    refused as ``replace`` refuses it."""
+    cls = type(record)
+    if hasattr(cls, "__post_init__"):
+        return replace(record, **changes)  # type: ignore[type-var]
+    fields = record.__dict__
+    for name in changes:
+        if name not in fields:
+            raise TypeError(f"{cls.__name__}.__init__() got an unexpected keyword argument {name!r}")
+    new: _R = object.__new__(cls)
+    new.__dict__.update(fields)
+    new.__dict__.update(changes)
+    return new
 
 
 @dataclass(frozen=True)
@@ -132,6 +153,19 @@ _OP_LISTS = (
     "compute_op_bytes",
     "compute_op_flops",
 )
+
+
+#: the fields that name a piece rather than cost it
+_NAMING_FIELDS = ("name", "block", "modules")
+_COST_FIELDS = tuple(f for f in Layer.__dataclass_fields__ if f not in _NAMING_FIELDS)
+
+
+def piece_classes(layers: Sequence[Layer]) -> tuple[int, ...]:
+    """For each piece, the index of the first piece whose costs are the same (every field but its name, block and
+    module paths): a model's repeated blocks fall into a few classes, which a pure function of a piece's costs
+    (``timing.analytical_times``) works out once each."""
+    first: dict[tuple[object, ...], int] = {}
+    return tuple(first.setdefault(tuple(l.__dict__[f] for f in _COST_FIELDS), k) for k, l in enumerate(layers))
 
 
 @dataclass(frozen=True)
@@ -317,7 +351,7 @@ class ModelCosts:
             return self
         f = micro_batch / self.micro_batch
         layers = tuple(scale_layer(layer, f) for layer in self.layers)
-        cuts = tuple(replace(c, tensors=tuple(_scale_tensor(t, f) for t in c.tensors)) for c in self.cuts)
+        cuts = tuple(evolve(c, tensors=tuple(_scale_tensor(t, f) for t in c.tensors)) for c in self.cuts)
         return replace(self, layers=layers, cuts=cuts, micro_batch=micro_batch)
 
     def to_dict(self) -> dict[str, Any]:
@@ -352,7 +386,7 @@ def scale_layer(layer: Layer, f: float) -> Layer:
     """A layer's per-micro-batch costs multiplied by ``f`` (parameters unchanged)."""
     values = {k: type(getattr(layer, k))(getattr(layer, k) * f) for k in _SCALED}
     values.update({k: tuple(x * f for x in getattr(layer, k)) for k in _OP_LISTS})
-    return replace(layer, **values)
+    return evolve(layer, **values)
 
 
 def _scale_tensor(t: TensorInfo, f: float) -> TensorInfo:
@@ -360,7 +394,7 @@ def _scale_tensor(t: TensorInfo, f: float) -> TensorInfo:
         return t
     shape = list(t.shape)
     shape[t.batch_dim] = int(round(shape[t.batch_dim] * f))
-    return replace(t, shape=tuple(shape), bytes=int(round(t.bytes * f)))
+    return evolve(t, shape=tuple(shape), bytes=int(round(t.bytes * f)))
 
 
 @dataclass(frozen=True)

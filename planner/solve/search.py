@@ -34,7 +34,7 @@ import numpy as np
 
 from planner.errors import UsageError
 from planner.hardware import Cluster, DeviceProfile, memory_time
-from planner.records import Layer, ModelCosts
+from planner.records import Layer, ModelCosts, evolve, piece_classes
 from planner.solve import partition as part
 from planner.solve import rank_memory as rmem
 from planner.solve.memory import (
@@ -196,6 +196,7 @@ class Context:
         self.min_gpus_per_node = min(g.gpus_per_node for g in cluster.groups)
         self._sharded: dict[tuple[int, int, bool, int], ModelCosts] = {}
         self._timed: dict[tuple[int, int, bool, int], ModelCosts] = {}
+        self._classes: dict[tuple[int, int, bool, int, bool], tuple[ModelCosts, tuple[int, ...]]] = {}
         self._times: dict[tuple[object, ...], PieceTimes] = {}
         self._memory: dict[tuple[int, int, str, bool, int, bool, int, int, frozenset[str]], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
         self._transient: dict[tuple[int, int, str, bool, int, bool, int, int, frozenset[str]], np.ndarray] = {}
@@ -227,6 +228,16 @@ class Context:
         if key not in self._timed:
             self._timed[key] = self.engine.layer_traffic(self.sharded(b, tp, sp, cp), tp, sp and tp > 1, cp)
         return self._timed[key]
+
+    def _timed_classes(self, b: int, tp: int, sp: bool, cp: int, compiled: bool) -> tuple[ModelCosts, tuple[int, ...]]:
+        """:meth:`timed` (as torch.compile fuses it where ``compiled``) and its pieces' classes (records.piece_classes)."""
+        key = (b, tp, sp and tp > 1, cp, compiled)
+        if key not in self._classes:
+            timed = self.timed(b, tp, sp, cp)
+            if compiled:
+                timed = compiled_traffic(timed, self.opts.loss_run.compiled)
+            self._classes[key] = (timed, piece_classes(timed.layers))
+        return self._classes[key]
 
     def has_expert_params(self, b: int, tp: int, sp: bool = True, cp: int = 1) -> bool:
         """Whether a piece of :meth:`sharded` holds routed-expert parameters."""
@@ -459,9 +470,7 @@ class Context:
         key = (b, tp, recompute, dev.key, sp, cp, tp_overlap, fp8, ep, etp, ep_overlap, modules, cp_comm, compiled)
         if key not in self._times:
             sharded = self.sharded(b, tp, sp, cp)
-            timed = self.timed(b, tp, sp, cp)
-            if compiled:
-                timed = compiled_traffic(timed, self.opts.loss_run.compiled)
+            timed, classes = self._timed_classes(b, tp, sp, cp, compiled)
             coll, step = self._collectives(b, tp, first_rank, sp, cp)
             kernel = fixed_costs(dev)[0]
             split = tp if sp and tp > 1 else 1  # tokens per GPU entering the MoE layers: 1/tp with sequence parallelism
@@ -493,6 +502,7 @@ class Context:
                 dev.host_op_s,
                 None if cp_comm == "p2p" else self._cp_exchange(b, tp, first_rank, cp, cp_comm),
                 self._fused_core(b, tp, cp) if cp > 1 and cp_comm == "p2p" else None,
+                classes,
             )
             measured = self.opts.knobs.measured.get(dev.key)
             if measured and tp == 1 and cp == 1 and not fp8 and ep * etp == 1:
@@ -638,7 +648,7 @@ def enumerate_layouts(costs: ModelCosts, cluster: Cluster, opts: Settings, engin
                                                 cp_comm=comm,
                                             )
                                             for ep, etp in expert_layouts(experts, tp, cp, dp, opts):
-                                                out += with_options(replace(base, ep=ep, etp=etp), opts, engine)
+                                                out += with_options(evolve(base, ep=ep, etp=etp), opts, engine)
     if not out:
         raise UsageError(_no_layout_message(world, opts, global_batch, costs), "Relax a pin, or change --global-batch or --gpus.")
     return out, rejected
@@ -732,7 +742,7 @@ def with_options(base: Layout, opts: Settings, engine: EngineRules) -> list[Layo
     else:
         epo = [False, True] if "overlap-moe-expert-parallel-comm" in engine.overlaps and ep_overlap_allowed(base) else [False]
     return [
-        replace(
+        evolve(
             base,
             tp_comm_overlap=t,
             ep_comm_overlap=e,

@@ -32,11 +32,11 @@ exposes ``max(collectives / tp, collectives - its matmul time)``
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from planner import hardware
 from planner.hardware import Cluster, DeviceProfile
-from planner.records import Layer, ModelCosts, RecomputeWork, scale_layer
+from planner.records import Layer, ModelCosts, RecomputeWork, evolve, scale_layer
 from planner.solve.mesh import Mesh
 
 TP_COLLECTIVES = {"attention": (1, 1), "mlp": (1, 1), "block": (2, 2), "embedding": (1, 0), "head": (0, 1)}
@@ -307,7 +307,7 @@ def shard_costs(costs: ModelCosts, tp: int, sequence_parallel: bool = True) -> M
         fused_f = (sum(l.op_bytes_fwd) / heads + sum(l.op_bytes_fwd_resid) / act) / eager_f if eager_f else 1.0 / act
         fused_b = (sum(l.op_bytes_bwd) / heads + sum(l.op_bytes_bwd_resid) / act) / eager_b if eager_b else 1.0 / act
         layers.append(
-            replace(
+            evolve(
                 l,
                 flops_fwd=l.flops_fwd / (tp if shard else 1),
                 flops_bwd=l.flops_bwd / (tp if shard else 1),
@@ -334,8 +334,8 @@ def shard_costs(costs: ModelCosts, tp: int, sequence_parallel: bool = True) -> M
                 out_bytes=int(l.out_bytes / act),
             )
         )
-    cuts = tuple(replace(c, tensors=tuple(replace(t, bytes=int(t.bytes / act)) for t in c.tensors)) for c in costs.cuts)
-    return replace(costs, layers=tuple(layers), cuts=cuts)
+    cuts = tuple(evolve(c, tensors=tuple(evolve(t, bytes=int(t.bytes / act)) for t in c.tensors)) for c in costs.cuts)
+    return evolve(costs, layers=tuple(layers), cuts=cuts)
 
 
 def compiled_traffic(costs: ModelCosts, loss: bool = False) -> ModelCosts:
@@ -350,7 +350,7 @@ def compiled_traffic(costs: ModelCosts, loss: bool = False) -> ModelCosts:
     for k, l in enumerate(costs.layers):
         fuse = l.block is not None or (loss and k > last_block and l.kind == "head")
         if fuse and (l.fused_bytes_fwd or l.fused_bytes_bwd):
-            l = replace(
+            l = evolve(
                 l,
                 op_bytes_fwd=l.fused_bytes_fwd,
                 op_bytes_bwd=l.fused_bytes_bwd,
@@ -360,7 +360,7 @@ def compiled_traffic(costs: ModelCosts, loss: bool = False) -> ModelCosts:
                 mem_bytes_bwd=float(sum(l.fused_bytes_bwd)),
             )
         layers.append(l)
-    return replace(costs, layers=tuple(layers))
+    return evolve(costs, layers=tuple(layers))
 
 
 def split_context(costs: ModelCosts, cp: int) -> ModelCosts:
@@ -374,8 +374,8 @@ def split_context(costs: ModelCosts, cp: int) -> ModelCosts:
         return costs
     f = 1.0 / cp
     layers = tuple(scale_layer(l, f) for l in costs.layers)
-    cuts = tuple(replace(c, tensors=tuple(replace(t, bytes=int(round(t.bytes * f))) for t in c.tensors)) for c in costs.cuts)
-    return replace(costs, layers=layers, cuts=cuts)
+    cuts = tuple(evolve(c, tensors=tuple(evolve(t, bytes=int(round(t.bytes * f))) for t in c.tensors)) for c in costs.cuts)
+    return evolve(costs, layers=layers, cuts=cuts)
 
 
 def kv_bytes(costs: ModelCosts, tp: int, cp: int) -> float:
@@ -458,6 +458,7 @@ def analytical_times(
     host_op_s: float = 0.0,
     cp_exposed: tuple[float, float] | None = None,
     fused_core_flops: Sequence[float] | None = None,
+    classes: Sequence[int] | None = None,
 ) -> PieceTimes:
     """Roofline times of every piece (``costs`` already sharded with :func:`shard_costs`).
 
@@ -491,6 +492,8 @@ def analytical_times(
     does not overlap it (:func:`cp_exchange_exposed`: all-gather, all-to-all); None prices the ring (``cp_step_s``).
     ``fused_core_flops`` (per piece, forward) is the attention core of pieces whose fused kernel the cost meter cannot
     tell from other work (:func:`attention_core_flops`): the compute the ring's transfers hide behind.
+    ``classes`` (records.piece_classes of ``costs.layers``) lets a piece whose costs and per-piece inputs equal an
+    earlier piece's take that piece's times instead of working them out again (the same numbers).
     """
     mm_dtype = matmul_dtype or dtype
     n = len(costs.layers)
@@ -503,8 +506,29 @@ def analytical_times(
     bi: list[float] = []
     bw: list[float] = []
     rc: list[float] = []
+    done: dict[tuple[object, ...], tuple[float, float, float, float]] = {}
     for k, l in enumerate(costs.layers):
         before = (fwd[-1], bi[-1] + bw[-1]) if ep_overlap and k > 0 and l.block is not None and costs.layers[k - 1].block == l.block else (0.0, 0.0)
+        if classes is not None:
+            # everything below reads of piece k: its costs (its class), ``before`` and the k-th entry of each per-piece input
+            same = (
+                classes[k],
+                before,
+                coll[k],
+                a2a[k],
+                None if kept_flops is None else tuple(kept_flops[k]),
+                None if cast_bytes is None else (tuple(cast_bytes[k][0]), tuple(cast_bytes[k][1])),
+                None if dispatcher_terms is None else tuple(dispatcher_terms[k]),
+                None if recompute_work is None else recompute_work[k],
+                None if fused_core_flops is None else fused_core_flops[k],
+            )
+            hit = done.get(same)
+            if hit is not None:
+                fwd.append(hit[0])
+                bi.append(hit[1])
+                bw.append(hit[2])
+                rc.append(hit[3])
+                continue
         gemm_dtype = mm_dtype if matmul_dtype is None or l.kind in FP8_GEMM_KINDS else dtype
         dense_f = 0.0 if l.expert_op_flops_fwd and not l.op_flops_fwd else l.flops_fwd
         dense_b = 0.0 if l.expert_op_flops_bwd and not l.op_flops_bwd else l.flops_bwd
@@ -582,6 +606,8 @@ def analytical_times(
         bi.append(i)
         bw.append(w)
         rc.append(r)
+        if classes is not None:
+            done[same] = (f, i, w, r)
     return PieceTimes(tuple(fwd), tuple(bi), tuple(bw), tuple(rc), ("analytical",) * n)
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -58,7 +57,7 @@ from planner.engines.megatron.moe import layer_pattern
 from planner.engines.megatron.moe_activations import AUX_LOSSES, MLAShape, megatron_layer_saved
 from planner.engines.megatron.recompute import NO_RECOMPUTE, dense_mlp_work, mla_up_proj_work
 from planner.engines.megatron.traffic import ROTARY, layer_traffic, part_traffic
-from planner.records import DEFAULT_LOSS, Layer, LossRun, ModelCosts, RecomputeWork
+from planner.records import DEFAULT_LOSS, Layer, LossRun, ModelCosts, RecomputeWork, evolve
 from planner.solve.memory import DTYPE_BYTES, StateRecipe, state_recipe
 from planner.solve.plan import LAYOUT_UPGRADES, Layout, ep_overlap_allowed
 from planner.solve.schedules import group_constraints
@@ -163,8 +162,8 @@ def megatron_layer_activations(
             for i, x in enumerate((pb.total, pb.gemm, pb.shared, pb.core)):
                 sums[k][i] += x
         for k, (total, gemm, shared, core) in sums.items():
-            layers[k] = replace(layers[k], saved_bytes=int(total), gemm_saved_bytes=int(gemm), gemm_shared_bytes=int(shared), core_saved_bytes=int(core))
-    return replace(costs, layers=tuple(layers))
+            layers[k] = evolve(layers[k], saved_bytes=int(total), gemm_saved_bytes=int(gemm), gemm_shared_bytes=int(shared), core_saved_bytes=int(core))
+    return evolve(costs, layers=tuple(layers))
 
 
 #: bytes per token megatron-core's vocab-parallel cross entropy saves beside its fp32 softmax: the target mask (bool, 1)
@@ -196,8 +195,8 @@ def megatron_loss_working_set(costs: ModelCosts, tp: int, cp: int) -> ModelCosts
     elems = tokens * (int(vocab) / tp)
     logits = elems * DTYPE_BYTES.get(costs.dtype, 2.0)
     saved = costs.cuts[costs.n - 1].bytes + elems * DTYPE_BYTES["fp32"] + tokens * LOSS_TOKEN_BYTES
-    head = replace(costs.layers[-1], max_op_bytes=int(logits), saved_bytes=int(saved), core_saved_bytes=0, gemm_saved_bytes=0, gemm_shared_bytes=0)
-    return replace(costs, layers=costs.layers[:-1] + (head,))
+    head = evolve(costs.layers[-1], max_op_bytes=int(logits), saved_bytes=int(saved), core_saved_bytes=0, gemm_saved_bytes=0, gemm_shared_bytes=0)
+    return evolve(costs, layers=costs.layers[:-1] + (head,))
 
 
 def megatron_recompute_work(costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, modules: frozenset[str]) -> tuple[RecomputeWork, ...] | None:
@@ -263,7 +262,7 @@ def megatron_layer_traffic(costs: ModelCosts, tp: int, sequence_parallel: bool, 
             fwd[k] += parts[part][0]
             bwd[k] += parts[part][1]
         for k in ks:
-            layers[k] = replace(
+            layers[k] = evolve(
                 layers[k],
                 op_bytes_fwd=fwd[k],
                 op_bytes_bwd=bwd[k],
@@ -272,7 +271,7 @@ def megatron_layer_traffic(costs: ModelCosts, tp: int, sequence_parallel: bool, 
                 mem_bytes_fwd=sum(fwd[k]),
                 mem_bytes_bwd=sum(bwd[k]),
             )
-    return replace(costs, layers=tuple(layers))
+    return evolve(costs, layers=tuple(layers))
 
 
 #: bytes per parameter of the master weights under the precision-aware optimizer with bf16 weights: TE's FusedAdam stores
@@ -370,7 +369,7 @@ class MegatronEngine(Engine):
         recipe = state_recipe(precision, optimizer, grad_bytes=grad, zero=1 if zero >= 1 else 0, state_dtype=states, fp8=fp8, fp8_params=fp8_params)
         if layout is not None and precision == "bf16" and not fp8_params and precision_aware(layout):
             # TE's FusedAdam keeps only the 16 low bits of each fp32 master weight (the high 16 are the bf16 weight)
-            recipe = replace(recipe, master_bytes=MASTER_REMAINDER_BYTES)
+            recipe = evolve(recipe, master_bytes=MASTER_REMAINDER_BYTES)
         return recipe
 
     def exposed_dp_time(
