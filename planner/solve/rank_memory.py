@@ -23,6 +23,7 @@ on their times, so one table per (schedule, p, m, v) serves every split; only it
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -408,9 +409,9 @@ def _branch_and_bound(rp: RankProblem, allowed: np.ndarray, n: int, seeds: Seque
     S = len(rp.stage_rank)
     ok_cut = np.asarray(allowed, dtype=bool).copy()
     ok_cut[0] = ok_cut[n] = True
-    after = np.zeros(n + 2, dtype=np.int64)  # after[b]: allowed inner cuts in (b, n)
-    for b in range(n - 1, -1, -1):
-        after[b] = after[b + 1] + (1 if 0 < b + 1 < n and ok_cut[b + 1] else 0)
+    inner = [int(b) for b in np.flatnonzero(ok_cut[1:n]) + 1]  # the allowed cuts strictly inside, ascending
+    # the ends of stage j < S - 1 starting at cut a: the inner cuts after a that leave at least S - j - 2 inner cuts
+    # after them (cut inner[i] has len(inner) - 1 - i after it), a slice of ``inner``
     local = []
     for j in range(S):
         pts = rp.points[rp.stage_rank[j]]
@@ -421,6 +422,7 @@ def _branch_and_bound(rp: RankProblem, allowed: np.ndarray, n: int, seeds: Seque
     cap = np.array(rp.capacity)
     fixed = np.array(rp.fixed)
     total_cap = float(cap.sum())
+    fixed_sum = float(fixed.sum())
     seed = min(seeds, key=lambda bd: rank_need(rp, bd).overflow(rp.capacity)[0])
     best = [rank_need(rp, seed).overflow(rp.capacity)[0]]  # the incumbent's worst need / capacity
     best_b = [seed]
@@ -437,9 +439,10 @@ def _branch_and_bound(rp: RankProblem, allowed: np.ndarray, n: int, seeds: Seque
         old = memo.get(key)
         return old is not None and bool(np.any(np.all(old <= flat, axis=1)))
 
-    def visit(j: int, a: int, acc: list[np.ndarray], tmax: list[float]) -> bool:
+    def visit(j: int, a: int, acc: list[np.ndarray], tmax: list[float], accmax: list[float]) -> bool:
         """Place stages j.. from cut a (``acc``: each rank's held bytes per count point so far, ``tmax``: its largest
-        transient bytes so far); True when a fitting split was found (stop)."""
+        transient bytes so far, ``accmax``: the largest of each rank's ``acc``); True when a fitting split was found
+        (stop)."""
         if j == S:
             w = worst(acc, tmax)
             if w < best[0]:
@@ -456,27 +459,29 @@ def _branch_and_bound(rp: RankProblem, allowed: np.ndarray, n: int, seeds: Seque
         r = rp.stage_rank[j]
         held, pend = local[j]
         last = j == S - 1
-        ends = [n] if last else [b for b in range(a + 1, n) if ok_cut[b] and after[b] >= S - j - 2]
+        ends = [n] if last else inner[bisect.bisect_right(inner, a) : max(0, len(inner) - S + j + 2)]
         was_complete = complete[0]
         if not ends:
             return False
         bs = np.array(ends)
         new_r = acc[r][:, None] + static_f[a, bs][None, :] + held[:, None] * rp.act[a, bs][None, :] + pend[:, None] * rp.wgrad[a, bs][None, :]
         new_t = np.maximum(tmax[r], trans_f[a, bs])
-        top = new_r.max(axis=0) + new_t
+        col_max = new_r.max(axis=0)
+        top = col_max + new_t
         w_r = (top + fixed[r]) / cap[r]
         # the average over ranks: the rest of the pieces' static bytes land on some rank
-        others = sum(float(acc[q].max()) + tmax[q] for q in range(len(acc)) if q != r) + float(fixed.sum())
+        others = sum(accmax[q] + tmax[q] for q in range(len(acc)) if q != r) + fixed_sum
         lb = (others + top + static_f[bs, n]) / total_cap
         keep = np.nonzero(np.maximum(w_r, lb) < best[0])[0]
         for i in keep[::-1]:  # the largest stage first: it leaves the least to the stages after it
             if w_r[i] >= best[0] or lb[i] >= best[0]:
                 continue  # the incumbent improved meanwhile
             bounds[j + 1] = int(bs[i])
-            nxt, nxt_t = list(acc), list(tmax)
+            nxt, nxt_t, nxt_m = list(acc), list(tmax), list(accmax)
             nxt[r] = new_r[:, i]
             nxt_t[r] = float(new_t[i])
-            if visit(j + 1, int(bs[i]), nxt, nxt_t):
+            nxt_m[r] = float(col_max[i])
+            if visit(j + 1, int(bs[i]), nxt, nxt_t, nxt_m):
                 return True
         if complete[0] and was_complete:
             old = memo.get(key)
@@ -484,5 +489,5 @@ def _branch_and_bound(rp: RankProblem, allowed: np.ndarray, n: int, seeds: Seque
         return False
 
     start = [np.zeros(len(pts.held)) for pts in rp.points]
-    found = visit(0, 0, start, [0.0] * len(rp.points))
+    found = visit(0, 0, start, [0.0] * len(rp.points), [0.0] * len(rp.points))
     return best_b[0], found or complete[0]
