@@ -9,7 +9,7 @@ so the solver rescales them with :meth:`ModelCosts.scaled`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
@@ -158,6 +158,24 @@ _OP_LISTS = (
 #: the fields that name a piece rather than cost it
 _NAMING_FIELDS = ("name", "block", "modules")
 _COST_FIELDS = tuple(f for f in Layer.__dataclass_fields__ if f not in _NAMING_FIELDS)
+
+
+def map_layers(layers: Sequence[Layer], fn: Callable[[Layer], Layer], classes: Sequence[int] | None = None) -> tuple[Layer, ...]:
+    """``fn`` of every layer, for a ``fn`` that reads only a layer's costs and keeps its name, block and module paths:
+    with ``classes`` (:func:`piece_classes` of ``layers`` or of layers ``fn``-like functions made them from), worked
+    out once per class and copied to the others with their own names (the same layers)."""
+    if classes is None:
+        return tuple(fn(l) for l in layers)
+    done: dict[int, Layer] = {}
+    out = []
+    for k, l in enumerate(layers):
+        c = classes[k]
+        if c not in done:
+            done[c] = fn(l)
+            out.append(done[c])
+        else:
+            out.append(evolve(done[c], name=l.name, block=l.block, modules=l.modules))
+    return tuple(out)
 
 
 def piece_classes(layers: Sequence[Layer]) -> tuple[int, ...]:
@@ -341,16 +359,16 @@ class ModelCosts:
     def tokens_per_sample(self) -> int:
         return self.seq_len or 1
 
-    def scaled(self, micro_batch: int) -> ModelCosts:
+    def scaled(self, micro_batch: int, classes: Sequence[int] | None = None) -> ModelCosts:
         """The same model's costs for another micro-batch size (linear in the batch).
 
         Exact for FLOPs and for activations that grow with the batch; the few saved tensors that
-        do not (position ids, masks: hundreds of bytes) are scaled too.
+        do not (position ids, masks: hundreds of bytes) are scaled too. ``classes``: :func:`map_layers`.
         """
         if micro_batch == self.micro_batch:
             return self
         f = micro_batch / self.micro_batch
-        layers = tuple(scale_layer(layer, f) for layer in self.layers)
+        layers = map_layers(self.layers, lambda layer: scale_layer(layer, f), classes)
         cuts = tuple(evolve(c, tensors=tuple(_scale_tensor(t, f) for t in c.tensors)) for c in self.cuts)
         return replace(self, layers=layers, cuts=cuts, micro_batch=micro_batch)
 

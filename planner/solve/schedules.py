@@ -658,11 +658,30 @@ def build_schedule(name: str, p: int, m: int, v: int = 1, group: int = 0) -> Sch
     return _build_cached(name, p, m, v, group)
 
 
+#: the actions built so far, by (kind, stage, microbatch): an action is an immutable value, and the schedules of one
+#: search share most of theirs, so each is made once (a frozen dataclass costs a microsecond to build)
+_ACTIONS: dict[tuple[str, int, int], Action] = {}
+_ACTIONS_MAX = 1 << 18
+
+
+def _actions(ops: Iterable[tuple[str, int, int]]) -> tuple[Action, ...]:
+    """The :class:`Action` of each (kind, stage, microbatch), in order."""
+    if len(_ACTIONS) >= _ACTIONS_MAX:
+        _ACTIONS.clear()
+    out = []
+    for op in ops:
+        a = _ACTIONS.get(op)
+        if a is None:
+            a = _ACTIONS[op] = Action(*op)
+        out.append(a)
+    return tuple(out)
+
+
 @lru_cache(maxsize=128)
 def _build_cached(name: str, p: int, m: int, v: int, group: int = 0) -> Schedule:
     info = SCHEDULE_INFO[name]
     per_rank = _gen_interleaved(p, m, v, group) if group else _GENERATORS[name](p, m, v)
-    actions = tuple(tuple(Action(k, s, j) for k, s, j in ops) for ops in per_rank)
+    actions = tuple(_actions(ops) for ops in per_rank)
     num_stages = p * v
     return Schedule(
         name=name,

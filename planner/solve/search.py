@@ -196,6 +196,8 @@ class Context:
         self.min_gpus_per_node = min(g.gpus_per_node for g in cluster.groups)
         self._sharded: dict[tuple[int, int, bool, int], ModelCosts] = {}
         self._timed: dict[tuple[int, int, bool, int], ModelCosts] = {}
+        #: the model's pieces by their costs (records.piece_classes), which scaling, sharding and splitting keep
+        self.classes = piece_classes(self.costs.layers)
         self._classes: dict[tuple[int, int, bool, int, bool], tuple[ModelCosts, tuple[int, ...]]] = {}
         self._times: dict[tuple[object, ...], PieceTimes] = {}
         self._memory: dict[tuple[int, int, str, bool, int, bool, int, int, frozenset[str]], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -219,7 +221,7 @@ class Context:
     def sharded(self, b: int, tp: int, sp: bool = True, cp: int = 1) -> ModelCosts:
         key = (b, tp, sp and tp > 1, cp)
         if key not in self._sharded:
-            self._sharded[key] = split_context(shard_costs(self.scaled(b), tp, sequence_parallel=sp and tp > 1), cp)
+            self._sharded[key] = split_context(shard_costs(self.scaled(b), tp, sp and tp > 1, self.classes), cp, self.classes)
         return self._sharded[key]
 
     def timed(self, b: int, tp: int, sp: bool = True, cp: int = 1) -> ModelCosts:
@@ -340,7 +342,7 @@ class Context:
     def scaled(self, b: int) -> ModelCosts:
         """The model's costs at micro-batch ``b``."""
         if b not in self._scaled:
-            self._scaled[b] = self.costs.scaled(b)
+            self._scaled[b] = self.costs.scaled(b, self.classes)
         return self._scaled[b]
 
     def _collectives(self, b: int, tp: int, first_rank: int, sp: bool, cp: int) -> tuple[tuple[float, ...], float]:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from planner import hardware
 from planner.hardware import Cluster, DeviceProfile
-from planner.records import Layer, ModelCosts, RecomputeWork, evolve, scale_layer
+from planner.records import Layer, ModelCosts, RecomputeWork, evolve, map_layers, scale_layer
 from planner.solve.mesh import Mesh
 
 TP_COLLECTIVES = {"attention": (1, 1), "mlp": (1, 1), "block": (2, 2), "embedding": (1, 0), "head": (0, 1)}
@@ -286,56 +286,56 @@ class PieceTimes:
         return tuple(f + i + w + r for f, i, w, r in zip(self.fwd, self.bwd_input, self.bwd_weight, self.recompute))
 
 
-def shard_costs(costs: ModelCosts, tp: int, sequence_parallel: bool = True) -> ModelCosts:
+def shard_costs(costs: ModelCosts, tp: int, sequence_parallel: bool = True, classes: Sequence[int] | None = None) -> ModelCosts:
     """The costs one GPU of a tensor-parallel group of ``tp`` sees (parameters are split later, in memory.stage_params).
 
     Matmul FLOPs, the attention core (heads) and the operators between the column- and
     row-parallel matmuls divide by ``tp`` in the pieces tensor parallelism splits; the
     operators on the residual stream (norms, residual adds, dropout), the saved
     activations and the tensors sent between stages divide by ``tp`` only with sequence
-    parallelism.
+    parallelism. ``classes``: records.map_layers.
     """
     if tp == 1:
         return costs
     act = tp if sequence_parallel else 1
-    layers = []
-    for l in costs.layers:
-        shard = l.kind in TP_COLLECTIVES or l.shardable_params > 0
-        heads = tp if shard else act
-        # the fused regions mix both kinds of operators: scaled as the operators they fuse are, in total
-        eager_f, eager_b = sum(l.op_bytes_fwd) + sum(l.op_bytes_fwd_resid), sum(l.op_bytes_bwd) + sum(l.op_bytes_bwd_resid)
-        fused_f = (sum(l.op_bytes_fwd) / heads + sum(l.op_bytes_fwd_resid) / act) / eager_f if eager_f else 1.0 / act
-        fused_b = (sum(l.op_bytes_bwd) / heads + sum(l.op_bytes_bwd_resid) / act) / eager_b if eager_b else 1.0 / act
-        layers.append(
-            evolve(
-                l,
-                flops_fwd=l.flops_fwd / (tp if shard else 1),
-                flops_bwd=l.flops_bwd / (tp if shard else 1),
-                flops_bwd_weight=l.flops_bwd_weight / (tp if shard else 1),
-                op_flops_fwd=tuple(x / (tp if shard else 1) for x in l.op_flops_fwd),
-                op_flops_bwd=tuple(x / (tp if shard else 1) for x in l.op_flops_bwd),
-                core_flops_fwd=l.core_flops_fwd / heads,
-                op_flops_core=tuple(x / heads for x in l.op_flops_core),
-                core_bytes_fwd=l.core_bytes_fwd / heads,
-                op_bytes_core=tuple(x / heads for x in l.op_bytes_core),
-                core_saved_bytes=int(l.core_saved_bytes / heads),
-                saved_bytes=int((l.saved_bytes - l.core_saved_bytes) / act + l.core_saved_bytes / heads),
-                gemm_saved_bytes=int(l.gemm_saved_bytes / act),
-                gemm_shared_bytes=int(l.gemm_shared_bytes / act),
-                mem_bytes_fwd=sum(l.op_bytes_fwd) / heads + sum(l.op_bytes_fwd_resid) / act,
-                mem_bytes_bwd=sum(l.op_bytes_bwd) / heads + sum(l.op_bytes_bwd_resid) / act,
-                op_bytes_fwd=tuple(x / heads for x in l.op_bytes_fwd),
-                op_bytes_bwd=tuple(x / heads for x in l.op_bytes_bwd),
-                op_bytes_fwd_resid=tuple(x / act for x in l.op_bytes_fwd_resid),
-                op_bytes_bwd_resid=tuple(x / act for x in l.op_bytes_bwd_resid),
-                fused_bytes_fwd=tuple(x * fused_f for x in l.fused_bytes_fwd),
-                fused_bytes_bwd=tuple(x * fused_b for x in l.fused_bytes_bwd),
-                max_op_bytes=int(l.max_op_bytes / act),
-                out_bytes=int(l.out_bytes / act),
-            )
-        )
     cuts = tuple(evolve(c, tensors=tuple(evolve(t, bytes=int(t.bytes / act)) for t in c.tensors)) for c in costs.cuts)
-    return evolve(costs, layers=tuple(layers), cuts=cuts)
+    return evolve(costs, layers=map_layers(costs.layers, lambda l: _shard_layer(l, tp, act), classes), cuts=cuts)
+
+
+def _shard_layer(l: Layer, tp: int, act: int) -> Layer:
+    """One piece as :func:`shard_costs` shards it (``act``: tp with sequence parallelism, else 1)."""
+    shard = l.kind in TP_COLLECTIVES or l.shardable_params > 0
+    heads = tp if shard else act
+    # the fused regions mix both kinds of operators: scaled as the operators they fuse are, in total
+    eager_f, eager_b = sum(l.op_bytes_fwd) + sum(l.op_bytes_fwd_resid), sum(l.op_bytes_bwd) + sum(l.op_bytes_bwd_resid)
+    fused_f = (sum(l.op_bytes_fwd) / heads + sum(l.op_bytes_fwd_resid) / act) / eager_f if eager_f else 1.0 / act
+    fused_b = (sum(l.op_bytes_bwd) / heads + sum(l.op_bytes_bwd_resid) / act) / eager_b if eager_b else 1.0 / act
+    return evolve(
+        l,
+        flops_fwd=l.flops_fwd / (tp if shard else 1),
+        flops_bwd=l.flops_bwd / (tp if shard else 1),
+        flops_bwd_weight=l.flops_bwd_weight / (tp if shard else 1),
+        op_flops_fwd=tuple(x / (tp if shard else 1) for x in l.op_flops_fwd),
+        op_flops_bwd=tuple(x / (tp if shard else 1) for x in l.op_flops_bwd),
+        core_flops_fwd=l.core_flops_fwd / heads,
+        op_flops_core=tuple(x / heads for x in l.op_flops_core),
+        core_bytes_fwd=l.core_bytes_fwd / heads,
+        op_bytes_core=tuple(x / heads for x in l.op_bytes_core),
+        core_saved_bytes=int(l.core_saved_bytes / heads),
+        saved_bytes=int((l.saved_bytes - l.core_saved_bytes) / act + l.core_saved_bytes / heads),
+        gemm_saved_bytes=int(l.gemm_saved_bytes / act),
+        gemm_shared_bytes=int(l.gemm_shared_bytes / act),
+        mem_bytes_fwd=sum(l.op_bytes_fwd) / heads + sum(l.op_bytes_fwd_resid) / act,
+        mem_bytes_bwd=sum(l.op_bytes_bwd) / heads + sum(l.op_bytes_bwd_resid) / act,
+        op_bytes_fwd=tuple(x / heads for x in l.op_bytes_fwd),
+        op_bytes_bwd=tuple(x / heads for x in l.op_bytes_bwd),
+        op_bytes_fwd_resid=tuple(x / act for x in l.op_bytes_fwd_resid),
+        op_bytes_bwd_resid=tuple(x / act for x in l.op_bytes_bwd_resid),
+        fused_bytes_fwd=tuple(x * fused_f for x in l.fused_bytes_fwd),
+        fused_bytes_bwd=tuple(x * fused_b for x in l.fused_bytes_bwd),
+        max_op_bytes=int(l.max_op_bytes / act),
+        out_bytes=int(l.out_bytes / act),
+    )
 
 
 def compiled_traffic(costs: ModelCosts, loss: bool = False) -> ModelCosts:
@@ -363,17 +363,17 @@ def compiled_traffic(costs: ModelCosts, loss: bool = False) -> ModelCosts:
     return evolve(costs, layers=tuple(layers))
 
 
-def split_context(costs: ModelCosts, cp: int) -> ModelCosts:
+def split_context(costs: ModelCosts, cp: int, classes: Sequence[int] | None = None) -> ModelCosts:
     """The costs one GPU of a context-parallel group of ``cp`` sees: every per-token quantity (FLOPs, bytes moved,
     saved activations, stage-boundary tensors) divided by ``cp``; parameters unchanged.
 
     Megatron splits each sequence into 2 x cp chunks and gives rank i chunks i and 2cp - 1 - i, so each
-    rank does 1/cp of the causal attention work as well as of the token-wise work.
+    rank does 1/cp of the causal attention work as well as of the token-wise work. ``classes``: records.map_layers.
     """
     if cp == 1:
         return costs
     f = 1.0 / cp
-    layers = tuple(scale_layer(l, f) for l in costs.layers)
+    layers = map_layers(costs.layers, lambda l: scale_layer(l, f), classes)
     cuts = tuple(evolve(c, tensors=tuple(evolve(t, bytes=int(round(t.bytes * f))) for t in c.tensors)) for c in costs.cuts)
     return evolve(costs, layers=layers, cuts=cuts)
 

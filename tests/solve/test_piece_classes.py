@@ -99,3 +99,19 @@ def test_classes_are_only_a_shortcut():
     dev = hardware.parse_gpus("8xH100").device_of(0)
     wrong = tuple(0 for _ in costs.layers)
     assert analytical_times(costs, dev, "bf16", classes=wrong).fwd != analytical_times(costs, dev, "bf16").fwd
+
+
+@pytest.mark.parametrize("example,preset", [("llama", "llama-tiny"), ("moe", "deepseek-tiny")])
+def test_scaling_sharding_and_splitting_by_class_give_the_same_layers(example, preset):
+    costs = costs_of(example, preset)
+    classes = piece_classes(costs.layers)
+    assert costs.scaled(3, classes) == costs.scaled(3)
+    for tp, sp, cp in ((2, True, 1), (4, False, 2), (1, True, 4)):
+        by_class = split_context(shard_costs(costs.scaled(2, classes), tp, sp, classes), cp, classes)
+        plain = split_context(shard_costs(costs.scaled(2), tp, sp), cp)
+        assert by_class == plain
+        assert [l.name for l in by_class.layers] == [l.name for l in costs.layers]
+        assert [(l.block, l.modules) for l in by_class.layers] == [(l.block, l.modules) for l in costs.layers]
+    # a class that is not one (every piece in class 0) copies the first piece's costs: what the equality above rules out
+    wrong = tuple(0 for _ in costs.layers)
+    assert shard_costs(costs, 2, True, wrong) != shard_costs(costs, 2, True)
