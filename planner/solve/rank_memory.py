@@ -370,8 +370,12 @@ def _min_sum(rp: RankProblem, allowed: np.ndarray, n: int, point: Sequence[int])
     at = np.ix_(cuts, cuts)
     static, act, wgrad = rp.static[at], rp.act[at], rp.wgrad[at]
     trans = rp.transient[at] if rp.transient is not None else np.zeros_like(static)
-    idx = np.arange(N + 1)
-    upper = idx[:, None] < idx[None, :]
+    if S > N:
+        return math.inf
+    # stage j starts at a cut in [j, j + W) and ends at one in [j + 1, j + 1 + W): a partial sum elsewhere cannot be
+    # completed (each stage holds at least one range, only the last ends at n), as in partition.solve
+    W = N - S + 1
+    upper = np.tri(W, dtype=bool).T  # start row r before end column c: a < b
     f = np.full(N + 1, math.inf)
     f[0] = 0.0
     for j in range(S):
@@ -379,10 +383,14 @@ def _min_sum(rp: RankProblem, allowed: np.ndarray, n: int, point: Sequence[int])
         pts = rp.points[r]
         i = pts.stages.index(j)
         h, w = pts.held[point[r], i], pts.pending[point[r], i]
+        rows, cols = slice(j, j + W), slice(j + 1, j + 1 + W)
         # a rank's largest transient bytes are at least the mean of its stages': each stage is charged its share
-        cost = (static + trans / len(pts.stages) + (h * act + w * wgrad) * rp.frag) / (rp.capacity[r] - rp.fixed[r])
-        cand = np.where(upper, f[:, None] + cost, math.inf)
-        f = cand.min(axis=0)
+        cost = (static[rows, cols] + trans[rows, cols] / len(pts.stages) + (h * act[rows, cols] + w * wgrad[rows, cols]) * rp.frag) / (
+            rp.capacity[r] - rp.fixed[r]
+        )
+        cand = np.where(upper, f[rows, None] + cost, math.inf)
+        f = np.full(N + 1, math.inf)
+        f[cols] = cand.min(axis=0)
         if j < S - 1:
             f[N] = math.inf
     return float(f[N])
