@@ -93,15 +93,27 @@ def order_points(name: str, p: int, m: int, v: int, group: int = 0) -> tuple[Ran
                 continue
             seen.add(tuple(cur))
         pts = np.array(sorted(seen, key=lambda x: -sum(x)), dtype=np.float64)
-        keep = np.empty_like(pts)
-        kept = 0
-        for q in pts:  # a point is kept unless a kept one is >= in every count (sorted by total: dominators come first)
-            if not kept or not np.any(np.all(keep[:kept] >= q, axis=1)):
-                keep[kept] = q
-                kept += 1
-        arr = keep[:kept].copy()
+        arr = pts[_undominated(pts)]
         out.append(RankPoints(stages, arr[:, :k], arr[:, k:]))
     return tuple(out)
+
+
+#: elements of the (points x points x counts) comparisons :func:`_undominated` makes at once
+_COVER_ELEMENTS = 1 << 22
+
+
+def _undominated(pts: np.ndarray) -> np.ndarray:
+    """Which of the distinct points ``pts`` (one per row) no other point is >= in every count: the Pareto front,
+    compared a block of points at a time."""
+    n = len(pts)
+    keep = np.ones(n, dtype=bool)
+    step = max(1, _COVER_ELEMENTS // max(1, n * pts.shape[1]))
+    for q0 in range(0, n, step):
+        block = pts[q0 : q0 + step]
+        covers = np.all(pts[:, None, :] >= block[None, :, :], axis=2)  # [p, q]: point p >= point q0 + q everywhere
+        covers[np.arange(q0, q0 + len(block)), np.arange(len(block))] = False  # a point does not dominate itself
+        keep[q0 : q0 + len(block)] = ~covers.any(axis=0)
+    return keep
 
 
 @dataclass(frozen=True)

@@ -384,3 +384,15 @@ def test_the_sum_proof_over_allowed_cuts_equals_the_one_over_every_boundary(name
         allowed = np.concatenate([[True], rng.random(n - 1) < 0.6, [True]])
         point = [int(rng.integers(0, len(pts.held))) for pts in rp.points]
         assert rmem._min_sum(rp, allowed, n, point) == _reference_min_sum(rp, allowed, n, point)
+
+
+@pytest.mark.parametrize("block", [1 << 22, 5, 64])
+def test_undominated_is_the_pareto_front(block, monkeypatch):
+    """The count points kept are those no other point covers in every count: against the pairwise definition, with
+    the comparison made whole or a few points at a time."""
+    monkeypatch.setattr(rmem, "_COVER_ELEMENTS", block)
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        pts = np.unique(rng.integers(0, 4, size=(int(rng.integers(1, 40)), int(rng.integers(1, 5)))).astype(float), axis=0)
+        want = [not any(j != i and np.all(pts[j] >= pts[i]) for j in range(len(pts))) for i in range(len(pts))]
+        assert rmem._undominated(pts).tolist() == want
