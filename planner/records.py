@@ -19,12 +19,13 @@ _R = TypeVar("_R")
 def evolve(record: _R, **changes: Any) -> _R:
     """``dataclasses.replace`` for the frozen records the search copies by the hundred thousand (layers, cuts, tensors,
     layouts): the same new record, built by copying the fields instead of calling ``__init__`` (about five times
-    faster). A record with a ``__post_init__`` goes through ``replace``, so its checks still run; an unknown field is
-    refused as ``replace`` refuses it."""
+    faster). A record with a ``__post_init__`` goes through ``replace``, so its checks still run, as does one whose
+    instance holds other than its fields (slots, cached attributes); an unknown field is refused as ``replace`` refuses
+    it."""
     cls = type(record)
-    if hasattr(cls, "__post_init__"):
+    fields = getattr(record, "__dict__", None)
+    if hasattr(cls, "__post_init__") or fields is None or len(fields) != len(getattr(cls, "__dataclass_fields__", ())):
         return replace(record, **changes)  # type: ignore[type-var]
-    fields = record.__dict__
     for name in changes:
         if name not in fields:
             raise TypeError(f"{cls.__name__}.__init__() got an unexpected keyword argument {name!r}")

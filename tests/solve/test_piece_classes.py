@@ -115,3 +115,25 @@ def test_scaling_sharding_and_splitting_by_class_give_the_same_layers(example, p
     # a class that is not one (every piece in class 0) copies the first piece's costs: what the equality above rules out
     wrong = tuple(0 for _ in costs.layers)
     assert shard_costs(costs, 2, True, wrong) != shard_costs(costs, 2, True)
+
+
+def test_evolve_falls_back_where_copying_the_fields_would_not_be_the_record():
+    import functools
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Slotted:
+        a: int
+        b: int = 0
+
+    @dataclasses.dataclass(frozen=True)
+    class Cached:
+        a: int
+
+        @functools.cached_property
+        def double(self) -> int:
+            return 2 * self.a
+
+    assert evolve(Slotted(1, 2), b=3) == Slotted(1, 3)
+    c = Cached(1)
+    assert c.double == 2
+    assert evolve(c, a=5).double == 10  # the cached value of the original is not carried over
