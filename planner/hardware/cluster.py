@@ -44,7 +44,7 @@ class Cluster:
         if not self.groups:
             raise ValueError("a cluster needs at least one node group")
 
-    @property
+    @cached_property
     def world_size(self) -> int:
         return sum(g.size for g in self.groups)
 
@@ -69,6 +69,9 @@ class Cluster:
 
     def _locate(self, rank: int) -> tuple[NodeGroup, int, int]:
         """(group, global node, local index within the node) of ``rank``."""
+        if len(self.groups) == 1 and type(rank) is int and 0 <= rank < self.world_size:  # one group: no search
+            g = self.groups[0]
+            return g, rank // g.gpus_per_node, rank % g.gpus_per_node
         if not 0 <= rank < self.world_size or isinstance(rank, bool):
             raise ValueError(f"rank {rank} is outside this {self.world_size}-GPU cluster")
         for g, (r0, n0) in zip(self.groups, self._starts):

@@ -439,6 +439,10 @@ def _branch_and_bound(rp: RankProblem, allowed: np.ndarray, n: int, seeds: Seque
         local.append((pts.held[:, i] * rp.frag, pts.pending[:, i] * rp.frag))
     static_f = rp.static
     trans_f = rp.transient if rp.transient is not None else np.zeros_like(rp.static)
+    # the matrices' columns at the inner cuts (then n), so a node's ends are a slice, not a gather
+    ends_at = np.array(inner + [n], dtype=np.int64)
+    static_at, act_at, wgrad_at, trans_at = (x[:, ends_at] for x in (static_f, rp.act, rp.wgrad, trans_f))
+    static_to_n = static_f[ends_at, n]
     cap = np.array(rp.capacity)
     fixed = np.array(rp.fixed)
     total_cap = float(cap.sum())
@@ -479,19 +483,20 @@ def _branch_and_bound(rp: RankProblem, allowed: np.ndarray, n: int, seeds: Seque
         r = rp.stage_rank[j]
         held, pend = local[j]
         last = j == S - 1
-        ends = [n] if last else inner[bisect.bisect_right(inner, a) : max(0, len(inner) - S + j + 2)]
+        # the columns of ``ends_at`` this stage may end at: n for the last stage, else a slice of the inner cuts
+        lo, hi = (len(inner), len(inner) + 1) if last else (bisect.bisect_right(inner, a), max(0, len(inner) - S + j + 2))
         was_complete = complete[0]
-        if not ends:
+        if lo >= hi:
             return False
-        bs = np.array(ends)
-        new_r = acc[r][:, None] + static_f[a, bs][None, :] + held[:, None] * rp.act[a, bs][None, :] + pend[:, None] * rp.wgrad[a, bs][None, :]
-        new_t = np.maximum(tmax[r], trans_f[a, bs])
+        bs = ends_at[lo:hi]
+        new_r = acc[r][:, None] + static_at[a, lo:hi][None, :] + held[:, None] * act_at[a, lo:hi][None, :] + pend[:, None] * wgrad_at[a, lo:hi][None, :]
+        new_t = np.maximum(tmax[r], trans_at[a, lo:hi])
         col_max = new_r.max(axis=0)
         top = col_max + new_t
         w_r = (top + fixed[r]) / cap[r]
         # the average over ranks: the rest of the pieces' static bytes land on some rank
         others = sum(accmax[q] + tmax[q] for q in range(len(acc)) if q != r) + fixed_sum
-        lb = (others + top + static_f[bs, n]) / total_cap
+        lb = (others + top + static_to_n[lo:hi]) / total_cap
         keep = np.nonzero(np.maximum(w_r, lb) < best[0])[0]
         for i in keep[::-1]:  # the largest stage first: it leaves the least to the stages after it
             if w_r[i] >= best[0] or lb[i] >= best[0]:
