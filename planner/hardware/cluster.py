@@ -52,7 +52,7 @@ class Cluster:
     def num_nodes(self) -> int:
         return sum(g.nodes for g in self.groups)
 
-    @property
+    @cached_property
     def homogeneous(self) -> bool:
         """True when every node has the same device, GPU count and inter-node bandwidth."""
         return len({(g.device.key, g.gpus_per_node, g.inter_bandwidth) for g in self.groups}) == 1
