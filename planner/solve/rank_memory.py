@@ -191,7 +191,7 @@ def lower_bound_total(rp: RankProblem, n: int) -> float:
     ``h_r = max_t min_s held[t][s]`` times its stages' activations; so the sum is at least
     static(0, n) + frag x min_r h_r x act(0, n) + sum of the fixed reserves.
     """
-    h = _derived("floor", rp.points, lambda: min(float(np.max(np.min(pts.held, axis=1))) for pts in rp.points))
+    h = derived("floor", rp.points, lambda: min(float(np.max(np.min(pts.held, axis=1))) for pts in rp.points))
     return float(rp.static[0, n]) + h * float(rp.act[0, n]) * rp.frag + sum(rp.fixed)
 
 
@@ -220,7 +220,7 @@ class SplitResult:
 _DERIVED: dict[tuple[str, int], tuple[tuple[RankPoints, ...], object]] = {}
 
 
-def _derived(what: str, points: tuple[RankPoints, ...], make: Callable[[], T]) -> T:
+def derived(what: str, points: tuple[RankPoints, ...], make: Callable[[], T]) -> T:
     """``make()``, remembered for this ``points`` table (:func:`order_points` shares one between the candidates of a
     schedule, so what follows from the counts alone is worked out once per table)."""
     key = (what, id(points))
@@ -244,7 +244,7 @@ def stage_held(points: tuple[RankPoints, ...], S: int) -> list[float]:
                 held[s] = float(pts.held[:, i].max())
         return tuple(held)
 
-    return list(_derived(f"held/{S}", points, make))
+    return list(derived(f"held/{S}", points, make))
 
 
 def _stage_points(rp: RankProblem) -> list[tuple[tuple[float, float], ...]]:
@@ -259,7 +259,7 @@ def _stage_points(rp: RankProblem) -> list[tuple[tuple[float, float], ...]]:
                 out[s] = tuple(q for q in pairs if not any(o != q and o[0] >= q[0] and o[1] >= q[1] for o in pairs))
         return tuple(out)
 
-    return list(_derived(f"points/{S}", rp.points, make))
+    return list(derived(f"points/{S}", rp.points, make))
 
 
 def _ratio_problem(pb: part.PartitionProblem, rp: RankProblem, stage_pts: list[tuple[tuple[float, float], ...]]) -> part.PartitionProblem:

@@ -1195,31 +1195,24 @@ def ep_paired(lay: Layout) -> float:
     return paired_share(lay.pp, lay.vp, lay.num_microbatches, g if lay.pp > 1 else 1)
 
 
-def one_more_in_flight(points: Sequence[rmem.RankPoints]) -> tuple[rmem.RankPoints, ...]:
+def one_more_in_flight(points: tuple[rmem.RankPoints, ...]) -> tuple[rmem.RankPoints, ...]:
     """The count points of an order that runs one forward more before its backwards, on any of the rank's stages:
     Megatron's --overlap-moe-expert-parallel-comm (core_v0.16.1 combined_1f1b.py) pairs the forward of micro-batch
     i + 1 with the backward of micro-batch i (without pipelining: phase k runs backward k and forward k + 1; interleaved:
     one warm-up forward more, schedules.py ``num_warmup_microbatches + 1``). Each point gains one held micro-batch on one
     stage, every stage tried: a bound (the combined phase frees the backward's layers while the forward's accumulate).
-    The table is made once per ``points`` table (they are shared between the candidates of a schedule), so what the
-    rank problem works out from a table once (rank_memory._derived) is worked out once for this one too."""
-    hit = _ONE_MORE.get(id(points))
-    if hit is not None and hit[0] is points:
-        return hit[1]
-    out = []
-    for pts in points:
-        k = len(pts.stages)
-        held = np.concatenate([pts.held + np.eye(k)[i] for i in range(k)])
-        out.append(rmem.RankPoints(pts.stages, held, np.concatenate([pts.pending] * k)))
-    if len(_ONE_MORE) >= 1024:
-        _ONE_MORE.clear()
-    made = tuple(out)
-    _ONE_MORE[id(points)] = (points, made)
-    return made
+    Made once per ``points`` table (rank_memory.derived), so what the rank problem works out from a table once is
+    worked out once for this one too."""
 
+    def make() -> tuple[rmem.RankPoints, ...]:
+        out = []
+        for pts in points:
+            k = len(pts.stages)
+            held = np.concatenate([pts.held + np.eye(k)[i] for i in range(k)])
+            out.append(rmem.RankPoints(pts.stages, held, np.concatenate([pts.pending] * k)))
+        return tuple(out)
 
-#: :func:`one_more_in_flight` by the identity of its table, the table kept with it so a reused identity never answers
-_ONE_MORE: dict[int, tuple[Sequence[rmem.RankPoints], tuple[rmem.RankPoints, ...]]] = {}
+    return rmem.derived("one more in flight", points, make)
 
 
 #: above this many actions (m x p x v) the simulation is extrapolated (:func:`_simulate_extrapolated`)

@@ -245,7 +245,7 @@ def test_the_fast_search_reports_what_the_straightforward_one_does(gpt2xl, monke
 
     monkeypatch.setattr(part, "solve", _reference_solve)
     monkeypatch.setattr(rmem, "_min_sum", _reference_min_sum)
-    monkeypatch.setattr(rmem, "_derived", lambda what, points, make: make())
+    monkeypatch.setattr(rmem, "derived", lambda what, points, make: make())
     monkeypatch.setattr(srch.Context, "simulated", lambda self, *a: srch._simulate_extrapolated(*a))
     monkeypatch.setattr(srch.Context, "rank_devices", uncached(srch.Context.rank_devices, "_devices"))
     monkeypatch.setattr(srch.Context, "boundary_sends", uncached(srch.Context.boundary_sends, "_sends"))
