@@ -90,6 +90,7 @@ def main() -> None:
         loso,
         memory_runs,
         partition_quality,
+        pass_times,
         planning_speed,
         published_runs,
         smoke_vs_prediction,
@@ -116,6 +117,14 @@ def main() -> None:
     t = time.time()
     sections.append(
         ("Prediction against published runs", published_runs.__doc__.strip() + "\n\n" + published_runs.markdown(published_runs.predict_all()), time.time() - t)
+    )
+    t = time.time()
+    sections.append(
+        (
+            "Pass times against a schedule paper's profile (A100)",
+            pass_times.__doc__.strip() + "\n\n" + pass_times.markdown(pass_times.run_all()),
+            time.time() - t,
+        )
     )
     t = time.time()
     rows = loso.dense_rows()

@@ -54,6 +54,8 @@ class Row:
     compile: bool = False
     #: measured tokens per second per GPU, where the source gives it (0: not given)
     tps: float = 0.0
+    #: Megatron's --account-for-{embedding,loss}-in-pipeline-split: each takes a layer's place in the stage split
+    pipeline_split: tuple[str, ...] = ()
 
 
 def load() -> list[Row]:
@@ -114,6 +116,7 @@ def load() -> list[Row]:
                 bool(r.get("float8", False)),
                 bool(r.get("compile", False)),
                 float(r.get("tps", 0.0)),
+                tuple(r.get("pipeline_split", ())),
             )
         )
     return rows
@@ -157,7 +160,14 @@ def evaluate(row: Row):
     base = Layout(row.engine, row.pp, row.tp, row.dp, row.vp, row.micro_batch, m, row.global_batch, schedule, row.recompute, row.zero, sp)
     (lay,) = [replace(l, tp_comm_overlap=False) for l in with_options(base, opts, engine)][:1]
     bounds = None
-    if row.engine == "megatron" and row.pp > 1:
+    if row.engine == "megatron" and row.pp > 1 and row.pipeline_split:
+        from bench.published_runs import megatron_bounds, megatron_split_args
+
+        a = row.model_args
+        layers = int(a["n_layer"])
+        split = megatron_split_args(layers, int(a["n_embd"]), int(a["n_head"]), row.pp, row.vp, row.pipeline_split, row.name)
+        bounds = megatron_bounds(costs, split, layers, row.name)
+    elif row.engine == "megatron" and row.pp > 1:
         layers = int(row.model_args["layers"])
         bounds = even_bounds(costs, layers // (row.pp * row.vp), row.pp * row.vp)
     ev = evaluate_layout(Context(costs, hardware.parse_gpus(row.gpus), opts, engine), lay, costs.dtype, bounds)

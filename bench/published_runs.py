@@ -50,7 +50,7 @@ class Source:
     split: str  # "tune" or "test"
     flop_formula: str  # megatron2021 | megatron2024 | nemo2407
     flop_text: str
-    step_from: str  # tflops | tokens | step_s: which published figure gives the step time
+    step_from: str  # tflops | tokens | samples | step_s: which published figure gives the step time
     attention: str  # explicit (s x s scores kept, 2021-22 Megatron) | flash
     overlaps: tuple[str, ...]  # grad_reduce | param_gather | tp_comm | ep_comm: what the source's runs overlapped (stated or its defaults)
     overlaps_text: str  # where the overlaps come from
@@ -101,6 +101,7 @@ class PublishedRun:
     fp8_param_gather: bool = False  # FP8 primary weights (Megatron --fp8-param-gather, Bridge's fp8_param_gather)
     pipeline_split: tuple[str, ...] = ()  # embedding / loss: each takes a layer's place in the stage split (Megatron's account-for flags)
     recompute_modules: tuple[str, ...] = ()  # Megatron --recompute-modules of a selective row (() : core_attn, the default)
+    schedule: str = ""  # a pipeline schedule of the source's own that no rendered engine runs ("" : Megatron's, from vp)
 
     @property
     def num_microbatches(self) -> float:
@@ -183,6 +184,7 @@ def load_runs(path: Path = DATA) -> list[PublishedRun]:
                 fp8_param_gather=bool(r.get("fp8_param_gather", False)),
                 pipeline_split=tuple(r.get("pipeline_split", ())),
                 recompute_modules=tuple(r.get("recompute_modules", ())),
+                schedule=r.get("schedule", ""),
             )
         )
     return out
@@ -295,6 +297,8 @@ def converted_step_s(run: PublishedRun) -> float:
         return float(rep["step_s"])
     if how == "tokens":
         return run.global_batch * run.model.seq / (rep["tokens"] * run.gpus)
+    if how == "samples":  # samples (sequences) per GPU per second
+        return run.global_batch / (rep["samples"] * run.gpus)
     if how == "tflops":
         return step_flops(run) / (rep["tflops"] * 1e12 * run.gpus)
     if how == "gpu_hours":  # GPU-hours per trillion tokens -> tokens/s/GPU
@@ -326,6 +330,8 @@ def not_expressible(run: PublishedRun) -> str | None:
         needs.append(f"expert parallelism (ep {run.ep})")
     if run.model.arch == "gpt" and run.model.ffn != 4 * run.model.hidden:
         needs.append("a GPT model file with ffn != 4h")
+    if run.schedule:
+        needs.append(f"the source's own pipeline schedule {run.schedule}, which no rendered engine runs")
     return "needs " + ", ".join(needs) if needs else None
 
 
@@ -403,36 +409,48 @@ def layout_for(run: PublishedRun, recompute: str | None = None, fp8: bool | None
 
 def split_args(run: PublishedRun):
     """Megatron flags for the row's stage split (layers, heads, pp, vp and the account-for flags of ``pipeline_split``)."""
+    m = run.model
+    return megatron_split_args(m.layers, m.hidden, m.heads, run.pp, run.vp, run.pipeline_split, run.id)
+
+
+def megatron_split_args(layers: int, hidden: int, heads: int, pp: int, vp: int, pipeline_split: tuple[str, ...], name: str = ""):
+    """Megatron flags for a stage split: layers, heads, pp, vp and --account-for-{embedding,loss}-in-pipeline-split
+    for each of ``pipeline_split``."""
     from planner.engines.megatron.flags import Flag, MegatronArgs
 
-    unknown = set(run.pipeline_split) - {"embedding", "loss"}
+    unknown = set(pipeline_split) - {"embedding", "loss"}
     if unknown:
-        raise ValueError(f"{run.id}: pipeline_split takes embedding and loss, not {sorted(unknown)}")
-    m = run.model
-    flags = [("--num-layers", str(m.layers)), ("--hidden-size", str(m.hidden)), ("--num-attention-heads", str(m.heads))]
-    flags.append(("--pipeline-model-parallel-size", str(run.pp)))
-    if run.vp > 1:
-        flags.append(("--num-virtual-stages-per-pipeline-rank", str(run.vp)))
-    flags += [(f"--account-for-{what}-in-pipeline-split", None) for what in run.pipeline_split]
+        raise ValueError(f"{name}: pipeline_split takes embedding and loss, not {sorted(unknown)}")
+    flags = [("--num-layers", str(layers)), ("--hidden-size", str(hidden)), ("--num-attention-heads", str(heads))]
+    flags.append(("--pipeline-model-parallel-size", str(pp)))
+    if vp > 1:
+        flags.append(("--num-virtual-stages-per-pipeline-rank", str(vp)))
+    flags += [(f"--account-for-{what}-in-pipeline-split", None) for what in pipeline_split]
     return MegatronArgs("args", tuple(Flag(n, () if v is None else (v,), k + 1) for k, (n, v) in enumerate(flags)))
 
 
 def stage_bounds(run: PublishedRun, costs) -> tuple[int, ...] | None:
     """Piece boundaries of the row's stages when its source split them unevenly (``pipeline_split``), else None
-    (the planner's partition chooses). Layers per stage are Megatron's for --account-for-embedding-in-pipeline-split /
-    --account-for-loss-in-pipeline-split (planner.engines.megatron.layout.stage_layers; tests/bench/test_published_runs.py checks
-    them against megatron-core's get_num_layers_to_build); the pieces before the first block go to stage 0, those
-    after the last block to the last stage."""
+    (the planner's partition chooses): :func:`megatron_bounds`."""
     if not run.pipeline_split:
         return None
+    return megatron_bounds(costs, split_args(run), run.model.layers, run.id)
+
+
+def megatron_bounds(costs, args, layers: int, name: str = "") -> tuple[int, ...]:
+    """Piece boundaries of Megatron's stages for the split flags ``args`` (:func:`megatron_split_args`). Layers per
+    stage are Megatron's for --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split
+    (planner.engines.megatron.layout.stage_layers; tests/bench/test_published_runs.py checks them against
+    megatron-core's get_num_layers_to_build); the pieces before the first block go to stage 0, those after the last
+    block to the last stage."""
     from planner.engines.megatron.layout import stage_layers
 
-    counts = stage_layers(split_args(run))
+    counts = stage_layers(args)
     if counts is None:
-        raise ValueError(f"{run.id}: Megatron cannot split {run.model.layers} layers over pp {run.pp} x vp {run.vp} with {run.pipeline_split}")
+        raise ValueError(f"{name}: Megatron cannot split {layers} layers as {args}")
     starts = [i for i, l in enumerate(costs.layers) if l.block is not None and (i == 0 or costs.layers[i - 1].block != l.block)]
-    if len(starts) != run.model.layers:
-        raise ValueError(f"{run.id}: the model file has {len(starts)} blocks, the row {run.model.layers} layers")
+    if len(starts) != layers:
+        raise ValueError(f"{name}: the model file has {len(starts)} blocks, the row {layers} layers")
     after_blocks = max(i for i, l in enumerate(costs.layers) if l.block is not None) + 1
     bounds, layer = [0], 0
     for k in counts[:-1]:

@@ -194,6 +194,10 @@ class Engine(ABC):
     def sends_output_copies(self, schedule: str) -> bool:
         return False
 
+    def blocking_sends(self, layout: Layout) -> bool:
+        """Sends overlap the stage's next pass: the link delays only the stage that receives."""
+        return False
+
     def selective_applies(self, costs: ModelCosts) -> bool:
         """Whether selective recomputation changes anything for this model (the attention core's saved s x s tensors)."""
         return any(l.core_saved_bytes > 0 for l in costs.layers)

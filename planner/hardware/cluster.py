@@ -103,17 +103,21 @@ class Cluster:
         return dev.intra_bandwidth
 
     def p2p_bandwidth(self, a: int, b: int) -> float:
-        """Line-rate bytes/s from ``a`` to ``b`` (one direction; inf when a == b).
+        """Bytes/s one send from ``a`` to ``b`` reaches (one direction; inf when a == b).
 
         Same node: the device's fast link (``pairs``: only GPUs 2k and 2k+1, else
-        PCIe). Different nodes: the lower of the two ends' per-GPU inter-node bandwidth.
+        PCIe), capped at what one NCCL send/recv reaches over it where the profile
+        gives that (``intra_p2p_bandwidth``). Different nodes: the lower of the two
+        ends' per-GPU inter-node bandwidth.
         """
         ga, na, la = self._locate(a)
         gb, nb, lb = self._locate(b)
         if a == b:
             return math.inf
         if na == nb:
-            return self._intra_link(ga.device, la, lb)
+            link = self._intra_link(ga.device, la, lb)
+            p2p = ga.device.intra_p2p_bandwidth
+            return min(link, p2p) if p2p > 0 else link
         return min(ga.inter_bandwidth, gb.inter_bandwidth)
 
     def p2p_latency(self, a: int, b: int) -> float:

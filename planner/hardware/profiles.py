@@ -105,6 +105,9 @@ class DeviceProfile:
     kernel_floor_s: float = 0.0
     #: seconds of synchronisation each pipeline send/recv adds besides its link latency (profile fixed_costs)
     p2p_sync_s: float = 0.0
+    #: bytes/s one NCCL send/recv reaches between two GPUs of a node (intra_node.p2p_gbps: NCCL gives point-to-point
+    #: transfers fewer channels than collectives); 0: the link's ``intra_bandwidth``
+    intra_p2p_bandwidth: float = 0.0
     #: seconds the host takes to issue one operator of an eager step (framework dispatch and kernel launch; profile
     #: fixed_costs.host_us): a pass takes at least its operators x this (planner.solve.timing.host_bound)
     host_op_s: float = 0.0
@@ -197,6 +200,7 @@ _SUB = {
         "topology": ("topology", "one of " + ", ".join(TOPOLOGIES)),
         "bandwidth_gbps_per_direction": ("pos", "GB/s per direction to a peer"),
         "latency_us": ("pos", "microseconds per message step"),
+        "p2p_gbps": ("pos", "GB/s one NCCL send/recv between two GPUs of a node reaches (default: the link's bandwidth)"),
     },
     "inter_node": {
         "bandwidth_gbps_per_direction": ("pos", "GB/s per GPU per direction"),
@@ -220,7 +224,7 @@ _SUB = {
         "host_us": ("pos", "microseconds of host time to issue one operator of an eager training step"),
     },
 }
-_SUB_OPTIONAL = {"matmul_size_scale", "memory_size_scale", "matmul_fp8", "matmul_fp8_size_scale", "sustained", "host_us"}
+_SUB_OPTIONAL = {"matmul_size_scale", "memory_size_scale", "matmul_fp8", "matmul_fp8_size_scale", "sustained", "host_us", "p2p_gbps"}
 # Every numeric field group needs sources[group] (or sources["group.sub"] for each sub-field).
 _NUMERIC_GROUPS = (
     "memory_gib",
@@ -235,7 +239,7 @@ _NUMERIC_GROUPS = (
 )
 _NUMERIC_SUBS = {
     "peak_tflops": DTYPES,
-    "intra_node": ("bandwidth_gbps_per_direction", "latency_us"),
+    "intra_node": ("bandwidth_gbps_per_direction", "latency_us", "p2p_gbps"),
     "inter_node": ("bandwidth_gbps_per_direction", "latency_us"),
     "efficiency": tuple(_SUB["efficiency"]),
 }
@@ -506,6 +510,7 @@ def profile_from_dict(data: Any, path: str | Path) -> DeviceProfile:
         matmul_fp8_efficiency=eff.get("matmul_fp8", 0.0),
         matmul_fp8_size_scale=eff.get("matmul_fp8_size_scale", ()),
         sustained_matmul=eff.get("sustained", 1.0),
+        intra_p2p_bandwidth=intra.get("p2p_gbps", 0.0) * GB,
         kernel_floor_s=v.get("fixed_costs", {}).get("kernel_us", 0.0) * 1e-6,
         p2p_sync_s=v.get("fixed_costs", {}).get("p2p_sync_us", 0.0) * 1e-6,
         host_op_s=v.get("fixed_costs", {}).get("host_us", 0.0) * 1e-6,

@@ -129,6 +129,11 @@ class EngineRules(Protocol):
         """Whether each stage keeps one more copy of its output per micro-batch in flight."""
         ...
 
+    def blocking_sends(self, layout: Layout) -> bool:
+        """Whether a stage's pipeline sends hold its compute stream until they complete (the engine waits on each
+        send before its next pass) rather than overlapping its next pass."""
+        ...
+
     def exposed_dp_time(
         self, layout: Layout, reduce_s: float, gather_s: float, backward_s: Sequence[float], forward_s: Sequence[float], params: float
     ) -> float:

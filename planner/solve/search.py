@@ -1010,6 +1010,8 @@ def price_layout(
     sf = [float(send_f[j][bounds[j + 1]]) for j in range(S - 1)]
     sb = [float(send_b[j][bounds[j + 1]]) for j in range(S - 1)]
     times = StageTimes(F, I, W, sf, sb)
+    if v == 1 and ctx.engine.blocking_sends(lay):
+        times = times.blocking()
     act_mb = tuple(float(act[a, c]) for a, c in rng)
     wg_mb = tuple(float(wgrad[a, c]) for a, c in rng)
 

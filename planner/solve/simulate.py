@@ -95,6 +95,19 @@ class StageTimes:
     def num_stages(self) -> int:
         return len(self.fwd)
 
+    def blocking(self) -> StageTimes:
+        """These times when each send holds its sender until it completes (an engine that waits on its sends before
+        the next pass) and the receiver has the data then: stage s's forward takes ``send_fwd[s]`` longer, its
+        input-gradient pass ``send_bwd[s - 1]`` longer, and no link delays a receiver. For stages on ranks of their
+        own (one stage per rank); the sends' two ends meet as a paired blocking exchange would have them meet."""
+        n = self.num_stages
+        sf, sb = self.send_fwd, self.send_bwd
+        return StageTimes(
+            tuple(self.fwd[s] + (sf[s] if s < n - 1 else 0.0) for s in range(n)),
+            tuple(self.bwd_input[s] + (sb[s - 1] if s > 0 else 0.0) for s in range(n)),
+            self.bwd_weight,
+        )
+
     @classmethod
     def uniform(
         cls,

@@ -257,3 +257,28 @@ def test_megatron_plans_the_squared_relu_llama_example():
     args = parse_megatron_args(render_megatron(plan, "c", None)["pretrain_gpt.sh"])
     assert args.has("--squared-relu") and not args.has("--swiglu") and check_megatron_args(args) == []
     assert core_config(args).activation_func is squared_relu
+
+
+def test_an_explicitly_traced_gpt_keeps_the_unfused_softmax_under_megatron():
+    """examples/gpt2.py with attention=explicit (the s x s scores, softmax and dropout traced) under Megatron: each block
+    keeps Korthikanti's s b h (34 + 5 a s / h) bytes plus the two LayerNorms' fp32 statistics (16 s b), as Megatron's
+    unfused attention (TE's UnfusedDotProductAttention, the legacy CoreAttention) does; the same model traced with
+    sdpa keeps the flash set, without the 5 a s^2 b."""
+    from pathlib import Path
+
+    from planner.model.analyze import analyze
+
+    s, h, a, L, b = 64, 64, 4, 2, 2
+    args = {"preset": "gpt2-tiny", "n_layer": L, "n_embd": h, "n_head": a, "seq_len": s, "vocab_size": 128}
+    path = Path(__file__).resolve().parents[2] / "examples" / "gpt2.py"
+    per_layer = {}
+    for attention in ("explicit", "sdpa"):
+        costs = analyze(path, {**args, "attention": attention}, 1, "bf16").costs
+        mine = megatron_layer_activations(costs.scaled(b), 1, False, 1, "none")
+        blocks = [l for l in mine.layers if l.block is not None]
+        per_layer[attention] = sum(l.saved_bytes for l in blocks) / L
+    korthikanti = s * b * h * (34 + 5 * a * s / h) + 16 * s * b
+    assert per_layer["explicit"] == pytest.approx(korthikanti, rel=1e-6)
+    # flash: no s x s tensors, the fp32 softmax statistics (a s b) in their place, and the attention output shared with
+    # the projection (kept once): 34 s b h less the dropout's two s x s copies' place
+    assert per_layer["explicit"] - per_layer["sdpa"] == pytest.approx(5 * a * s * s * b - 4 * a * s * b, rel=1e-6)

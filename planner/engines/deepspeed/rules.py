@@ -60,6 +60,12 @@ class DeepSpeedEngine(Engine):
             return StateRecipe(recipe.weight_bytes, recipe.grad_bytes, 4.0, recipe.optimizer_bytes, True, recipe.shard_grads, recipe.shard_weights)
         return recipe
 
+    def blocking_sends(self, layout: Layout) -> bool:
+        """The pipeline engine's sends block: deepspeed/runtime/pipe/p2p.py send() (DeepSpeed 0.19.8) refuses
+        ``async_op`` and calls dist.send (or a broadcast over the two stages' group), and the engine runs its
+        SendActivation / SendGrad instructions in order with the passes."""
+        return True
+
     def searches_zero(self, zero: int, dtype: str, dp: int) -> bool:
         if dtype == "bf16":
             return zero != 0  # bf16 runs BF16_Optimizer either way; stage 1 adds fp32 gradient accumulation

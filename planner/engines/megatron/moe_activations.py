@@ -318,15 +318,18 @@ def megatron_layer_saved(
     dtype_bytes: float = 2.0,
     recompute: str = "none",
     modules: frozenset[str] = CORE_ATTN,
+    kernel: str = "flash",
 ) -> tuple[Saved, ...]:
     """Every tensor one of Megatron's layers for ``arch`` keeps (bytes per micro-batch): the attention sub-layer (GQA
     as megatron_activations.layer_saved, plus :func:`qk_norm_saved` with ``qk_layernorm``; or
     :func:`mla_attention_saved`), then the MLP (the dense TE MLP of ``ffn_hidden_size``; an MoE layer's
     :func:`moe_mlp_saved`). Under ``selective`` recomputation ``modules`` (``--recompute-modules``) decide what goes
-    (kind ``core``); ``mlp`` recomputes dense MLPs only (TransformerLayer sets ``recompute_mlp`` only without MoE)."""
+    (kind ``core``); ``mlp`` recomputes dense MLPs only (TransformerLayer sets ``recompute_mlp`` only without MoE).
+    ``kernel``: the dense attention core's, ``flash`` (fused) or ``explicit`` (unfused softmax, its s x s tensors kept;
+    multi-latent attention is priced fused either way)."""
     shape = LayerShape.from_architecture(arch)
     mode = "selective" if recompute == "selective" else "none"
-    dense = layer_saved(shape, tokens, micro_batch, tp, sequence_parallel, dtype_bytes, recompute=mode, modules=modules)
+    dense = layer_saved(shape, tokens, micro_batch, tp, sequence_parallel, dtype_bytes, attention=kernel, recompute=mode, modules=modules)
     if arch.get("multi_latent_attention"):
         attention = mla_attention_saved(shape, MLAShape.from_architecture(arch), tokens, micro_batch, tp, sequence_parallel, dtype_bytes, mode, modules)
     else:

@@ -36,7 +36,7 @@ Its working set is :func:`megatron_loss_working_set`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -131,6 +131,12 @@ def megatron_blocks(costs: ModelCosts) -> tuple[dict[str, list[int]], list[bool]
     return blocks, is_moe
 
 
+def explicit_attention(costs: ModelCosts, blocks: Mapping[str, Sequence[int]]) -> bool:
+    """Whether the traced blocks compute attention explicitly: a piece with s x s operators (``core_bytes_fwd``: the
+    scores, softmax and dropout the cost meter records as the attention core) rather than one fused kernel."""
+    return any(costs.layers[k].core_bytes_fwd > 0 for ks in blocks.values() for k in ks)
+
+
 def megatron_layer_activations(
     costs: ModelCosts, tp: int, sequence_parallel: bool, cp: int, recompute: str, etp: int = 1, modules: frozenset[str] = CORE_ATTN
 ) -> ModelCosts:
@@ -142,7 +148,12 @@ def megatron_layer_activations(
     to the block's first piece of kind ``attention`` (else its first piece), the MLP's to its first piece of kind
     ``mlp`` (else its last), its other pieces keep none. The embedding, final norm, output layer and loss stay as
     traced; full recompute keeps each layer's input (the traced cut), and the rebuilt layer is this one. Under
-    selective recomputation, what ``modules`` drop is the blocks' ``core_saved_bytes``."""
+    selective recomputation, what ``modules`` drop is the blocks' ``core_saved_bytes``.
+
+    The core attention is priced as the blocks were traced, as :func:`megatron_layer_traffic` prices its kernels: a
+    fused kernel keeps TE's flash set, an explicit one (s x s operators traced: :func:`explicit_attention`) the unfused
+    softmax's s x s tensors (TE's UnfusedDotProductAttention, Megatron's legacy CoreAttention: softmax output, dropout
+    mask and dropout output), so time and memory describe the same kernel."""
     arch = costs.architecture
     found = megatron_blocks(costs)
     if found is None or arch is None or not costs.seq_len:
@@ -151,9 +162,10 @@ def megatron_layer_activations(
     layers = list(costs.layers)
     mode = "selective" if recompute == "selective" else "none"
     dtype = DTYPE_BYTES.get(costs.dtype, 2.0)
+    kernel = "explicit" if explicit_attention(costs, blocks) else "flash"
     parts: dict[bool, dict[str, PartBytes]] = {}
     for moe in set(is_moe):
-        terms = megatron_layer_saved(arch, moe, costs.seq_len // cp, costs.micro_batch, tp, sequence_parallel, etp, dtype, mode, modules or CORE_ATTN)
+        terms = megatron_layer_saved(arch, moe, costs.seq_len // cp, costs.micro_batch, tp, sequence_parallel, etp, dtype, mode, modules or CORE_ATTN, kernel)
         parts[moe] = {p: part_bytes(terms, p) for p in ("attention", "mlp")}
     for ks, moe in zip(blocks.values(), is_moe):
         sums: dict[int, list[float]] = {k: [0.0, 0.0, 0.0, 0.0] for k in ks}
@@ -240,7 +252,7 @@ def megatron_layer_traffic(costs: ModelCosts, tp: int, sequence_parallel: bool, 
     if not arch or not costs.seq_len or not megatron_layer(arch) or arch.get("num_experts") or arch.get("multi_latent_attention"):
         return costs
     layers = list(costs.layers)
-    if len(blocks) != int(arch.get("num_layers", -1)) or any(layers[k].core_bytes_fwd > 0 or layers[k].num_experts for ks in blocks.values() for k in ks):
+    if len(blocks) != int(arch.get("num_layers", -1)) or explicit_attention(costs, blocks) or any(layers[k].num_experts for ks in blocks.values() for k in ks):
         return costs
     a = architecture_defaults(arch)
     kernels = layer_traffic(
@@ -379,6 +391,14 @@ class MegatronEngine(Engine):
         reduce = grad_reduce_exposed(reduce_s, sum(backward_s), buckets) if layout.overlap_grad_reduce else reduce_s
         gather = param_gather_exposed(gather_s, sum(forward_s), buckets) if layout.overlap_param_gather else gather_s
         return reduce + gather
+
+    def blocking_sends(self, layout: Layout) -> bool:
+        """The non-interleaved schedule's exchanges block: megatron-core's p2p_communication._communicate (core_v0.16.1)
+        batches each send with the receive it pairs with (``batch_p2p_comm``, on unless ``overlap_p2p_comm``), waits
+        on every request and then synchronises the device (``batch_p2p_sync``, on by default), so the stage's next
+        pass starts only when its send is done. The interleaved schedule overlaps them (Megatron-LM's
+        ``overlap_p2p_comm`` is on unless --no-overlap-p2p-communication, which the planner does not render)."""
+        return layout.vp == 1
 
     def layer_activations(
         self,
