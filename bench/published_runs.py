@@ -8,7 +8,8 @@ step time the way its source counts (bench/data/published_runs.yaml, `sources`):
 * the 2024 Megatron-LM README (H100) and the Llama 3 paper: Megatron's
   num_floating_point_operations, 12 B s l h^2 ((1 + g/a + s/h) + ffn/h (x 3/2 gated) + V/2lh);
 * NeMo / Megatron-Bridge tables: step = global batch x sequence / (tokens/s/GPU x GPUs);
-* Korthikanti et al. 2022 and BLOOM publish the step time itself.
+* Korthikanti et al. 2022 and BLOOM publish the step time itself;
+* Zero Bubble (Qi et al. 2024): step = global batch / (samples/s/GPU x GPUs).
 Mixture-of-experts rows live in bench/data/published_moe_runs.yaml (their shapes are examples/moe.py presets):
 * Megatron-LM's MoE README: num_floating_point_operations of Megatron-Core 0.9 (top-k experts, shared experts);
 * Megatron-Bridge tables: tokens/s/GPU, checked against their TFLOP/s by Bridge's flop_utils (MLA, MTP, dense
@@ -16,8 +17,8 @@ Mixture-of-experts rows live in bench/data/published_moe_runs.yaml (their shapes
 * the DeepSeek-V3 report: H800 GPU-hours per trillion tokens.
 Each row's layout carries what the run did: context parallelism, FP8 GEMMs, the overlaps its
 source states (or the defaults of its software at that version, marked assumed in the data).
-Rows the planner cannot express (expert parallelism, a squared-ReLU MLP) are kept and
-reported as such. Sources are split into a tune set and a
+Rows the planner cannot express (a schedule of the source's own that no rendered engine
+runs, a device without a profile) are kept and reported as such. Sources are split into a tune set and a
 test-only set (bench/NOTES.md says why).
 """
 
