@@ -9,6 +9,7 @@ rank (torch/distributed/pipelining/schedules.py).
 from __future__ import annotations
 
 from planner.engines.base import Engine
+from planner.solve.plan import Layout
 
 
 class PipeliningEngine(Engine):
@@ -17,6 +18,14 @@ class PipeliningEngine(Engine):
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "interleaved-zb", "zbv", "dualpipev")
     #: looped-bfs, interleaved-zb and dualpipev are priced on request with --schedule but not searched by default
     searched_schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+
+    def blocking_sends(self, layout: Layout) -> bool:
+        """Schedule1F1B's steady state blocks on its sends: it fires each forward send together with the next
+        gradient receive, and each gradient send with the next forward receive, and waits on both before the next
+        pass (torch/distributed/pipelining/schedules.py, torch 2.13: ``_wait_batch_p2p(_batch_p2p(fwd_sends +
+        bwd_recvs))``). Its warm-up and cool-down sends, and every other schedule's, are waited on later (priced
+        blocking too for 1F1B: a send per boundary of the fill and drain at most)."""
+        return layout.schedule == "1f1b" and layout.vp == 1
 
     def runtime_schedule_problems(self, schedule: str, pp: int, m: int, v: int, group: int = 0) -> list[str]:
         out = super().runtime_schedule_problems(schedule, pp, m, v, group)

@@ -168,11 +168,13 @@ class StagePlan:
     rank: int  # pipeline rank that runs it
     pieces: tuple[int, int]  # [start, stop) piece indices
     layers: tuple[str, str]  # first and last piece names
-    time_fwd_s: float  # forward of one micro-batch, seconds
+    #: forward of one micro-batch, seconds; where the engine waits on its sends (EngineRules.blocking_sends) it holds
+    #: the send of its output too, and the input-gradient part of time_bwd_s the send of the input's gradient
+    time_fwd_s: float
     time_bwd_s: float  # whole backward of one micro-batch (input + weight gradients), recomputation included
     time_bwd_weight_s: float  # the weight-gradient part of time_bwd_s (the W pass of zero-bubble schedules)
     time_recompute_s: float  # the recomputation part of time_bwd_s (not extra to it)
-    send_fwd_s: float  # boundary transfer to the next stage
+    send_fwd_s: float  # boundary transfer to the next stage that overlaps the next pass (0 where the pass holds it)
     send_bwd_s: float
     params: int
     memory_bytes: dict[str, int]  # this stage's share: weights, grads, optimizer, activations, buffers, overhead, total

@@ -129,12 +129,20 @@ def test_blocking_moves_each_send_onto_its_sender():
 
 @pytest.mark.parametrize(
     "engine,vp,blocks",
-    [("megatron", 1, True), ("megatron", 2, False), ("deepspeed", 1, True), ("torch", 1, False), ("torchtitan", 1, False)],
+    [
+        ("megatron", 1, True),
+        ("megatron", 2, False),
+        ("deepspeed", 1, True),
+        ("torch", 1, True),
+        ("torch", 2, False),
+        ("torchtitan", 1, True),
+        ("torchtitan", 2, False),
+    ],
 )
 def test_which_engines_block_on_their_sends(engine, vp, blocks):
-    """Megatron's non-interleaved schedule (batched, waited and device-synchronised exchanges) and DeepSpeed's pipeline
-    engine (dist.send) block; Megatron's interleaved schedule overlaps its exchanges; torch.distributed.pipelining's
-    runners are priced as overlapping theirs."""
+    """Megatron's non-interleaved schedule (batched, waited and device-synchronised exchanges), DeepSpeed's pipeline
+    engine (dist.send) and torch.distributed.pipelining's Schedule1F1B (each send fired with the next receive and
+    waited) block; the interleaved schedules overlap their exchanges."""
     lay = Layout(engine, 4, 1, 1, vp, 1, 8, 8, "interleaved" if vp > 1 else "1f1b", "none", 0)
     assert get_engine(engine).blocking_sends(lay) is blocks
 
