@@ -63,7 +63,9 @@ def compare(row: Profiled) -> Compared:
     from planner.solve.search import Context
     from planner.solve.settings import Settings
 
-    run = next(r for r in pr.RUNS_ALL if r.source.key == row.source and r.model.name == row.model and r.micro_batch == row.micro_batch and not r.schedule)
+    run = next(
+        r for r in pr.RUNS_ALL if r.source.key == row.source and r.model.name == row.model and r.micro_batch == row.micro_batch and r.vp == 1 and not r.schedule
+    )
     costs = pr.costs_for(run)
     cluster = hardware.parse_gpus(f"{row.gpus}x{pr.DEVICE_PROFILE[run.source.device]}")
     ctx = Context(costs, cluster, Settings.of(engine="megatron", global_batch=row.micro_batch * row.microbatches), get_engine("megatron"))
